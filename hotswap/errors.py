@@ -1,0 +1,95 @@
+"""Typed errors for every layer of hotswap.
+
+Importable without jax so the HTTP layer (and clients) can use them. Each class
+carries the HTTP status it maps to; `hotswap.api.errors` turns that into one
+table for the server.
+"""
+
+from __future__ import annotations
+
+
+class HotswapError(Exception):
+    """Base class. `status` is the HTTP status code the server answers with."""
+
+    status: int = 400
+    code: str = "bad_request"
+
+
+class ConfigError(HotswapError):
+    """An unsupported architecture or config field value (names the field)."""
+
+    code = "unsupported_config"
+
+
+class CheckpointError(HotswapError):
+    """A checkpoint directory or file could not be read as HF safetensors."""
+
+    code = "bad_checkpoint"
+
+
+class WeightsMismatch(CheckpointError):
+    """A tensor is missing, unexpected, or has the wrong shape/dtype (names it)."""
+
+    code = "weights_mismatch"
+
+
+class NonFiniteWeights(WeightsMismatch):
+    """A tensor contains NaN or Inf (names it)."""
+
+    code = "non_finite_weights"
+
+
+class PayloadError(HotswapError):
+    """A weight payload sent over the wire could not be decoded safely."""
+
+    code = "bad_payload"
+
+
+class PickleRefused(PayloadError):
+    """Pickle / torch.save payloads are never unpickled."""
+
+    code = "pickle_refused"
+
+
+class WeightsPathNotAllowed(HotswapError):
+    """A weights path lies outside the allowed root."""
+
+    status = 403
+    code = "path_not_allowed"
+
+
+class RequestError(HotswapError):
+    """A generation request is invalid (bad sampling parameter, bad prompt)."""
+
+    code = "invalid_request"
+
+
+class PromptTooLong(RequestError):
+    """The prompt (plus max_tokens) does not fit max_model_len."""
+
+    code = "prompt_too_long"
+
+
+class LifecycleConflict(HotswapError):
+    """A lifecycle call conflicts with the engine's current state."""
+
+    status = 409
+    code = "conflict"
+
+
+class EngineAsleep(LifecycleConflict):
+    """Generation or an update was asked of a sleeping engine."""
+
+    code = "engine_asleep"
+
+
+class QueueFull(HotswapError):
+    """Backpressure: the waiting queue is at capacity."""
+
+    status = 429
+    code = "queue_full"
+
+
+class Unauthorized(HotswapError):
+    status = 401
+    code = "unauthorized"

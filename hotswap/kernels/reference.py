@@ -1,0 +1,86 @@
+"""jnp attention over the paged KV buffers: the CPU default and the kernels' oracle.
+
+KV layout (one buffer per layer): `[num_pages, page_size, 2 * kv_heads, head_dim]`
+with K and V interleaved on axis 2 (K of head h at 2h, V at 2h+1), close to the
+TPU ragged-paged-attention layout. Page 0 is the null page: padding slots point
+there and its contents are never trusted (masked with `where`, so even NaN
+there cannot leak into a result).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter new K/V rows into the page buffer.
+
+    pages: [num_pages, page_size, 2*Hkv, hd]; k, v: [N, Hkv, hd];
+    slots: int32[N] = page * page_size + offset (padding rows use slot 0, the null page).
+    """
+    n, hkv, hd = k.shape
+    kv = jnp.stack([k, v], axis=2).reshape(n, 2 * hkv, hd).astype(pages.dtype)  # interleave
+    flat = pages.reshape(-1, 2 * hkv, hd)
+    return flat.at[slots].set(kv).reshape(pages.shape)
+
+
+def gather_kv(pages: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, P] page ids -> K, V of shape [B, P*page_size, Hkv, hd]."""
+    b, p = block_tables.shape
+    _, ps, two_hkv, hd = pages.shape
+    kv = pages[block_tables].reshape(b, p * ps, two_hkv // 2, 2, hd)
+    return kv[..., 0, :], kv[..., 1, :]
+
+
+def paged_attention(
+    q: jax.Array,
+    pages: jax.Array,
+    block_tables: jax.Array,
+    q_positions: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Causal attention of a [B, C] block of queries over each row's pages.
+
+    q: [B, C, Hq, hd] (decode: C == 1; a prefill chunk: B == 1);
+    block_tables: int32[B, P]; q_positions: int32[B, C] absolute positions;
+    kv_lens: int32[B] tokens in the cache for the row, *including* this chunk.
+    Key j is visible to a query at position p iff j <= p and j < kv_len.
+    Returns [B, C, Hq, hd] in q's dtype.
+    """
+    b, c, hq, hd = q.shape
+    k, v = gather_kv(pages, block_tables)  # [B, L, Hkv, hd]
+    hkv = k.shape[2]
+    qg = q.reshape(b, c, hkv, hq // hkv, hd).astype(jnp.float32)
+    s = jnp.einsum("bckgd,blkd->bkgcl", qg, k.astype(jnp.float32)) * scale  # [B,Hkv,G,C,L]
+    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    valid = (key_pos[None, None, :] <= q_positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+    s = jnp.where(valid[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked (padding) rows
+    p = jnp.exp(s - m)
+    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    # Unused pages may hold anything (NaN included): zero them before p @ V.
+    key_ok = key_pos[None, :] < kv_lens[:, None]  # [B, L]
+    v = jnp.where(key_ok[:, :, None, None], v.astype(jnp.float32), 0.0)
+    o = jnp.einsum("bkgcl,blkd->bckgd", p / denom, v)
+    return o.reshape(b, c, hq, hd).astype(q.dtype)
+
+
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float):
+    """Plain causal attention for scoring/training. q: [B, L, Hq, hd]; k, v: [B, L, Hkv, hd]."""
+    b, l_, hq, hd = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, l_, hkv, hq // hkv, hd).astype(jnp.float32)
+    s = jnp.einsum("bckgd,blkd->bkgcl", qg, k.astype(jnp.float32)) * scale
+    pos = jnp.arange(l_)
+    valid = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    s = jnp.where(valid[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bkgcl,blkd->bckgd", p, v.astype(jnp.float32))
+    return o.reshape(b, l_, hq, hd).astype(q.dtype)
