@@ -16,8 +16,10 @@ import base64
 import binascii
 import io
 import json
+import math
 import struct
 import threading
+import time
 import zipfile
 from typing import Any
 
@@ -46,30 +48,11 @@ _ST_DTYPES: dict[str, np.dtype] = {
 }
 _ST_TAGS: dict[np.dtype, str] = {dt: tag for tag, dt in _ST_DTYPES.items()}
 
-# JSON-entry dtype names: numpy names, torch names ("torch.float32", "torch.half"),
-# and the safetensors tags. Resolved to numpy dtypes via the table above.
+# JSON-entry dtype names: numpy names ("float32", "bfloat16"), the same with a "torch."
+# prefix, torch's C-style aliases, and the safetensors tags themselves.
 _NAME_ALIASES: dict[str, str] = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "short": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "int": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "long": "I64",
-    "float16": "F16",
-    "half": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float": "F32",
-    "float64": "F64",
-    "double": "F64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
+    **{dt.name: tag for tag, dt in _ST_DTYPES.items()},
+    **{"short": "I16", "int": "I32", "long": "I64", "half": "F16", "float": "F32", "double": "F64"},
 }
 
 # A header larger than this is an attack or a bug, not a model (real ones are < 1 MiB).
@@ -99,15 +82,24 @@ def _shape(shape: Any, tensor: str) -> tuple[int, ...]:
 
 def _view(buf: bytes | memoryview, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
     """Read-only array over buf[offset:]; copied only when misaligned for its dtype."""
-    count = int(np.prod(shape, dtype=np.int64))
-    arr = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+    arr = np.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
     if not arr.flags.aligned:
         arr = arr.copy()
-        arr.flags.writeable = False
+    arr.flags.writeable = False  # a bytearray body would otherwise give writable views
     return arr
 
 
 # --------------------------------------------------------------------------- safetensors
+
+
+def _no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of duplicate keys; two entries for one tensor name is an error.
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise PayloadError(f"safetensors header has the key {k!r} twice")
+        out[k] = v
+    return out
 
 
 def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
@@ -117,13 +109,15 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
         raise PayloadError(f"truncated safetensors payload: need 8 bytes of header length, got {len(buf)}")
     (header_len,) = struct.unpack("<Q", buf[:8])
     if header_len > _MAX_HEADER_BYTES:
-        raise PayloadError(f"safetensors header length {header_len} is implausible (limit {_MAX_HEADER_BYTES})")
+        raise PayloadError(
+            f"safetensors header length {header_len} is implausible (limit {_MAX_HEADER_BYTES})"
+        )
     if 8 + header_len > len(buf):
         raise PayloadError(
             f"truncated safetensors payload: header says {header_len} header bytes, got {len(buf) - 8}"
         )
     try:
-        header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"))
+        header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_no_dup_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
@@ -147,7 +141,7 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
             and 0 <= offs[0] <= offs[1]
         ):
             raise PayloadError(f"tensor {name!r}: data_offsets must be [begin, end] with begin <= end")
-        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        need = math.prod(shape) * dtype.itemsize
         if offs[1] - offs[0] != need:
             raise PayloadError(
                 f"tensor {name!r}: shape {list(shape)} {tag} needs {need} bytes, "
@@ -222,7 +216,7 @@ def decode_json_entries(entries: Any) -> dict[str, np.ndarray]:
             raw = base64.b64decode(entry["data"], validate=True)
         except (binascii.Error, ValueError) as e:
             raise PayloadError(f"tensor {name!r}: data is not valid base64 ({e})") from None
-        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        need = math.prod(shape) * dtype.itemsize
         if len(raw) != need:
             raise PayloadError(
                 f"tensor {name!r}: shape {list(shape)} {entry['dtype']} needs {need} bytes, got {len(raw)}"
@@ -274,20 +268,28 @@ def sniff_refuse_pickle(data: bytes | bytearray | memoryview) -> None:
             )
     # Protocol 0/1 pickles start with MARK / EMPTY_DICT / EMPTY_LIST / GLOBAL and end in STOP.
     # JSON never starts with these bytes, so this cannot catch a JSON body.
-    if head[:1] in (b"(", b"}", b"]", b"c", b")") and bytes(data[-1:]) == b"." and not head.startswith(b"{"):
-        raise PickleRefused(f"payload looks like a protocol 0/1 pickle; pickles are never loaded: {_REFUSE_HINT}")
+    if (
+        head[:1] in (b"(", b"}", b"]", b"c", b")")
+        and bytes(data[-1:]) == b"."
+        and not _looks_like_safetensors(data)
+    ):
+        raise PickleRefused(
+            f"payload looks like a protocol 0/1 pickle; pickles are never loaded: {_REFUSE_HINT}"
+        )
     if head.startswith(b"PK\x03\x04"):
         try:
             names = zipfile.ZipFile(io.BytesIO(data)).namelist()  # reads the directory, not members
+            is_torch = any(n == "data.pkl" or n.endswith("/data.pkl") for n in names)
         except (zipfile.BadZipFile, ValueError, OSError):
-            names = []
-        if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names) or b"data.pkl" in data:
+            # A truncated archive has no central directory; member names are also in local headers.
+            is_torch = b"data.pkl" in bytes(data)
+        if is_torch:
             raise PickleRefused(
                 f"payload is a torch.save archive (zip with data.pkl); torch.load is never used: {_REFUSE_HINT}"
             )
     if head.startswith(b"\x93NUMPY"):
         try:
-            f = io.BytesIO(data)
+            f = io.BytesIO(bytes(data[: 1 << 20]))  # the header is at most a few KB; skip the body
             version = np.lib.format.read_magic(f)
             # read_array_header_* parse the header dict with a literal-only parser.
             header = (
@@ -296,7 +298,7 @@ def sniff_refuse_pickle(data: bytes | bytearray | memoryview) -> None:
                 else np.lib.format.read_array_header_2_0(f)
             )
             has_object = header[2].hasobject
-        except Exception:  # noqa: BLE001 - a broken .npy header is simply not a pickle we can name
+        except Exception:  # a broken .npy header is simply not a pickle we can name
             has_object = False
         if has_object:
             raise PickleRefused(f"payload is a .npy with object dtype (pickled objects): {_REFUSE_HINT}")
@@ -340,15 +342,20 @@ class ChunkStager:
     One sequence at a time. Choices, so that nothing mixes silently:
     - a chunk whose `update_id` differs from the in-progress sequence's (None
       counts as an id) is refused with PayloadError and the in-progress sequence
-      is left alone: the newcomer has to wait, or `abort()` first;
+      is left alone: the newcomer has to wait, or `abort()` first. A sequence
+      idle for over `stale_after_s` is dropped instead, so a client that died
+      mid-upload cannot block updates forever;
     - a chunk that repeats a staged tensor name, or pushes the total over
       `max_bytes`, poisons its own sequence: PayloadError and everything staged
       is dropped, so the client restarts rather than committing a partial set.
     """
 
-    def __init__(self, max_bytes: int | None = None):
+    def __init__(
+        self, max_bytes: int | None = None, stale_after_s: float | None = None, clock=time.monotonic
+    ):
         self._lock = threading.Lock()
-        self._max_bytes = max_bytes
+        self._max_bytes, self._stale_after_s, self._clock = max_bytes, stale_after_s, clock
+        self._last_chunk_at = 0.0
         self._tensors: dict[str, np.ndarray] = {}
         self._update_id: str | None = None
         self._active = False  # distinct from "no tensors": an empty first chunk still opens a sequence
@@ -359,6 +366,10 @@ class ChunkStager:
     ) -> dict[str, np.ndarray] | None:
         """Stage one chunk. Returns the merged update only on `finished=True`, else None."""
         with self._lock:
+            now = self._clock()
+            stale = self._stale_after_s is not None and now - self._last_chunk_at > self._stale_after_s
+            if self._active and update_id != self._update_id and stale:
+                self._clear()
             if self._active and update_id != self._update_id:
                 raise PayloadError(
                     f"chunk for update {update_id!r} while update {self._update_id!r} is in progress "
@@ -370,14 +381,14 @@ class ChunkStager:
                 raise PayloadError(
                     f"tensor {dup[0]!r} was already sent in an earlier chunk; staged update aborted"
                 )
-            nbytes = self._nbytes + sum(int(np.asarray(a).nbytes) for a in tensors.values())
+            nbytes = self._nbytes + sum(int(a.nbytes) for a in tensors.values())
             if self._max_bytes is not None and nbytes > self._max_bytes:
                 self._clear()
                 raise PayloadError(
                     f"chunked update exceeds the staging limit of {self._max_bytes} bytes; staged update aborted"
                 )
             self._tensors.update(tensors)
-            self._nbytes, self._update_id, self._active = nbytes, update_id, True
+            self._nbytes, self._update_id, self._active, self._last_chunk_at = nbytes, update_id, True, now
             if not finished:
                 return None
             merged = self._tensors

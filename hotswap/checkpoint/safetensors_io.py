@@ -45,6 +45,14 @@ _DTYPES: dict[str, np.dtype] = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    # json.loads would silently keep the last of two same-named tensors.
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
 def parse_safetensors(buf, source: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Split a safetensors buffer (bytes, memmap) into zero-copy arrays and the metadata.
 
@@ -59,8 +67,8 @@ def parse_safetensors(buf, source: str) -> tuple[dict[str, np.ndarray], dict[str
             f"{source}: corrupt or truncated safetensors header (claims {n} header bytes, file has {size})"
         )
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{source}: corrupt safetensors header ({e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{source}: corrupt safetensors header (not a JSON object)")
@@ -84,6 +92,9 @@ def parse_safetensors(buf, source: str) -> tuple[dict[str, np.ndarray], dict[str
             raise CheckpointError(
                 f"{source}: truncated: tensor {name!r} ends at byte {end} but only {data_len} data bytes exist"
             )
+        if nbytes == 0:  # frombuffer rejects an offset at the very end of the buffer
+            out[name] = np.zeros(shape, dt)
+            continue
         flat = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize, offset=data_start + begin)
         out[name] = flat.reshape(shape)
     return out, metadata

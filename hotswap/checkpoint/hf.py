@@ -1,0 +1,368 @@
+"""HF `config.json` + `*.safetensors` (+ index) <-> the params pytree.
+
+This is the only module that knows HF tensor names (DESIGN "Layout"). HF linear
+weights are `[out, in]`; params store `[in, out]` (engine/params.py), so linear
+weights are transposed on the way in and back on the way out. Tied-embedding
+checkpoints carry no `lm_head.weight`; params always hold an untied `[D, V]`
+head, made here as a copy of `embed.T`.
+
+Every validation error names the HF tensor, because that is the name the user
+sees in their checkpoint or payload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from hotswap.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from hotswap.config import ModelConfig
+from hotswap.engine.params import Params, layer_shapes
+from hotswap.errors import CheckpointError, ConfigError, NonFiniteWeights, WeightsMismatch
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# params layer key -> HF name under `model.layers.{i}.`
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+_FLOAT_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", ml_dtypes.bfloat16)}
+_ARCH_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Where one HF tensor lives in params, and its shape in the HF layout."""
+
+    path: tuple[str | int, ...]  # ("layers", 3, "wq")
+    hf_shape: tuple[int, ...]  # [out, in] for linear weights
+    transpose: bool
+
+    @property
+    def param_name(self) -> str:
+        return ".".join(str(p) for p in self.path)
+
+
+def np_dtype(name: str | np.dtype) -> np.dtype:
+    """'bfloat16' -> ml_dtypes' numpy dtype; numpy itself does not know the name."""
+    return np.dtype(ml_dtypes.bfloat16) if str(name) == "bfloat16" else np.dtype(name)
+
+
+def hf_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every HF tensor name the checkpoint must hold, in a stable order."""
+    specs = {EMBED: TensorSpec(("embed",), (cfg.vocab_size, cfg.hidden_size), False)}
+    for i in range(cfg.num_layers):
+        for key, shape in layer_shapes(cfg).items():
+            linear = key in _LINEAR
+            hf_shape = tuple(reversed(shape)) if linear else shape
+            specs[f"model.layers.{i}.{_LAYER_NAMES[key]}"] = TensorSpec(("layers", i, key), hf_shape, linear)
+    specs["model.norm.weight"] = TensorSpec(("final_norm",), (cfg.hidden_size,), False)
+    if not cfg.tie_word_embeddings:
+        specs[LM_HEAD] = TensorSpec(("lm_head",), (cfg.vocab_size, cfg.hidden_size), True)
+    return specs
+
+
+def hf_tensor_names(cfg: ModelConfig) -> dict[str, str]:
+    """HF name -> params path ("model.layers.3.mlp.up_proj.weight" -> "layers.3.w_up")."""
+    return {name: spec.param_name for name, spec in hf_tensor_specs(cfg).items()}
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _convert(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> np.ndarray:
+    """Validate one HF tensor and return a fresh C-contiguous params-layout copy."""
+    a = np.asarray(array)
+    if a.dtype not in _FLOAT_DTYPES:
+        raise WeightsMismatch(f"{name}: dtype {a.dtype} is not a float type; expected {target}")
+    if tuple(a.shape) != spec.hf_shape:
+        raise WeightsMismatch(f"{name}: expected {spec.hf_shape}, got {tuple(a.shape)}")
+    # A fresh copy: params must not alias a caller's buffer or a memmapped file.
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
+        out = np.array(a.T if spec.transpose else a, dtype=target, order="C", copy=True)
+    if not np.isfinite(out).all():
+        why = "" if not np.isfinite(a).all() else f" after conversion to {target} (overflow)"
+        raise NonFiniteWeights(f"{name}: contains NaN or Inf{why}")
+    return out
+
+
+def _empty_tree(cfg: ModelConfig) -> Params:
+    return {"embed": None, "layers": [{} for _ in range(cfg.num_layers)], "final_norm": None, "lm_head": None}
+
+
+def _copy_tree(params: Params) -> Params:
+    """New containers, same leaves: a partial update never mutates its base."""
+    return {**params, "layers": [dict(layer) for layer in params["layers"]]}
+
+
+def _set(tree: Params, path: tuple[str | int, ...], value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def _get(tree: Params, path: tuple[str | int, ...]) -> Any:
+    node = tree
+    for key in path:
+        node = node[key]
+    return node
+
+
+def params_from_hf(
+    cfg: ModelConfig,
+    tensors: Mapping[str, Any],
+    *,
+    dtype: str | None = None,
+    partial_base: Params | None = None,
+) -> Params:
+    """HF-named `[out, in]` arrays -> a params tree of fresh numpy arrays.
+
+    With `partial_base` (a full params tree) `tensors` may be any subset; the
+    other leaves are taken from the base unchanged, which is how partial weight
+    updates are staged. For tied models a new embedding also rebuilds `lm_head`.
+    The dtype is `dtype`, else the base's dtype, else `cfg.dtype`.
+    """
+    specs = hf_tensor_specs(cfg)
+    if dtype is None and partial_base is not None:
+        target = np.dtype(partial_base["embed"].dtype)
+    else:
+        target = np_dtype(dtype or cfg.dtype)
+    names = set(tensors)
+    tied_head = cfg.tie_word_embeddings and LM_HEAD in names
+    unexpected = sorted(names - specs.keys() - ({LM_HEAD} if tied_head else set()))
+    if unexpected:
+        raise WeightsMismatch(f"unexpected tensor(s) for {cfg.arch}: {_names(unexpected)}")
+    if partial_base is None:
+        missing = [n for n in specs if n not in names]
+        if missing:
+            raise WeightsMismatch(f"missing tensor(s): {_names(missing)}")
+
+    params = _empty_tree(cfg) if partial_base is None else _copy_tree(partial_base)
+    for name, spec in specs.items():
+        if name in names:
+            _set(params, spec.path, _convert(name, tensors[name], spec, target))
+    if tied_head:
+        _check_tied_head(cfg, tensors, params, target)
+    if cfg.tie_word_embeddings and (partial_base is None or EMBED in names):
+        params["lm_head"] = np.ascontiguousarray(params["embed"].T)
+    return params
+
+
+def _check_tied_head(cfg: ModelConfig, tensors: Mapping[str, Any], params: Params, target: np.dtype) -> None:
+    """Accept `lm_head.weight` in a tied checkpoint only when it repeats the embedding.
+
+    Some writers store the tied head anyway. Ignoring a *different* head would
+    silently serve a head the user did not mean (the stale-tied-head bug), so
+    that is an error, as is a head sent without the embedding it is tied to.
+    """
+    if EMBED not in tensors:
+        raise WeightsMismatch(
+            f"{LM_HEAD}: this model ties word embeddings; send {EMBED} (the head is derived from it)"
+        )
+    head = _convert(
+        LM_HEAD, tensors[LM_HEAD], TensorSpec(("lm_head",), (cfg.vocab_size, cfg.hidden_size), False), target
+    )
+    if not np.array_equal(head, params["embed"]):
+        raise WeightsMismatch(
+            f"{LM_HEAD}: differs from {EMBED} but config.json sets tie_word_embeddings=true"
+        )
+
+
+def hf_from_params(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """The inverse of `params_from_hf`: HF names, `[out, in]`, no `lm_head.weight` when tied."""
+    out = {}
+    for name, spec in hf_tensor_specs(cfg).items():
+        try:
+            leaf = np.asarray(_get(params, spec.path))
+        except (KeyError, IndexError, TypeError) as e:
+            raise WeightsMismatch(f"params has no leaf {spec.param_name} (for {name})") from e
+        expected = tuple(reversed(spec.hf_shape)) if spec.transpose else spec.hf_shape
+        if tuple(leaf.shape) != expected:
+            raise WeightsMismatch(f"{spec.param_name}: expected {expected}, got {tuple(leaf.shape)}")
+        out[name] = np.ascontiguousarray(leaf.T if spec.transpose else leaf)
+    return out
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers-5-style config.json for `cfg` (rope settings under `rope_parameters`)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope.update(rope_type="llama3", **dataclasses.asdict(cfg.rope_scaling))
+    eos = list(cfg.eos_token_ids)
+    hf: dict[str, Any] = {
+        "architectures": [_ARCH_CLASSES[cfg.arch]],
+        "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "dtype": cfg.dtype,
+    }
+    if cfg.arch == "mistral":
+        hf["sliding_window"] = None
+    if cfg.arch in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = False
+    return hf
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The raw config.json dict (kept so a re-save loads in transformers unchanged)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: not found (is {model_dir} an HF model directory?)") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _shard_path(model_dir: Path, index: Path, shard: Any) -> Path:
+    # The index is untrusted input: a shard name must not escape the directory.
+    if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+        raise CheckpointError(f"{index}: invalid shard file name {shard!r}")
+    return model_dir / shard
+
+
+def read_hf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or of the shards an index lists (memmapped views)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    single, index = model_dir / SINGLE_FILE, model_dir / INDEX_FILE
+    if single.exists():
+        return read_safetensors(single)
+    if not index.exists():
+        if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+            raise CheckpointError(
+                f"{model_dir}: only safetensors checkpoints are loaded (pickle-based .bin/.pt files never are); "
+                "convert with transformers' save_pretrained(safe_serialization=True)"
+            )
+        raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+    tensors: dict[str, np.ndarray] = {}
+    for shard in sorted(set(weight_map.values())):
+        for name, array in read_safetensors(_shard_path(model_dir, index, shard)).items():
+            if name in tensors:
+                raise CheckpointError(f"{index}: tensor {name} appears in more than one shard")
+            tensors[name] = array
+    for name, shard in weight_map.items():
+        if name not in tensors:
+            raise CheckpointError(f"{index}: tensor {name} is mapped to {shard} but that file lacks it")
+    return tensors
+
+
+def load_hf_dir(model_dir: str | Path, *, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+    """Read an HF model directory into (ModelConfig, numpy params). `dtype` overrides config.json's."""
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir), dtype=dtype)
+    return cfg, params_from_hf(cfg, read_hf_tensors(model_dir))
+
+
+def save_hf_dir(
+    config: ModelConfig | Mapping[str, Any],
+    params: Params,
+    out_dir: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write config.json + safetensors (sharded with an index when `max_shard_bytes` is set).
+
+    Pass the original config.json dict when there is one: its extra fields are
+    what make the directory load in transformers exactly as before. The dtype
+    field is rewritten to the params' dtype, so the round trip is bit-exact.
+    Earlier weight files in `out_dir` are removed so no stale file can win.
+    """
+    if isinstance(config, ModelConfig):
+        hf, cfg = hf_config_dict(config), config
+    else:
+        hf = dict(config)
+        cfg = ModelConfig.from_hf(hf)
+    tensors = hf_from_params(cfg, params)
+    dt = tensors[EMBED].dtype.name
+    if dt not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"params dtype {dt} cannot be saved as an HF checkpoint")
+    hf["dtype"] = dt
+    if "torch_dtype" in hf:
+        hf["torch_dtype"] = dt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if max_shard_bytes is None:
+        write_safetensors(out / SINGLE_FILE, tensors)
+    else:
+        _write_shards(out, tensors, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _write_shards(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+    """Greedy packing in checkpoint order; a tensor larger than the limit gets its own shard."""
+    if max_shard_bytes <= 0:
+        raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, array in tensors.items():
+        if groups[-1] and used + array.nbytes > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += array.nbytes
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(out / fname, {n: tensors[n] for n in group})
+        weight_map.update(dict.fromkeys(group, fname))
+    total = sum(math.prod(a.shape) * a.dtype.itemsize for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,199 @@
+"""`tokenizers` tokenizer.json + a jinja2 chat template, without transformers.
+
+The server needs encode/decode and chat rendering only, so this reads the two
+files an HF model directory carries (`tokenizer.json`, `tokenizer_config.json`,
+and transformers 5's separate `chat_template.jinja`) and renders templates in a
+sandboxed jinja environment configured the way transformers configures its own,
+so a template renders to the same string in both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from hotswap.errors import CheckpointError, RequestError
+
+
+class TemplateRaised(jinja2.TemplateError):
+    """What a template's `raise_exception(...)` throws (e.g. 'roles must alternate')."""
+
+
+def _raise_exception(message: str):
+    raise TemplateRaised(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+):
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _jinja_env() -> jinja2.Environment:
+    # Same settings as transformers' chat template renderer.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template over a `tokenizers.Tokenizer`."""
+
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ):
+        self._tok = tok
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        if chat_template is not None:
+            try:
+                self._template = _jinja_env().from_string(chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise CheckpointError(f"chat_template: syntax error at line {e.lineno}: {e.message}") from e
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: not found (only fast tokenizers, tokenizer.json, are supported)")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise CheckpointError(f"{path}: cannot be loaded ({e})") from e
+        conf_path = model_dir / "tokenizer_config.json"
+        conf = _read_json(conf_path) if conf_path.exists() else {}
+        template = conf.get("chat_template")
+        if isinstance(template, list):  # older multi-template form: [{name, template}, ...]
+            template = {t.get("name"): t.get("template") for t in template}.get("default")
+        jinja_file = model_dir / "chat_template.jinja"  # transformers 5 writes the template here
+        if jinja_file.exists():
+            template = jinja_file.read_text()
+        return cls(
+            tok,
+            bos_token=_token_text(conf.get("bos_token")),
+            eos_token=_token_text(conf.get("eos_token")),
+            pad_token=_token_text(conf.get("pad_token")),
+            chat_template=template,
+        )
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id(self.pad_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Including added (special) tokens; the model's embedding may have more rows."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """Render the chat; with `tokenize=True` return ids (no extra BOS: the template places it)."""
+        if self._template is None:
+            raise RequestError("this model has no chat_template; send a plain prompt instead")
+        try:
+            text = self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+                **extra,
+            )
+        except jinja2.TemplateError as e:
+            raise RequestError(f"chat template rejected the messages: {e}") from e
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class IncrementalDecoder:
+    """Streams text for a growing list of generated ids.
+
+    Byte-level BPE splits a multi-byte character across tokens, and decoding a
+    prefix then ends in U+FFFD. So text is held back while it ends in U+FFFD,
+    and each step decodes only a short window (`prefix_offset:`) against the
+    window's already-emitted part, which keeps a step O(window) and makes the
+    pieces concatenate to the full decode.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # ids before this are already emitted
+
+    def step(self, ids: Sequence[int]) -> str:
+        """`ids` is every generated id so far (it only grows); returns the newly completed text."""
+        self._ids = list(ids)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        text = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(prefix) :]
+
+    def flush(self) -> str:
+        """At the end of the stream, whatever was held back (a dangling partial char shows as U+FFFD)."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        text = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix) :]

@@ -1,0 +1,66 @@
+"""`hotswap serve | create-model | demo | bench`: one argparse entry, each command in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def default_model_dir() -> Path:
+    """The embedded default model (the `tiny` preset), created once under a cache dir."""
+    from hotswap.checkpoint.create import create_checkpoint
+
+    root = Path(os.environ.get("HOTSWAP_CACHE", Path.home() / ".cache" / "hotswap"))
+    path = root / "tiny-llama-seed0"
+    if not (path / "model.safetensors").exists():
+        tmp = root / f".tmp-{os.getpid()}"
+        create_checkpoint(tmp, preset="tiny", arch="llama", seed=0)
+        tmp.replace(path) if not path.exists() else None
+    return path
+
+
+def _create_model(args) -> int:
+    from hotswap.checkpoint.create import create_checkpoint
+
+    out = create_checkpoint(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+    print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu") if sys.platform == "darwin" else None
+    parser = argparse.ArgumentParser(prog="hotswap", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("create-model", help="write a seeded random-weight HF-format checkpoint")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "bench-100m"])
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_create_model)
+
+    try:
+        from hotswap.api import cli_serve
+
+        cli_serve.add_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from hotswap import demo
+
+        demo.add_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from benchmarks import cli_bench  # noqa: F401  (only in a source checkout)
+    except ImportError:
+        pass
+
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""Engine: owns the current EngineState, the scheduler and the lifecycle lock.
+
+One re-entrant lock serialises every step and every lifecycle call (update,
+sleep, wakeup, reset), so the step loop never runs during a transition. The
+state is replaced whole after each step and each transition; transitions are
+the pure functions of `lifecycle.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from hotswap.checkpoint.payload import ChunkStager, decode_payload
+from hotswap.config import EngineConfig, ModelConfig
+from hotswap.engine import lifecycle, sources
+from hotswap.engine.outputs import CompletionOutput, RequestOutput
+from hotswap.engine.params import Params, abstract_params
+from hotswap.engine.runner import Runner
+from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.scheduler import Scheduler
+from hotswap.engine.sequence import Sequence, Status
+from hotswap.engine.state import KVCache, initial_state
+from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
+
+POLICIES = ("drain", "abort", "recompute", "keep", "reject")
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    sink: Sink | None = None
+    stream: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(
+        self,
+        mcfg: ModelConfig,
+        params: Params,
+        ecfg: EngineConfig,
+        tokenizer=None,
+        *,
+        warmup: bool = True,
+        progress: bool = True,
+        weights_root: str | None = None,
+        shardings: Params | None = None,
+        kv_sharding=None,
+        seed: int = 0,
+    ):
+        if ecfg.pages_per_seq > ecfg.num_pages - 1:
+            raise ConfigError(
+                f"num_pages={ecfg.num_pages} cannot hold one max_model_len={ecfg.max_model_len} sequence "
+                f"({ecfg.pages_per_seq} pages of {ecfg.page_size} plus the null page)"
+            )
+        self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer
+        self.weights_root = weights_root
+        self.kv_sharding = kv_sharding
+        spec = abstract_params(mcfg)
+        if shardings is not None:
+            spec = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings)
+        else:
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
+        self.abstract = spec
+        lifecycle.validate_params(params, self.abstract)
+        placed = lifecycle.place_params(params, self.abstract)
+        self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding)
+        self.sched = Scheduler(ecfg)
+        self.runner = Runner(mcfg, ecfg)
+        self.requests: dict[str, Request] = {}
+        self.stager = ChunkStager()
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(seed)
+        eos = set(mcfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_ids = tuple(sorted(eos))
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
+        if warmup:
+            self._replace_pages(self.runner.warmup(self.state.params, self.state.kv.pages, progress))
+
+    # ---- views --------------------------------------------------------------
+
+    @property
+    def weights_version(self) -> int:
+        return self.state.weights_version
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_running(self) -> int:
+        return len(self.sched.running)
+
+    def num_waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    def check_invariants(self) -> None:
+        """Every page is free, cached or owned; refcounts equal the owners."""
+        with self._lock:
+            self.sched.pool.check(self.state.prefix, self.sched.owners())
+
+    def _replace_pages(self, pages) -> None:
+        kv = self.state.kv
+        self.state = dataclasses.replace(self.state, kv=KVCache(pages=pages, page_version=kv.page_version))
+
+    # ---- requests -----------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.mcfg.vocab_size})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        sink: Sink | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Validate and queue. Raises before anything is queued, so a refused request leaves no trace."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.ecfg.max_model_len:
+            raise PromptTooLong(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.ecfg.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            if self.state.asleep or self.state.params is None:
+                raise EngineAsleep(
+                    "the engine is asleep: call wakeup() (and update_weights after sleep level 2) first"
+                )
+            if rid in self.requests:
+                raise RequestError(f"request id {rid!r} is already in use")
+            if len(self.sched.waiting) + params.n > self.ecfg.max_waiting:
+                raise QueueFull(f"{len(self.sched.waiting)} requests are waiting (max_waiting={self.ecfg.max_waiting})")
+            base_seed = int(self._rng.integers(2**31)) if params.seed is None else int(params.seed)
+            arrival = next(self._ids)
+            seqs: list[Sequence] = []
+            for i in range(params.n):
+                seqs.append(
+                    Sequence(
+                        seq_id=next(self._ids),
+                        request_id=rid,
+                        index=i,
+                        prompt_ids=list(ids),
+                        params=params,
+                        seed=(base_seed + i * 0x9E3779B1) & 0xFFFFFFFF,
+                        arrival=arrival,
+                        eos_ids=() if params.ignore_eos else self.eos_ids,
+                        fork_parent=seqs[0] if i > 0 else None,
+                    )
+                )
+            self.requests[rid] = Request(rid, text, ids, params, seqs, sink, stream)
+            for s in seqs:
+                self.sched.add(s)
+            self.stats["prompt_tokens"] += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return
+            for s in req.seqs:
+                if not s.is_finished:
+                    self.sched.finish(s, "abort", self.state.prefix)
+            self._emit(req)
+
+    # ---- the step -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess. Returns outputs of finished (and streaming) requests."""
+        with self._lock:
+            if self.state.asleep or self.state.params is None:
+                return []
+            return self._step_locked()
+
+    def _step_locked(self) -> list[RequestOutput]:
+        state = self.state
+        version = state.weights_version
+        plan, prefix = self.sched.schedule(state.prefix, version)
+        self.state = dataclasses.replace(state, prefix=prefix)
+        if plan.empty:
+            return []
+        pages = state.kv.pages
+        page_version = state.kv.page_version.copy()
+        calls = []
+        if plan.decode:
+            calls.append([(s, 1) for s in plan.decode])
+        calls += [[row] for row in plan.prefill]
+        touched: dict[str, Request] = {}
+        try:
+            for rows in calls:
+                pages, out = self.runner.run(state.params, pages, rows, decode=len(rows) > 1 or rows[0][1] == 1)
+                self._replace_pages(pages)
+                for i, (seq, n) in enumerate(rows):
+                    ps = self.ecfg.page_size
+                    first, last = seq.num_computed // ps, (seq.num_computed + n - 1) // ps
+                    page_version[seq.block_table[first : last + 1]] = version
+                    seq.num_computed += n
+                    if seq.num_computed == seq.total_len:
+                        self._append_token(seq, out, i, version)
+                    touched[seq.request_id] = self.requests[seq.request_id]
+        except Exception:
+            # Donated buffers may be gone: rebuild an empty cache and recompute every
+            # running sequence, so no accepted request is lost, then re-raise.
+            self._recover()
+            raise
+        prefix = self.state.prefix
+        for rows in calls:
+            for seq, _ in rows:
+                if not seq.is_finished:
+                    prefix = self.sched.register_full_pages(seq, prefix, version)
+        self.state = dataclasses.replace(
+            self.state, prefix=prefix, kv=KVCache(pages=self.state.kv.pages, page_version=page_version)
+        )
+        self.stats["steps"] += 1
+        outputs = []
+        for req in touched.values():
+            out = self._emit(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append_token(self, seq: Sequence, out, i: int, version: int) -> None:
+        tok, lp, top_ids, top_lps = out
+        t = int(tok[i])
+        seq.output_ids.append(t)
+        seq.output_logprobs.append(float(lp[i]))
+        seq.output_versions.append(version)
+        if seq.params.logprobs:
+            seq.output_top.append((top_ids[i, : seq.params.logprobs].copy(), top_lps[i, : seq.params.logprobs].copy()))
+        self.stats["generated_tokens"] += 1
+        p = seq.params
+        reason, stop = None, None
+        if t in seq.eos_ids:
+            reason = "stop"
+        elif t in p.stop_token_ids:
+            reason, stop = "stop", t
+        elif p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+            hit = next((s for s in p.stop if s in text), None)
+            if hit is not None:
+                reason, stop = "stop", hit
+        if reason is None and p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None and seq.total_len >= self.ecfg.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop
+            self.sched.finish(seq, reason, self.state.prefix)
+
+    def _recover(self) -> None:
+        from hotswap.engine.state import new_kv_cache
+
+        for seq in list(self.sched.running):
+            self.sched._preempt(seq, self.state.prefix)
+        self.sched.pool.reset()
+        self.state = lifecycle.reset_prefix_cache(
+            dataclasses.replace(self.state, kv=new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding))
+        )
+
+    # ---- outputs ------------------------------------------------------------
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        p = seq.params
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+            if isinstance(seq.stop_reason, str):
+                text = text[: text.index(seq.stop_reason)] if seq.stop_reason in text else text
+        top = None
+        if p.logprobs:
+            top = [dict(zip(map(int, ids), map(float, lps), strict=True)) for ids, lps in seq.output_top]
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=list(seq.output_ids),
+            logprobs=list(seq.output_logprobs),
+            weights_versions=list(seq.output_versions),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            top_logprobs=top,
+        )
+
+    def build_output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_ids,
+            outputs=[self._completion(s) for s in req.seqs],
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            finished=req.finished,
+            weights_version=self.state.weights_version,
+        )
+
+    def _emit(self, req: Request) -> RequestOutput | None:
+        """Deliver to the request's sink; forget finished requests."""
+        if not (req.finished or req.stream):
+            return None
+        out = self.build_output(req)
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+            self.stats["cached_tokens"] += out.num_cached_tokens
+        if req.sink is not None:
+            req.sink(out)
+        return out
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    def update_weights(
+        self,
+        source,
+        *,
+        policy: str = "drain",
+        version: int | None = None,
+        partial: bool = False,
+        drain_timeout_s: float | None = None,
+    ) -> int:
+        """Validate -> stage -> apply the in-flight policy -> swap. Returns the new version.
+
+        The source is loaded and validated before the lock is taken, so serving
+        continues meanwhile and a bad source changes nothing.
+        """
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown update policy {policy!r}; use one of {POLICIES}")
+        params = sources.resolve_source(
+            source,
+            self.mcfg,
+            current=self.state.params,
+            partial=partial,
+            weights_root=self.weights_root,
+            abstract=self.abstract,
+        )
+        lifecycle.validate_params(params, self.abstract)
+        placed = lifecycle.place_params(params, self.abstract)
+        with self._lock:
+            if "weights" in self.state.asleep and self.state.params is not None:
+                raise EngineAsleep("weights are asleep (level 1): call wakeup(['weights']) before update_weights")
+            if policy == "reject":
+                busy = len(self.sched.running) + len(self.sched.waiting)
+                if busy or self.state.prefix.num_cached:
+                    raise LifecycleConflict(
+                        f"policy 'reject': {busy} request(s) in flight and {self.state.prefix.num_cached} "
+                        "cached page(s); use policy 'drain', 'abort' or 'recompute', or retry when idle"
+                    )
+        if policy == "drain":
+            self._drain(drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s)
+        with self._lock:
+            try:
+                keep_pages = self._apply_policy(policy)
+                self.state = lifecycle.update_weights(
+                    self.state, placed, abstract=self.abstract, version=version, keep_pages=keep_pages
+                )
+                self.sched.pool.reclaim_uncached(self.state.prefix)
+            finally:
+                self.sched.hold_admission = False
+            return self.state.weights_version
+
+    def _drain(self, timeout_s: float) -> None:
+        """Hold new requests; step until running ones finish on the old weights (abort after timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self.sched.hold_admission = True
+        while True:
+            with self._lock:
+                started = [s for s in self.sched.running] + [s for s in self.sched.waiting if s.admitted_once]
+                if not started or self.state.params is None or self.state.asleep:
+                    return
+                if time.monotonic() > deadline:
+                    self._abort_seqs(started)
+                    return
+                self._step_locked()
+
+    def _abort_seqs(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.sched.finish(s, "abort", self.state.prefix)
+        for rid in dict.fromkeys(s.request_id for s in seqs):
+            if rid in self.requests:
+                self._emit(self.requests[rid])
+
+    def _apply_policy(self, policy: str) -> list[int]:
+        """Release or keep in-flight sequences' pages; returns the pages kept (policy 'keep')."""
+        started = list(self.sched.running) + [s for s in self.sched.waiting if s.admitted_once]
+        if policy == "abort":
+            self._abort_seqs(started)
+        elif policy == "recompute":
+            for s in list(self.sched.running):
+                self.sched._preempt(s, self.state.prefix)
+        elif policy == "keep":
+            for s in self.sched.running:
+                s.mixed_kv = True
+            return sorted({p for s in self.sched.running for p in s.block_table})
+        return []
+
+    def update_weights_chunk(
+        self,
+        tensors_or_bytes,
+        *,
+        finished: bool,
+        update_id: str | None = None,
+        content_type: str = "application/octet-stream",
+        **update_kwargs,
+    ) -> int | None:
+        """Stage one chunk of HF-named tensors; on `finished`, commit them atomically."""
+        tensors = (
+            decode_payload(bytes(tensors_or_bytes), content_type)
+            if isinstance(tensors_or_bytes, (bytes, bytearray, memoryview))
+            else dict(tensors_or_bytes)
+        )
+        merged = self.stager.add(tensors, finished=finished, update_id=update_id)
+        if merged is None:
+            return None
+        return self.update_weights(merged, **update_kwargs)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free device memory. mode 'abort' ends in-flight requests now; 'wait' drains them first."""
+        if mode not in ("abort", "wait"):
+            raise ConfigError(f"unknown sleep mode {mode!r}; use 'abort' or 'wait'")
+        if mode == "wait":
+            self._drain(self.ecfg.drain_timeout_s)
+        with self._lock:
+            try:
+                new = lifecycle.sleep(self.state, level)
+                for req in list(self.requests.values()):
+                    for s in req.seqs:
+                        if not s.is_finished:
+                            self.sched.finish(s, "abort", self.state.prefix)
+                    self._emit(req)
+                self.sched.pool.reset()
+                self.state = new
+            finally:
+                self.sched.hold_admission = False
+
+    def wakeup(self, tags: list[str] | None = None) -> None:
+        with self._lock:
+            self.state = lifecycle.wakeup(
+                self.state, tags, abstract=self.abstract, mcfg=self.mcfg, ecfg=self.ecfg, kv_sharding=self.kv_sharding
+            )
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.state.asleep)
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.state = lifecycle.reset_prefix_cache(self.state)
+            self.sched.pool.reclaim_uncached(self.state.prefix)
+            for s in self.sched.running:
+                s.page_keys = []  # re-registered from scratch (same version, same content)

@@ -1,0 +1,172 @@
+"""Pure lifecycle transitions on EngineState: update_weights, sleep, wakeup, reset_prefix_cache.
+
+Each validates first and builds a new state only when everything checks out,
+so a rejected call leaves the caller's state (and the weights it serves)
+untouched. None of them reads or writes anything but its arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.config import EngineConfig, ModelConfig
+from hotswap.engine.params import Params, path_name
+from hotswap.engine.state import EngineState, KVCache, PrefixIndex, new_kv_cache
+from hotswap.errors import EngineAsleep, LifecycleConflict, NonFiniteWeights, WeightsMismatch
+
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+
+
+def abstract_of(params: Params) -> Params:
+    """ShapeDtypeStruct tree (with shardings) of placed params."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+
+
+def validate_params(params: Params, abstract: Params) -> None:
+    """Tree structure, shapes, dtypes, finiteness; raises a typed error naming the tensor."""
+    want = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    got_flat, got_def = jax.tree_util.tree_flatten_with_path(params)
+    want_names = {path_name(p) for p, _ in want}
+    got = {path_name(p): leaf for p, leaf in got_flat}
+    missing = sorted(want_names - got.keys())
+    extra = sorted(got.keys() - want_names)
+    if missing:
+        raise WeightsMismatch(f"missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    if extra:
+        raise WeightsMismatch(f"unexpected tensor(s): {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
+    if got_def != jax.tree.structure(abstract):
+        raise WeightsMismatch("params tree structure differs from the engine's (e.g. a tuple where a list is)")
+    for path, spec in want:
+        name = path_name(path)
+        leaf = got[name]
+        shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+        if shape != tuple(spec.shape) or dtype != np.dtype(spec.dtype):
+            raise WeightsMismatch(
+                f"{name}: expected {tuple(spec.shape)} {np.dtype(spec.dtype)}, got {shape} {dtype}"
+            )
+    _check_finite(got)
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def _check_finite(named: dict) -> None:
+    names = list(named)
+    dev = [n for n in names if isinstance(named[n], jax.Array)]
+    host = [n for n in names if not isinstance(named[n], jax.Array)]
+    bad = [n for n in host if not np.isfinite(np.asarray(named[n])).all()]
+    if dev:
+        ok = np.asarray(_all_finite([named[n] for n in dev]))
+        bad += [n for n, good in zip(dev, ok, strict=True) if not good]
+    if bad:
+        raise NonFiniteWeights(f"{bad[0]}: contains NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+def place_params(params: Params, abstract: Params) -> Params:
+    """Put each leaf on the engine's sharding. Arrays already there are used as they are
+    (zero copy); others move device-to-device with `jax.device_put` (a reshard, no host trip)."""
+
+    def put(x, spec):
+        sharding = spec.sharding
+        if isinstance(x, jax.Array) and sharding is not None and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
+
+    return jax.tree.map(put, params, abstract)
+
+
+def update_weights(
+    state: EngineState,
+    params: Params,
+    *,
+    abstract: Params | None = None,
+    version: int | None = None,
+    keep_pages: list[int] | tuple[int, ...] = (),
+) -> EngineState:
+    """A new state serving `params` as version+1 (or `version`), with an empty prefix index.
+
+    Every KV page is free in the new state except `keep_pages` (the `keep` policy's
+    running sequences), whose recorded versions are kept so provenance stays true.
+    """
+    if "weights" in state.asleep and state.params is not None:
+        raise EngineAsleep("weights are asleep at level 1: call wakeup(['weights']) before update_weights")
+    abstract = abstract if abstract is not None else abstract_of(state.params)
+    new_version = state.weights_version + 1 if version is None else int(version)
+    if new_version <= state.weights_version:
+        raise LifecycleConflict(
+            f"version {new_version} must be greater than the current version {state.weights_version}"
+        )
+    validate_params(params, abstract)
+    placed = place_params(params, abstract)
+    kv = state.kv
+    if kv is not None:
+        page_version = np.full_like(kv.page_version, -1)
+        keep = np.asarray(list(keep_pages), np.int64)
+        page_version[keep] = kv.page_version[keep]
+        kv = KVCache(pages=kv.pages, page_version=page_version)
+    return dataclasses.replace(
+        state,
+        params=placed,
+        weights_version=new_version,
+        kv=kv,
+        prefix=PrefixIndex.empty(len(state.prefix.key)),
+        asleep=state.asleep - {"weights"},
+    )
+
+
+def _to_host(x: jax.Array):
+    """pinned_host memory where the backend has it (fast to bring back), else host numpy."""
+    try:
+        kinds = {m.kind for m in x.sharding._internal_device_list[0].addressable_memories()}
+        if "pinned_host" in kinds and x.sharding.memory_kind != "pinned_host":
+            return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    except (AttributeError, ValueError, NotImplementedError):
+        pass
+    return np.asarray(jax.device_get(x))
+
+
+def sleep(state: EngineState, level: int = 1) -> EngineState:
+    """Level 1: params to host, KV and prefix index dropped. Level 2: params dropped too."""
+    if level not in (1, 2):
+        raise LifecycleConflict(f"sleep level must be 1 or 2, got {level}")
+    if state.asleep == SLEEP_TAGS and (level == 1 or state.params is None):
+        return state
+    params = None if level == 2 else jax.tree.map(_to_host, state.params) if state.params is not None else None
+    return dataclasses.replace(
+        state, params=params, kv=None, prefix=PrefixIndex.empty(len(state.prefix.key)), asleep=SLEEP_TAGS
+    )
+
+
+def wakeup(
+    state: EngineState,
+    tags: list[str] | tuple[str, ...] | None,
+    *,
+    abstract: Params,
+    mcfg: ModelConfig,
+    ecfg: EngineConfig,
+    kv_sharding=None,
+) -> EngineState:
+    """`weights`: params back onto the device (after level 2 there are none until an update);
+    `kv_cache`: fresh empty pages."""
+    tags = frozenset(tags) if tags else SLEEP_TAGS
+    unknown = tags - SLEEP_TAGS
+    if unknown:
+        raise LifecycleConflict(f"unknown wakeup tag(s) {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+    params, kv = state.params, state.kv
+    if "weights" in tags and "weights" in state.asleep and params is not None:
+        params = place_params(params, abstract)
+    if "kv_cache" in tags and kv is None:
+        kv = new_kv_cache(mcfg, ecfg, sharding=kv_sharding)
+    asleep = state.asleep - tags
+    return dataclasses.replace(state, params=params, kv=kv, asleep=asleep)
+
+
+def reset_prefix_cache(state: EngineState) -> EngineState:
+    """Empty index. Never corrupts running sequences: they hold their pages by refcount."""
+    return dataclasses.replace(state, prefix=PrefixIndex.empty(len(state.prefix.key)))

@@ -1,0 +1,207 @@
+"""LLM: the facade for notebooks and training loops (vLLM's names)."""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.checkpoint import hf
+from hotswap.checkpoint.tokenizer import Tokenizer
+from hotswap.config import EngineConfig
+from hotswap.engine.engine import Engine
+from hotswap.engine.model import token_logprobs_jit
+from hotswap.engine.outputs import RequestOutput
+from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.state import EngineState
+from hotswap.errors import RequestError
+
+
+class LLM:
+    """Load an HF-format model directory and generate, score and hot-swap weights.
+
+    >>> llm = LLM(model_dir)                                     # doctest: +SKIP
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))    # doctest: +SKIP
+    >>> llm.update_weights(new_params)   # version + 1, cache emptied, nothing stale  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        enable_prefix_caching: bool = True,
+        dtype: str | None = None,
+        attention: str = "reference",
+        warmup: bool = True,
+        seed: int = 0,
+        weights_root: str | None = None,
+        max_waiting: int = 1024,
+        drain_timeout_s: float = 60.0,
+    ):
+        self.model_dir = Path(model)
+        mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
+        max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
+        pages_per_seq = math.ceil(max_model_len / page_size)
+        if num_pages is None:
+            num_pages = max(pages_per_seq * 2, max_num_seqs * pages_per_seq // 2) + 1
+        ecfg = EngineConfig(
+            page_size=page_size,
+            num_pages=num_pages,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            attention=attention,
+            max_waiting=max_waiting,
+            drain_timeout_s=drain_timeout_s,
+        )
+        tok_path = self.model_dir / "tokenizer.json"
+        tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None
+        self.engine = Engine(mcfg, params, ecfg, tokenizer, warmup=warmup, seed=seed, weights_root=weights_root)
+
+    # ---- views ---------------------------------------------------------------
+
+    @property
+    def config(self):
+        return self.engine.mcfg
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def state(self) -> EngineState:
+        return self.engine.state
+
+    @property
+    def params(self):
+        return self.engine.state.params
+
+    @property
+    def weights_version(self) -> int:
+        return self.engine.weights_version
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    # ---- generation ------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        done: dict[str, RequestOutput] = {}
+        ids = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            ids.append(self.engine.add_request(None, prompt, sp or SamplingParams(), sink=lambda o: done.__setitem__(o.request_id, o)))
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), desc="hotswap: generating", disable=not use_tqdm, leave=False) as bar:
+            while any(i not in done for i in ids):
+                before = len(done)
+                self.engine.step()
+                bar.update(len(done) - before)
+        return [done[i] for i in ids]
+
+    def score(self, prompt_token_ids, completion_token_ids=None):
+        """Teacher-forced log-probs of completion tokens given the prompt (raw distribution).
+
+        `score(prompt, completion) -> np.ndarray[len(completion)]`, or
+        `score([(prompt, completion), ...]) -> list[np.ndarray]`.
+        """
+        single = completion_token_ids is not None
+        pairs = [(prompt_token_ids, completion_token_ids)] if single else list(prompt_token_ids)
+        params = self.engine.state.params
+        if params is None or self.engine.is_sleeping:
+            from hotswap.errors import EngineAsleep
+
+            raise EngineAsleep("the engine is asleep: wake it up before scoring")
+        seqs = [list(map(int, p)) + list(map(int, c)) for p, c in pairs]
+        for (p, _), s in zip(pairs, seqs, strict=True):
+            if not p:
+                raise RequestError("score needs a non-empty prompt")
+            if any(not 0 <= t < self.config.vocab_size for t in s):
+                raise RequestError("token id outside the vocabulary")
+        max_len = max(len(s) for s in seqs)
+        length = 64 * math.ceil(max_len / 64)  # pad to few shapes: few compilations
+        batch = 1 << max(0, math.ceil(math.log2(len(seqs))))
+        toks = np.zeros((batch, length), np.int32)
+        lens = np.zeros(batch, np.int32)
+        for i, s in enumerate(seqs):
+            toks[i, : len(s)], lens[i] = s, len(s)
+        lp = np.asarray(token_logprobs_jit(params, jnp.asarray(toks), jnp.asarray(lens), cfg=self.config))
+        out = [lp[i, len(p) - 1 : len(s) - 1] for i, ((p, _), s) in enumerate(zip(pairs, seqs, strict=True))]
+        return out[0] if single else out
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def update_weights(self, source, *, policy: str = "drain", version: int | None = None, partial: bool = False) -> int:
+        """Swap in new weights (pytree, HF-named dict, checkpoint dir or safetensors bytes).
+
+        Returns the new weights version. The prefix cache is emptied; a rejected
+        update raises a typed error and the old weights keep serving.
+        """
+        return self.engine.update_weights(source, policy=policy, version=version, partial=partial)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.engine.sleep(level, mode)
+
+    def wakeup(self, tags: list[str] | None = None) -> None:
+        self.engine.wakeup(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    # ---- notebook view ---------------------------------------------------------
+
+    def cache_usage(self) -> dict:
+        st, pool = self.engine.state, self.engine.sched.pool
+        total = self.engine.ecfg.num_pages - 1
+        owned = int(np.count_nonzero(pool.refcount[1:]))
+        cached = int(np.count_nonzero((st.prefix.key[1:] != 0) & (pool.refcount[1:] == 0)))
+        return {"pages": total, "owned": owned, "cached": cached, "free": total - owned - cached}
+
+    def __repr__(self) -> str:
+        u = self.cache_usage()
+        return (
+            f"LLM({self.model_dir.name}, arch={self.config.arch}, weights_version={self.weights_version}, "
+            f"asleep={sorted(self.engine.state.asleep)}, pages owned/cached/free={u['owned']}/{u['cached']}/{u['free']})"
+        )
+
+    def _repr_html_(self) -> str:
+        u, st = self.cache_usage(), self.engine.state
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.params)) if st.params is not None else 0
+        rows = {
+            "model": f"{html.escape(self.model_dir.name)} ({self.config.arch}, {self.config.num_layers} layers)",
+            "weights_version": st.weights_version,
+            "params": f"{nbytes / 2**20:.1f} MiB" + (" (on host)" if "weights" in st.asleep else ""),
+            "asleep": ", ".join(sorted(st.asleep)) or "no",
+            "KV pages": f"{u['owned']} owned · {u['cached']} cached · {u['free']} free of {u['pages']}",
+            "running / waiting": f"{self.engine.num_running()} / {self.engine.num_waiting()}",
+        }
+        body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
+        return f"<table><caption>hotswap LLM</caption>{body}</table>"
+
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,130 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Stateless like gemma's sampler: each row's randomness is
+`fold_in(key(seed), output_index)`, so a seeded request draws the same tokens
+alone or inside any batch. `logprob` is always the chosen token's log-prob
+under the *raw* model distribution (what `LLM.score` returns), whatever the
+sampling transform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.errors import RequestError
+
+TOP_LOGPROBS = 20  # the most top-logprobs a request may ask for (as in vLLM/OpenAI)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM-compatible sampling parameters."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token (0..20)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise RequestError(f"n must be >= 1, got {self.n}")
+        if not (self.temperature >= 0.0):
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is None or self.top_k < -1:
+            raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters as device arrays [R]."""
+
+    temperature: jax.Array  # f32; 0 = greedy
+    top_k: jax.Array  # i32; 0 = off
+    top_p: jax.Array  # f32
+    min_p: jax.Array  # f32
+    seed: jax.Array  # u32
+    step: jax.Array  # i32: index of the token being sampled in the row's output
+
+    @staticmethod
+    def from_rows(rows: list[tuple[SamplingParams, int, int]], pad_to: int) -> SamplingArrays:
+        """rows: (params, seed, output_index); padded rows are greedy."""
+        t = np.zeros(pad_to, np.float32)
+        k = np.zeros(pad_to, np.int32)
+        p = np.ones(pad_to, np.float32)
+        m = np.zeros(pad_to, np.float32)
+        s = np.zeros(pad_to, np.uint32)
+        st = np.zeros(pad_to, np.int32)
+        for i, (sp, seed, idx) in enumerate(rows):
+            t[i], k[i], p[i], m[i] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
+            s[i], st[i] = np.uint32(seed & 0xFFFFFFFF), idx
+        return SamplingArrays(t, k, p, m, s, st)
+
+
+def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
+    """Temperature + top-k + top-p + min-p, then a categorical draw per row."""
+    v = logits.shape[-1]
+    temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
+    scaled = logits / temp
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
+    k = jnp.where(sa.top_k > 0, jnp.minimum(sa.top_k, v), v)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    keep = scaled >= kth
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    # Smallest set whose mass reaches top_p: keep sorted entries whose preceding mass < top_p.
+    n_keep = jnp.sum((cum - probs_sorted) < sa.top_p[:, None], axis=-1)
+    p_thresh = jnp.take_along_axis(sorted_desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
+    keep &= scaled >= p_thresh
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep &= probs >= sa.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    masked = jnp.where(keep, scaled, -jnp.inf)
+
+    def draw(row_logits, seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.categorical(key, row_logits)
+
+    return jax.vmap(draw)(masked, sa.seed, sa.step)
+
+
+def sample(logits: jax.Array, sa: SamplingArrays) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # Skip the sort entirely when every row is greedy (the common benchmark case).
+    tokens = jax.lax.cond(
+        jnp.any(sa.temperature > 0),
+        lambda: jnp.where(sa.temperature > 0, _filtered_sample(logits, sa).astype(jnp.int32), greedy),
+        lambda: greedy,
+    )
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_lps, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lps

@@ -1,0 +1,65 @@
+"""Host-side bookkeeping for one generated sequence (one of a request's `n` samples)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from hotswap.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int  # admission priority: lower is older
+    eos_ids: tuple[int, ...] = ()
+    fork_parent: Sequence | None = None  # n > 1: share the parent's prompt pages
+
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    output_versions: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    # Paging. block_table[i] holds tokens [i*ps, (i+1)*ps). num_computed tokens
+    # have KV in the pages; the next step feeds all_ids[num_computed:...].
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    page_keys: list[int] = dataclasses.field(default_factory=list)  # chain keys of registered pages
+    # Set under the `keep` update policy: this sequence's KV mixes weights
+    # versions, so pages it writes must never enter the prefix index.
+    mixed_kv: bool = False
+    admitted_once: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still needs KV before the next sample."""
+        return self.total_len - self.num_computed > 1
