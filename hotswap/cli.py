@@ -17,7 +17,12 @@ def default_model_dir() -> Path:
     if not (path / "model.safetensors").exists():
         tmp = root / f".tmp-{os.getpid()}"
         create_checkpoint(tmp, preset="tiny", arch="llama", seed=0)
-        tmp.replace(path) if not path.exists() else None
+        if path.exists():  # another process won the race
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.replace(path)
     return path
 
 
@@ -30,7 +35,6 @@ def _create_model(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu") if sys.platform == "darwin" else None
     parser = argparse.ArgumentParser(prog="hotswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -54,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     try:
-        from benchmarks import cli_bench  # noqa: F401  (only in a source checkout)
+        from hotswap import bench
+
+        bench.add_parser(sub)
     except ImportError:
         pass
 

@@ -28,7 +28,13 @@ from hotswap.checkpoint.hf import (  # noqa: E402
 from hotswap.checkpoint.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
 from hotswap.config import ModelConfig  # noqa: E402
 from hotswap.engine.params import param_paths, param_shapes  # noqa: E402
-from hotswap.errors import CheckpointError, ConfigError, NonFiniteWeights, RequestError, WeightsMismatch  # noqa: E402
+from hotswap.errors import (  # noqa: E402
+    CheckpointError,
+    ConfigError,
+    NonFiniteWeights,
+    RequestError,
+    WeightsMismatch,
+)
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -325,7 +331,8 @@ def test_corrupt_and_truncated_files(tmp_path, tiny_dir):
     weights.write_bytes(b"\xff" * 8 + good[8:])  # absurd header length
     with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or truncated"):
         load_hf_dir(d)
-    header = b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    entry = b'{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+    header = b'{"a":' + entry + b',"a":' + entry + b"}"
     weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
     with pytest.raises(CheckpointError, match="duplicate key 'a'"):
         load_hf_dir(d)

@@ -279,7 +279,8 @@ def read_hf_tensors(model_dir: str | Path) -> dict[str, np.ndarray]:
     if not index.exists():
         if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
             raise CheckpointError(
-                f"{model_dir}: only safetensors checkpoints are loaded (pickle-based .bin/.pt files never are); "
+                f"{model_dir}: only safetensors checkpoints are loaded "
+                "(pickle-based .bin/.pt files never are); "
                 "convert with transformers' save_pretrained(safe_serialization=True)"
             )
         raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")

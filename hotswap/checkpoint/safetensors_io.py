@@ -90,7 +90,8 @@ def parse_safetensors(buf, source: str) -> tuple[dict[str, np.ndarray], dict[str
             )
         if end > data_len:
             raise CheckpointError(
-                f"{source}: truncated: tensor {name!r} ends at byte {end} but only {data_len} data bytes exist"
+                f"{source}: truncated: tensor {name!r} ends at byte {end} "
+                f"but only {data_len} data bytes exist"
             )
         if nbytes == 0:  # frombuffer rejects an offset at the very end of the buffer
             out[name] = np.zeros(shape, dt)

@@ -1,0 +1,23 @@
+"""Shared fixtures: small seeded HF-format checkpoints built locally (never downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from hotswap.checkpoint.create import create_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny llama preset, seed 0 (weights version 1 in most tests)."""
+    return create_checkpoint(tmp_path_factory.mktemp("tiny0"), preset="tiny", arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir_b(tmp_path_factory):
+    """Same shapes, different weights (seed 1): the 'new weights' of update tests."""
+    return create_checkpoint(tmp_path_factory.mktemp("tiny1"), preset="tiny", arch="llama", seed=1)

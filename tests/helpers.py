@@ -1,0 +1,40 @@
+"""Test helpers: an HF transformers oracle and a compilation counter."""
+
+from __future__ import annotations
+
+import contextlib
+
+from jax import monitoring
+
+_compiles = [0]
+
+
+def _on_event(name: str, _duration: float, **_kw) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":
+        _compiles[0] += 1
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """`with count_compiles() as n: ...; assert n() == 0` counts XLA backend compilations."""
+    start = _compiles[0]
+    yield lambda: _compiles[0] - start
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers `generate`, one prompt at a time, greedy, float32, no EOS stop."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(
+                torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out

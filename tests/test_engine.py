@@ -1,0 +1,161 @@
+"""The serving core against HF transformers: paging, prefix cache, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import count_compiles, hf_greedy
+
+from hotswap import LLM, SamplingParams
+from hotswap.errors import PromptTooLong, RequestError
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _prompts(n=16, seed=0):
+    """Prompts of different lengths; most share a 2-page prefix (page_size 16) with each other."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(10, 500, 37).tolist()
+    out = []
+    for i in range(n):
+        tail = rng.integers(10, 500, int(rng.integers(1, 40))).tolist()
+        out.append((shared if i % 4 else shared[:5]) + tail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return _prompts()
+
+
+@pytest.fixture(scope="module")
+def hf_ref(tiny_dir, prompts):
+    return hf_greedy(tiny_dir, prompts, MAX_NEW)
+
+
+CONFIGS = {
+    "prefix-on-ps16": dict(page_size=16),
+    "prefix-off-ps16": dict(page_size=16, enable_prefix_caching=False),
+    "prefix-on-ps4": dict(page_size=4),
+    "prefix-off-ps4": dict(page_size=4, enable_prefix_caching=False),
+    "chunked-prefill": dict(page_size=4, max_num_batched_tokens=16),
+    # 40 pages of 4 tokens cannot hold 16 sequences of ~60 tokens: forces preemption.
+    "preemption": dict(page_size=4, num_pages=40, max_num_batched_tokens=32),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_hf(tiny_dir, prompts, hf_ref, name):
+    kw = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, warmup=False) | CONFIGS[name]
+    llm = LLM(tiny_dir, **kw)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for i, (o, ref) in enumerate(zip(outs, hf_ref, strict=True)):
+        assert o.outputs[0].token_ids == ref, f"prompt {i} differs from HF"
+        assert o.outputs[0].finish_reason == "length"
+        assert o.outputs[0].weights_versions == [1] * MAX_NEW
+    if name == "preemption":
+        assert llm.engine.sched.num_preemptions > 0
+    if name == "chunked-prefill":
+        assert max(len(p) for p in prompts) > 16  # prompts really were split into chunks
+    llm.engine.check_invariants()
+    assert not llm.engine.sched.running and not llm.engine.sched.waiting
+    assert int(llm.engine.sched.pool.refcount.sum()) == 0  # nothing owned: no leak
+    # logprobs are the raw-distribution log-probs that score() returns
+    scores = llm.score([(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)])
+    for o, s in zip(outs, scores, strict=True):
+        np.testing.assert_allclose(o.outputs[0].logprobs, s, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(tiny_dir, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16)
+
+
+def test_repeated_prompt_hits_prefix_cache(llm, prompts):
+    p = prompts[1]
+    first = llm.generate([p], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([p], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(p) - 1) // 16 * 16 > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    np.testing.assert_allclose(again.outputs[0].logprobs, first.outputs[0].logprobs, atol=1e-5)
+
+
+def test_seeded_sampling_is_batch_independent(llm, prompts):
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[3]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)] * 5
+    batch = llm.generate(prompts[:5] + [prompts[3]], others + [sp], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    unseeded = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
+    a, b = llm.generate([prompts[3], prompts[3]], unseeded, use_tqdm=False)
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids  # independent draws
+
+
+def test_n_samples_share_prompt_pages(llm, prompts):
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompts[2]], sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:  # each sample's logprobs are the model's, under its own prefix
+        np.testing.assert_allclose(c.logprobs, llm.score(prompts[2], c.token_ids), atol=1e-4)
+    llm.engine.check_invariants()
+
+
+def test_sampling_filters(llm, prompts):
+    top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True, seed=3)
+    greedy = llm.generate([prompts[4]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([prompts[4]], top1, use_tqdm=False)[0].outputs[0].token_ids == greedy[:8]
+    tiny_p = SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, ignore_eos=True, seed=3)
+    assert llm.generate([prompts[4]], tiny_p, use_tqdm=False)[0].outputs[0].token_ids == greedy[:8]
+    minp = SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, ignore_eos=True, seed=3)
+    assert llm.generate([prompts[4]], minp, use_tqdm=False)[0].outputs[0].token_ids == greedy[:8]
+
+
+def test_stop_conditions(llm, prompts):
+    greedy = llm.generate([prompts[5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_tok = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[greedy[3]], ignore_eos=True)
+    out = llm.generate([prompts[5]], stop_tok, use_tqdm=False)[0].outputs[0]
+    first = greedy.index(greedy[3])
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop" and out.stop_reason == greedy[3]
+    text = llm.tokenizer.decode(greedy)
+    stop_str = text[len(text) // 2 : len(text) // 2 + 2]
+    out = llm.generate([prompts[5]], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=[stop_str], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and stop_str not in out.text and text.startswith(out.text)
+    # EOS ends generation unless ignore_eos
+    eos = llm.engine.eos_ids[0]
+    assert eos in llm.engine.eos_ids
+
+
+def test_text_prompts_and_errors(llm):
+    out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert out.prompt == "Hello world" and out.prompt_token_ids == llm.tokenizer.encode("Hello world")
+    with pytest.raises(PromptTooLong, match="max_model_len is 128"):
+        llm.generate([[5] * 128], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate([[10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert not llm.engine.requests  # refused requests left nothing behind
+
+
+def test_abort_frees_pages(llm, prompts):
+    eng = llm.engine
+    rids = [eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)) for p in prompts[:6]]
+    for _ in range(3):
+        eng.step()
+    assert eng.num_running() > 0
+    for r in rids:
+        eng.abort(r)
+    assert eng.num_running() == 0 and not eng.requests
+    eng.check_invariants()
+    assert int(eng.sched.pool.refcount.sum()) == 0
+
+
+def test_no_recompilation_after_warmup(llm):
+    rng = np.random.default_rng(5)
+    batches = [[rng.integers(10, 500, int(n)).tolist() for n in rng.integers(1, 100, size=k)] for k in (1, 3, 8, 5)]
+    with count_compiles() as compiles:
+        for b in batches:
+            llm.generate(b, SamplingParams(temperature=0.7, max_tokens=int(rng.integers(2, 20)), seed=1), use_tqdm=False)
+    assert compiles() == 0
