@@ -74,7 +74,12 @@ def place_params(params: Params, abstract: Params) -> Params:
 
     def put(x, spec):
         sharding = spec.sharding
-        if isinstance(x, jax.Array) and sharding is not None and x.sharding.is_equivalent_to(sharding, x.ndim):
+        if (
+            isinstance(x, jax.Array)
+            and sharding is not None
+            and x.committed  # uncommitted arrays would key a separate jit cache entry: recompiles
+            and x.sharding.is_equivalent_to(sharding, x.ndim)
+        ):
             return x
         return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
 

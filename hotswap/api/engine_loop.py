@@ -1,0 +1,210 @@
+"""The bridge between asyncio handlers and the engine: one stepping thread, per-request callbacks.
+
+`engine.step()` is blocking device work, so it runs in `EngineLoop`'s own thread,
+which steps while there is work and otherwise sleeps on a `threading.Event`.
+Outputs reach the event loop through the engine's per-request sink and
+`loop.call_soon_threadsafe` into the handler's `asyncio.Queue`. Engine calls that
+take the engine lock (add_request, lifecycle calls) run in worker threads, so a
+long update never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hmac
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import anyio
+from fastapi import Request
+
+from hotswap.api.errors import ModelNotFound, ShuttingDown, Unauthorized
+from hotswap.engine.engine import Engine
+from hotswap.engine.outputs import RequestOutput
+from hotswap.engine.sampling import SamplingParams
+
+log = logging.getLogger("hotswap.api")
+
+# Consecutive failed steps after which in-flight requests are failed instead of retried
+# (the engine recovers a failed step by recomputing, so one failure is usually transient).
+MAX_STEP_FAILURES = 3
+IDLE_WAIT_S = 0.5  # the event wakes the loop at once; the timeout only bounds a missed wake-up
+STALL_WAIT_S = 0.005  # work exists but nothing could be scheduled (e.g. admission held by a drain)
+
+OnOutput = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineLoop:
+    """Calls `engine.step()` in a background thread while the engine has work."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._callbacks: dict[str, OnOutput] = {}
+        self._cb_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="hotswap-engine-loop", daemon=True)
+        self.step_failures = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def notify(self) -> None:
+        """New work (or a lifecycle change that may release held work)."""
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- requests (called from worker threads) ------------------------------
+
+    def add_request(
+        self, rid: str, prompt: list[int], params: SamplingParams, stream: bool, on_output: OnOutput
+    ):
+        """Queue in the engine; raises the engine's typed errors before anything is queued."""
+
+        def sink(out: RequestOutput) -> None:
+            if out.finished:
+                with self._cb_lock:
+                    self._callbacks.pop(out.request_id, None)
+            on_output(out)
+
+        with self._cb_lock:
+            self._callbacks[rid] = on_output
+        try:
+            self.engine.add_request(rid, prompt, params, sink=sink, stream=stream)
+        except BaseException:
+            with self._cb_lock:
+                self._callbacks.pop(rid, None)
+            raise
+        self._wake.set()
+
+    def abort(self, rid: str) -> None:
+        """Non-blocking (safe from a cancelled handler): the loop thread aborts before its next step."""
+        self._aborts.append(rid)
+        self._wake.set()
+
+    # ---- the thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            # Clear before checking for work: a request added after the check sets the
+            # event again, so the wait below returns at once and nothing is missed.
+            self._wake.clear()
+            while self._aborts:
+                engine.abort(self._aborts.popleft())
+            if not engine.has_unfinished():
+                self._wake.wait(IDLE_WAIT_S)
+                continue
+            before = engine.stats["steps"]
+            try:
+                engine.step()
+                self.step_failures = 0
+            except Exception as e:  # the engine already recovered its state; decide whether to retry
+                self.step_failures += 1
+                log.exception("engine step failed (%d in a row)", self.step_failures)
+                if self.step_failures >= MAX_STEP_FAILURES:
+                    self._fail_all(e)
+                continue
+            if engine.stats["steps"] == before:
+                self._wake.wait(STALL_WAIT_S)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cb_lock:
+            callbacks, self._callbacks = self._callbacks, {}
+        for rid, cb in callbacks.items():
+            cb(exc)  # first, so the handler reports the error rather than the abort that follows
+            self.engine.abort(rid)
+        self.step_failures = 0
+
+
+@dataclasses.dataclass
+class ServerContext:
+    """Everything a route needs, stored on `app.state.ctx`."""
+
+    engine: Engine
+    loop: EngineLoop
+    model_names: list[str]
+    api_key: str | None = None
+    admin_key: str | None = None
+    shutting_down: bool = False
+    weight_updates: int = 0
+    started_at: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ModelNotFound(f"model {name!r} is not served here; available: {self.model_names}")
+
+    def check_admitting(self) -> None:
+        if self.shutting_down:
+            raise ShuttingDown("the server is shutting down: in-flight requests finish, new ones are refused")
+
+    async def run_sync(self, fn: Callable, *args, **kwargs):
+        """Run a blocking engine call in a worker thread, then wake the loop (held work may resume)."""
+        try:
+            return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        finally:
+            self.loop.notify()
+
+    async def submit(
+        self, prompt: list[int], params: SamplingParams, stream: bool, queue: asyncio.Queue
+    ) -> str:
+        """Add one engine request whose outputs (or a fatal error) arrive on `queue`."""
+        aloop = asyncio.get_running_loop()
+
+        def on_output(item: RequestOutput | BaseException) -> None:
+            try:
+                aloop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: the client is gone anyway
+                pass
+
+        rid = uuid.uuid4().hex
+        await anyio.to_thread.run_sync(lambda: self.loop.add_request(rid, prompt, params, stream, on_output))
+        return rid
+
+
+def ctx_of(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _key_ok(given: str | None, *keys: str | None) -> bool:
+    # compare_digest: the time taken must not reveal how much of a key matched.
+    return given is not None and any(k is not None and hmac.compare_digest(given, k) for k in keys)
+
+
+def require_api_key(request: Request) -> None:
+    """/v1/*: the api key (or the admin key) when one is configured."""
+    ctx = ctx_of(request)
+    if ctx.api_key is not None and not _key_ok(_bearer(request), ctx.api_key, ctx.admin_key):
+        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <api key>'")
+
+
+def require_admin(request: Request) -> None:
+    """Lifecycle routes: the admin key; without one configured, the api key guards them instead."""
+    ctx = ctx_of(request)
+    key = ctx.admin_key if ctx.admin_key is not None else ctx.api_key
+    if key is not None and not _key_ok(_bearer(request), key):
+        raise Unauthorized("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")

@@ -1,0 +1,241 @@
+"""OpenAI wire format: request models (pydantic) and response/chunk builders.
+
+Requests forbid unknown fields, so a typo such as `max_token` is a 400 naming
+the field instead of a silently ignored knob. Fields the official `openai`
+client can send are accepted; those this engine cannot honour (penalties,
+logit_bias, tools, ...) are accepted only at their neutral value and refused
+otherwise, again naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hotswap.engine.outputs import CompletionOutput, RequestOutput
+from hotswap.engine.sampling import SamplingParams
+from hotswap.errors import RequestError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted for openai-client compatibility; only neutral values (see `_check_neutral`).
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def _check_neutral(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise unsupported(name, "penalties are not implemented; leave it unset or 0")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "logit bias is not implemented; leave it unset or {}")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_neutral()
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+def unsupported(param: str, why: str) -> RequestError:
+    err = RequestError(f"{param}: {why}")
+    err.param = param  # type: ignore[attr-defined]  # surfaced as the OpenAI error's `param`
+    return err
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        if not p:
+            raise unsupported("prompt", "the prompt list is empty")
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        if self.best_of not in (None, self.n):
+            raise unsupported("best_of", "best_of != n is not implemented")
+        if self.suffix:
+            raise unsupported("suffix", "suffix (insertion) is not implemented")
+        return self._sampling(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        c = self.content
+        text = "".join(p.text for p in c) if isinstance(c, list) else (c or "")
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    # Accepted and ignored: bookkeeping fields with no effect on generation.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted only at their neutral value.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise unsupported("tools", "tool calling is not implemented")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", "tool calling is not implemented")
+        if self.response_format not in (None, {"type": "text"}):
+            raise unsupported("response_format", "only {'type': 'text'} is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise unsupported("top_logprobs", "top_logprobs needs logprobs=true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def version_fields(comp: CompletionOutput) -> dict[str, Any]:
+    """Per-choice provenance: spans only when the tokens came from more than one version."""
+    spans = comp.weights_version_spans
+    return {"weights_version_spans": spans} if len(spans) > 1 else {}
+
+
+def response_version(outs: list[RequestOutput]) -> int:
+    """Top-level `weights_version`: the version that produced the newest token (else the engine's)."""
+    last = [c.weights_versions[-1] for o in outs for c in o.outputs if c.weights_versions]
+    return max(last) if last else max(o.weights_version for o in outs)
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _token_str(tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer is not None else str(tid)
+
+
+def completion_logprobs(tokenizer, comp: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
+    """Legacy completions format for tokens [start:]: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [_token_str(tokenizer, t) for t in comp.token_ids[start:]]
+    offsets, pos = [], text_offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = None
+    if comp.top_logprobs is not None:
+        top = [{_token_str(tokenizer, i): lp for i, lp in d.items()} for d in comp.top_logprobs[start:]]
+    return {
+        "tokens": tokens,
+        "token_logprobs": comp.logprobs[start:],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, comp: CompletionOutput, start: int) -> dict[str, Any]:
+    """Chat format for tokens [start:]: content = [{token, logprob, bytes, top_logprobs}]."""
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = _token_str(tokenizer, tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    content = []
+    for k in range(start, len(comp.token_ids)):
+        e = entry(comp.token_ids[k], comp.logprobs[k])
+        tops = comp.top_logprobs[k] if comp.top_logprobs is not None else {}
+        e["top_logprobs"] = [entry(i, lp) for i, lp in tops.items()]
+        content.append(e)
+    return {"content": content}
+
+
+class TextDelta:
+    """Streamed text for one choice, always a prefix of the final (non-streamed) text.
+
+    The engine hands over the full decoded text each step. Text is held back while it
+    ends in U+FFFD (a multi-byte character split across tokens) or in a prefix of a
+    stop string (which the engine would cut if the next token completes it).
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.sent = ""
+
+    def next(self, comp: CompletionOutput) -> str:
+        text = comp.text
+        if comp.finish_reason is None:
+            text = text.rstrip("\ufffd")
+            hold = max(
+                (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                default=0,
+            )
+            text = text[: len(text) - hold]
+        if not text.startswith(self.sent):
+            return ""  # should not happen with byte-level BPE; never resend text
+        delta, self.sent = text[len(self.sent) :], text
+        return delta

@@ -1,0 +1,292 @@
+"""OpenAI routes: /v1/completions and /v1/chat/completions, plain JSON or SSE streams.
+
+Every response and every stream chunk carries a top-level `weights_version`;
+a choice whose tokens came from more than one version carries
+`weights_version_spans`. A stream always ends with `data: [DONE]`; an error
+after the first byte is sent as an error event first, never as a silent cut.
+A client that disconnects has its engine request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
+from hotswap.api.errors import PromptTooLong, exception_body
+from hotswap.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TextDelta,
+    chat_logprobs,
+    completion_logprobs,
+    response_version,
+    unsupported,
+    usage,
+    version_fields,
+)
+from hotswap.engine.outputs import CompletionOutput, RequestOutput
+from hotswap.engine.sampling import SamplingParams
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
+CLIENT_GONE = 499  # nginx's "client closed request": never seen by a client, only in access logs
+
+
+def _check_length(ctx: ServerContext, prompt_ids: list[int], max_tokens: int | None) -> None:
+    """vLLM's rule: the prompt plus max_tokens must fit max_model_len (the engine checks the prompt)."""
+    mml = ctx.engine.ecfg.max_model_len
+    if len(prompt_ids) >= mml or (max_tokens is not None and len(prompt_ids) + max_tokens > mml):
+        raise PromptTooLong(
+            f"this model's maximum context length is {mml} tokens, but the request has {len(prompt_ids)} "
+            f"prompt tokens and max_tokens={max_tokens}; shorten the prompt or lower max_tokens"
+        )
+
+
+async def _start(
+    ctx: ServerContext, prompts: list[list[int]], sp: SamplingParams, stream: bool
+) -> tuple[asyncio.Queue, list[str]]:
+    """Queue one engine request per prompt; all outputs arrive on one asyncio queue."""
+    ctx.check_admitting()
+    for ids in prompts:
+        _check_length(ctx, ids, sp.max_tokens)
+    queue: asyncio.Queue = asyncio.Queue()
+    rids: list[str] = []
+    try:
+        for ids in prompts:
+            rids.append(await ctx.submit(ids, sp, stream, queue))
+    except BaseException:
+        for rid in rids:  # a later prompt was refused (e.g. queue full): drop the earlier ones too
+            ctx.loop.abort(rid)
+        raise
+    return queue, rids
+
+
+async def _collect(ctx: ServerContext, request: Request, queue: asyncio.Queue, rids: list[str]):
+    """Final outputs in prompt order, or None if the client went away (its requests are aborted)."""
+    final: dict[str, RequestOutput] = {}
+    try:
+        while len(final) < len(rids):
+            try:
+                item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                final[item.request_id] = item
+    finally:
+        for rid in rids:
+            if rid not in final:
+                ctx.loop.abort(rid)
+    return [final[r] for r in rids]
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _chunk_version(out: RequestOutput, comp: CompletionOutput) -> int:
+    return comp.weights_versions[-1] if comp.weights_versions else out.weights_version
+
+
+async def _stream(
+    ctx: ServerContext,
+    queue: asyncio.Queue,
+    rids: list[str],
+    sp: SamplingParams,
+    head: list[dict],
+    choice: Callable[[int, CompletionOutput, str, int], dict],
+    wrap: Callable[[list[dict], int], dict],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token)` builds one."""
+    deltas: dict[int, TextDelta] = {}
+    sent_tokens: dict[int, int] = {}
+    done_choices: set[int] = set()
+    final: dict[str, RequestOutput] = {}
+    prompt_index = {rid: i for i, rid in enumerate(rids)}
+    try:
+        for chunk in head:
+            yield _sse(chunk)
+        while len(final) < len(rids):
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            for comp in item.outputs:
+                ci = prompt_index[item.request_id] * sp.n + comp.index
+                if ci in done_choices:
+                    continue
+                text = deltas.setdefault(ci, TextDelta(sp.stop)).next(comp)
+                if not text and comp.finish_reason is None:
+                    continue  # held back (partial character or stop-string prefix)
+                start = sent_tokens.get(ci, 0)
+                sent_tokens[ci] = len(comp.token_ids)
+                if comp.finish_reason is not None:
+                    done_choices.add(ci)
+                yield _sse(wrap([choice(ci, comp, text, start)], _chunk_version(item, comp)))
+            if item.finished:
+                final[item.request_id] = item
+        if include_usage:
+            outs = [final[r] for r in rids]
+            yield _sse({**wrap([], response_version(outs)), "usage": usage(outs)})
+    except Exception as e:  # after the first byte the status is sent: report in-band, then [DONE]
+        yield _sse(exception_body(e)[1])
+    finally:  # also runs on client disconnect (the generator is cancelled / closed)
+        for rid in rids:
+            if rid not in final:
+                ctx.loop.abort(rid)
+    yield "data: [DONE]\n\n"
+
+
+def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
+    # X-Accel-Buffering: a reverse proxy must not hold back tokens.
+    return StreamingResponse(
+        gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+# --------------------------------------------------------------------------- /v1/completions
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    ctx = ctx_of(request)
+    ctx.check_model(body.model)
+    sp = body.sampling_params()
+    if body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not implemented")
+    tok = ctx.engine.tokenizer
+    prompts = [ctx.engine.tokenize(p) for p in body.prompts()]
+    echo = [
+        (text if text is not None else tok.decode(ids)) if body.echo and tok else "" for text, ids in prompts
+    ]
+    queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream)
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def wrap(choices: list[dict], version: int) -> dict:
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": choices,
+            "weights_version": version,
+        }
+
+    def choice(ci: int, comp: CompletionOutput, text: str, start: int, offset: int = 0) -> dict:
+        lp = completion_logprobs(tok, comp, start, offset) if body.logprobs is not None else None
+        out = {"index": ci, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        if comp.finish_reason is not None:
+            out.update(stop_reason=comp.stop_reason, **version_fields(comp))
+        return out
+
+    if body.stream:
+        n = sp.n
+        head = [
+            wrap(
+                [{"index": p * n + i, "text": e, "logprobs": None, "finish_reason": None}],
+                ctx.engine.weights_version,
+            )
+            for p, e in enumerate(echo)
+            if e
+            for i in range(n)
+        ]
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _streaming(_stream(ctx, queue, rids, sp, head, choice, wrap, include_usage))
+
+    outs = await _collect(ctx, request, queue, rids)
+    if outs is None:
+        return Response(status_code=CLIENT_GONE)
+    choices = [
+        choice(p * sp.n + c.index, c, echo[p] + c.text, 0, len(echo[p]))
+        for p, o in enumerate(outs)
+        for c in o.outputs
+    ]
+    return JSONResponse({**wrap(choices, response_version(outs)), "usage": usage(outs)})
+
+
+# --------------------------------------------------------------------------- /v1/chat/completions
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = ctx_of(request)
+    ctx.check_model(body.model)
+    sp = body.sampling_params()
+    tok = ctx.engine.tokenizer
+    if tok is None:
+        raise unsupported("messages", "this model has no tokenizer; use /v1/completions with token ids")
+    ids = tok.apply_chat_template(
+        [m.as_template_input() for m in body.messages],
+        add_generation_prompt=body.add_generation_prompt,
+        tokenize=True,
+    )
+    queue, rids = await _start(ctx, [list(ids)], sp, body.stream)
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    kind = "chat.completion.chunk" if body.stream else "chat.completion"
+
+    def wrap(choices: list[dict], version: int) -> dict:
+        return {
+            "id": cid,
+            "object": kind,
+            "created": created,
+            "model": ctx.model_name,
+            "choices": choices,
+            "weights_version": version,
+        }
+
+    def logprobs(comp: CompletionOutput, start: int) -> dict | None:
+        return chat_logprobs(tok, comp, start) if body.logprobs else None
+
+    def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int) -> dict:
+        out = {"index": ci, "delta": {"content": text}, "logprobs": logprobs(comp, start)}
+        out["finish_reason"] = comp.finish_reason
+        if comp.finish_reason is not None:
+            out.update(stop_reason=comp.stop_reason, **version_fields(comp))
+        return out
+
+    if body.stream:
+        # The role comes first, once per choice, as OpenAI sends it.
+        head = [
+            wrap(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                ctx.engine.weights_version,
+            )
+            for i in range(sp.n)
+        ]
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _streaming(_stream(ctx, queue, rids, sp, head, delta_choice, wrap, include_usage))
+
+    outs = await _collect(ctx, request, queue, rids)
+    if outs is None:
+        return Response(status_code=CLIENT_GONE)
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs(c, 0),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            **version_fields(c),
+        }
+        for c in outs[0].outputs
+    ]
+    return JSONResponse({**wrap(choices, response_version(outs)), "usage": usage(outs)})
