@@ -6,5 +6,13 @@ from hotswap.engine.llm import LLM
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig"]
+__all__ = [
+    "LLM",
+    "Engine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "ModelConfig",
+]
 __version__ = "0.1.0"

@@ -94,7 +94,9 @@ class ModelConfig:
         elif model_type in _MODEL_TYPES:
             arch = model_type
         else:
-            raise ConfigError(f"model_type={model_type!r} is not supported; supported: {sorted(_MODEL_TYPES)}")
+            raise ConfigError(
+                f"model_type={model_type!r} is not supported; supported: {sorted(_MODEL_TYPES)}"
+            )
 
         def need(key):
             if key not in cfg:
@@ -109,7 +111,9 @@ class ModelConfig:
         # transformers 5 moved rope settings into `rope_parameters`; 4.x used
         # top-level `rope_theta` + `rope_scaling`. Accept both.
         rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type") not in (None, "default") else None
+        )
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_scaling = None
         if scaling:
@@ -135,9 +139,7 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         uses_window = cfg.get("use_sliding_window", arch == "mistral")
         if uses_window and window is not None and int(window) < max_pos:
-            raise ConfigError(
-                f"sliding_window={window} < max_position_embeddings={max_pos} is not supported"
-            )
+            raise ConfigError(f"sliding_window={window} < max_position_embeddings={max_pos} is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         src_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"

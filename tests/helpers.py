@@ -34,7 +34,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     with torch.no_grad():
         for p in prompts:
             ids = model.generate(
-                torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([p]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
             out.append(ids[0, len(p) :].tolist())
     return out

@@ -114,13 +114,21 @@ def test_sampling_filters(llm, prompts):
 
 def test_stop_conditions(llm, prompts):
     greedy = llm.generate([prompts[5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    stop_tok = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[greedy[3]], ignore_eos=True)
+    stop_tok = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=[greedy[3]], ignore_eos=True
+    )
     out = llm.generate([prompts[5]], stop_tok, use_tqdm=False)[0].outputs[0]
     first = greedy.index(greedy[3])
-    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop" and out.stop_reason == greedy[3]
+    assert (
+        out.token_ids == greedy[: first + 1] and out.finish_reason == "stop" and out.stop_reason == greedy[3]
+    )
     text = llm.tokenizer.decode(greedy)
     stop_str = text[len(text) // 2 : len(text) // 2 + 2]
-    out = llm.generate([prompts[5]], SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=[stop_str], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompts[5]],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=[stop_str], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and stop_str not in out.text and text.startswith(out.text)
     # EOS ends generation unless ignore_eos
     eos = llm.engine.eos_ids[0]
@@ -141,7 +149,10 @@ def test_text_prompts_and_errors(llm):
 
 def test_abort_frees_pages(llm, prompts):
     eng = llm.engine
-    rids = [eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)) for p in prompts[:6]]
+    rids = [
+        eng.add_request(None, p, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        for p in prompts[:6]
+    ]
     for _ in range(3):
         eng.step()
     assert eng.num_running() > 0
@@ -154,8 +165,14 @@ def test_abort_frees_pages(llm, prompts):
 
 def test_no_recompilation_after_warmup(llm):
     rng = np.random.default_rng(5)
-    batches = [[rng.integers(10, 500, int(n)).tolist() for n in rng.integers(1, 100, size=k)] for k in (1, 3, 8, 5)]
+    batches = [
+        [rng.integers(10, 500, int(n)).tolist() for n in rng.integers(1, 100, size=k)] for k in (1, 3, 8, 5)
+    ]
     with count_compiles() as compiles:
         for b in batches:
-            llm.generate(b, SamplingParams(temperature=0.7, max_tokens=int(rng.integers(2, 20)), seed=1), use_tqdm=False)
+            llm.generate(
+                b,
+                SamplingParams(temperature=0.7, max_tokens=int(rng.integers(2, 20)), seed=1),
+                use_tqdm=False,
+            )
     assert compiles() == 0

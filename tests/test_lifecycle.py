@@ -156,10 +156,14 @@ def test_policy_reject(llm, new_params):
 def _bad_sources(tiny_dir_b, new_params):
     cfg = hf.load_hf_dir(tiny_dir_b)[0]
     tensors = hf.hf_from_params(cfg, new_params)
-    wrong_shape = dict(tensors, **{"model.layers.0.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"].T})
+    wrong_shape = dict(
+        tensors, **{"model.layers.0.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"].T}
+    )
     wrong_dtype = jax.tree.map(lambda x: np.asarray(x, np.float16), new_params)
     missing = {k: v for k, v in tensors.items() if k != "model.norm.weight"}
-    extra = dict(tensors, **{"model.layers.9.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"]})
+    extra = dict(
+        tensors, **{"model.layers.9.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"]}
+    )
     nan = jax.tree.map(lambda x: x, new_params)
     nan["layers"][1]["wo"] = nan["layers"][1]["wo"].copy()
     nan["layers"][1]["wo"][3, 3] = np.nan
@@ -193,7 +197,12 @@ def test_bad_updates_change_nothing(llm, tiny_dir_b, new_params):
     cfg = llm.config
     tensors = hf.hf_from_params(cfg, new_params)
     names = sorted(tensors)
-    assert llm.engine.update_weights_chunk(encode_safetensors({n: tensors[n] for n in names[:5]}), finished=False, update_id="u1") is None
+    assert (
+        llm.engine.update_weights_chunk(
+            encode_safetensors({n: tensors[n] for n in names[:5]}), finished=False, update_id="u1"
+        )
+        is None
+    )
     with pytest.raises(PayloadError):
         llm.engine.update_weights_chunk({n: tensors[n] for n in names[5:]}, finished=True, update_id="u2")
     assert llm.weights_version == 1 and _gen(llm).outputs[0].token_ids == before.outputs[0].token_ids
@@ -261,8 +270,18 @@ def test_sglang_style_sequence(llm, tiny_dir_b, new_params, fresh_b):
     tensors = hf.hf_from_params(llm.config, new_params)
     names = sorted(tensors)
     half = len(names) // 2
-    assert llm.engine.update_weights_chunk(encode_safetensors({n: tensors[n] for n in names[:half]}), finished=False, update_id="x") is None
-    assert llm.engine.update_weights_chunk(encode_safetensors({n: tensors[n] for n in names[half:]}), finished=True, update_id="x") == 2
+    assert (
+        llm.engine.update_weights_chunk(
+            encode_safetensors({n: tensors[n] for n in names[:half]}), finished=False, update_id="x"
+        )
+        is None
+    )
+    assert (
+        llm.engine.update_weights_chunk(
+            encode_safetensors({n: tensors[n] for n in names[half:]}), finished=True, update_id="x"
+        )
+        == 2
+    )
     llm.wakeup(["kv_cache"])
     out = _gen(llm)
     assert out.outputs[0].token_ids == fresh_b.outputs[0].token_ids

@@ -26,9 +26,16 @@ from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
-from hotswap.engine.sequence import Sequence, Status
+from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import KVCache, initial_state
-from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
+from hotswap.errors import (
+    ConfigError,
+    EngineAsleep,
+    LifecycleConflict,
+    PromptTooLong,
+    QueueFull,
+    RequestError,
+)
 
 POLICIES = ("drain", "abort", "recompute", "keep", "reject")
 Sink = Callable[[RequestOutput], None]
@@ -74,7 +81,9 @@ class Engine:
         self.kv_sharding = kv_sharding
         spec = abstract_params(mcfg)
         if shardings is not None:
-            spec = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings)
+            spec = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings
+            )
         else:
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
@@ -166,7 +175,9 @@ class Engine:
             if rid in self.requests:
                 raise RequestError(f"request id {rid!r} is already in use")
             if len(self.sched.waiting) + params.n > self.ecfg.max_waiting:
-                raise QueueFull(f"{len(self.sched.waiting)} requests are waiting (max_waiting={self.ecfg.max_waiting})")
+                raise QueueFull(
+                    f"{len(self.sched.waiting)} requests are waiting (max_waiting={self.ecfg.max_waiting})"
+                )
             base_seed = int(self._rng.integers(2**31)) if params.seed is None else int(params.seed)
             arrival = next(self._ids)
             seqs: list[Sequence] = []
@@ -225,7 +236,9 @@ class Engine:
         touched: dict[str, Request] = {}
         try:
             for rows in calls:
-                pages, out = self.runner.run(state.params, pages, rows, decode=len(rows) > 1 or rows[0][1] == 1)
+                pages, out = self.runner.run(
+                    state.params, pages, rows, decode=len(rows) > 1 or rows[0][1] == 1
+                )
                 self._replace_pages(pages)
                 for i, (seq, n) in enumerate(rows):
                     ps = self.ecfg.page_size
@@ -263,7 +276,9 @@ class Engine:
         seq.output_logprobs.append(float(lp[i]))
         seq.output_versions.append(version)
         if seq.params.logprobs:
-            seq.output_top.append((top_ids[i, : seq.params.logprobs].copy(), top_lps[i, : seq.params.logprobs].copy()))
+            seq.output_top.append(
+                (top_ids[i, : seq.params.logprobs].copy(), top_lps[i, : seq.params.logprobs].copy())
+            )
         self.stats["generated_tokens"] += 1
         p = seq.params
         reason, stop = None, None
@@ -370,7 +385,9 @@ class Engine:
         placed = lifecycle.place_params(params, self.abstract)
         with self._lock:
             if "weights" in self.state.asleep and self.state.params is not None:
-                raise EngineAsleep("weights are asleep (level 1): call wakeup(['weights']) before update_weights")
+                raise EngineAsleep(
+                    "weights are asleep (level 1): call wakeup(['weights']) before update_weights"
+                )
             if policy == "reject":
                 busy = len(self.sched.running) + len(self.sched.waiting)
                 if busy or self.state.prefix.num_cached:
@@ -469,7 +486,12 @@ class Engine:
     def wakeup(self, tags: list[str] | None = None) -> None:
         with self._lock:
             self.state = lifecycle.wakeup(
-                self.state, tags, abstract=self.abstract, mcfg=self.mcfg, ecfg=self.ecfg, kv_sharding=self.kv_sharding
+                self.state,
+                tags,
+                abstract=self.abstract,
+                mcfg=self.mcfg,
+                ecfg=self.ecfg,
+                kv_sharding=self.kv_sharding,
             )
 
     @property

@@ -35,11 +35,17 @@ def validate_params(params: Params, abstract: Params) -> None:
     missing = sorted(want_names - got.keys())
     extra = sorted(got.keys() - want_names)
     if missing:
-        raise WeightsMismatch(f"missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        raise WeightsMismatch(
+            f"missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+        )
     if extra:
-        raise WeightsMismatch(f"unexpected tensor(s): {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
+        raise WeightsMismatch(
+            f"unexpected tensor(s): {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else "")
+        )
     if got_def != jax.tree.structure(abstract):
-        raise WeightsMismatch("params tree structure differs from the engine's (e.g. a tuple where a list is)")
+        raise WeightsMismatch(
+            "params tree structure differs from the engine's (e.g. a tuple where a list is)"
+        )
     for path, spec in want:
         name = path_name(path)
         leaf = got[name]
@@ -65,7 +71,9 @@ def _check_finite(named: dict) -> None:
         ok = np.asarray(_all_finite([named[n] for n in dev]))
         bad += [n for n, good in zip(dev, ok, strict=True) if not good]
     if bad:
-        raise NonFiniteWeights(f"{bad[0]}: contains NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        raise NonFiniteWeights(
+            f"{bad[0]}: contains NaN or Inf" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        )
 
 
 def place_params(params: Params, abstract: Params) -> Params:
@@ -142,7 +150,9 @@ def sleep(state: EngineState, level: int = 1) -> EngineState:
         raise LifecycleConflict(f"sleep level must be 1 or 2, got {level}")
     if state.asleep == SLEEP_TAGS and (level == 1 or state.params is None):
         return state
-    params = None if level == 2 else jax.tree.map(_to_host, state.params) if state.params is not None else None
+    params = (
+        None if level == 2 else jax.tree.map(_to_host, state.params) if state.params is not None else None
+    )
     return dataclasses.replace(
         state, params=params, kv=None, prefix=PrefixIndex.empty(len(state.prefix.key)), asleep=SLEEP_TAGS
     )

@@ -66,7 +66,9 @@ class LLM:
         )
         tok_path = self.model_dir / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None
-        self.engine = Engine(mcfg, params, ecfg, tokenizer, warmup=warmup, seed=seed, weights_root=weights_root)
+        self.engine = Engine(
+            mcfg, params, ecfg, tokenizer, warmup=warmup, seed=seed, weights_root=weights_root
+        )
 
     # ---- views ---------------------------------------------------------------
 
@@ -114,7 +116,11 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         ids = []
         for prompt, sp in zip(prompts, params, strict=True):
-            ids.append(self.engine.add_request(None, prompt, sp or SamplingParams(), sink=lambda o: done.__setitem__(o.request_id, o)))
+            ids.append(
+                self.engine.add_request(
+                    None, prompt, sp or SamplingParams(), sink=lambda o: done.__setitem__(o.request_id, o)
+                )
+            )
         from tqdm.auto import tqdm
 
         with tqdm(total=len(ids), desc="hotswap: generating", disable=not use_tqdm, leave=False) as bar:
@@ -156,7 +162,9 @@ class LLM:
 
     # ---- lifecycle -------------------------------------------------------------
 
-    def update_weights(self, source, *, policy: str = "drain", version: int | None = None, partial: bool = False) -> int:
+    def update_weights(
+        self, source, *, policy: str = "drain", version: int | None = None, partial: bool = False
+    ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir or safetensors bytes).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
@@ -191,7 +199,9 @@ class LLM:
 
     def _repr_html_(self) -> str:
         u, st = self.cache_usage(), self.engine.state
-        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.params)) if st.params is not None else 0
+        nbytes = (
+            sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.params)) if st.params is not None else 0
+        )
         rows = {
             "model": f"{html.escape(self.model_dir.name)} ({self.config.arch}, {self.config.num_layers} layers)",
             "weights_version": st.weights_version,

@@ -28,8 +28,17 @@ def is_params_tree(obj: Any) -> bool:
 
 def _check_same_model(model_dir: Path, cfg: ModelConfig) -> None:
     theirs = ModelConfig.from_dir(model_dir)
-    for field in ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "tie_word_embeddings"):
+    for field in (
+        "arch",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    ):
         if getattr(theirs, field) != getattr(cfg, field):
             raise WeightsMismatch(
                 f"{model_dir}/config.json: {field}={getattr(theirs, field)!r} but the engine serves "
@@ -50,7 +59,9 @@ def resolve_source(
     base = None
     if partial:
         if current is None:
-            raise WeightsMismatch("a partial update needs the current weights loaded (not after sleep level 2)")
+            raise WeightsMismatch(
+                "a partial update needs the current weights loaded (not after sleep level 2)"
+            )
         base = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), current)
     if isinstance(source, (bytes, bytearray, memoryview)):
         tensors = payload.decode_payload(bytes(source), "application/octet-stream")

@@ -18,5 +18,7 @@ def attention(q, pages, block_tables, q_positions, kv_lens, *, scale: float, imp
     if impl == "pallas":
         from hotswap.kernels import ragged_paged_attention
 
-        return ragged_paged_attention.paged_attention(q, pages, block_tables, q_positions, kv_lens, scale=scale)
+        return ragged_paged_attention.paged_attention(
+            q, pages, block_tables, q_positions, kv_lens, scale=scale
+        )
     raise ValueError(f"unknown attention impl {impl!r}; use one of {IMPLS}")

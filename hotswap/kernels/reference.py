@@ -56,7 +56,9 @@ def paged_attention(
     qg = q.reshape(b, c, hkv, hq // hkv, hd).astype(jnp.float32)
     s = jnp.einsum("bckgd,blkd->bkgcl", qg, k.astype(jnp.float32)) * scale  # [B,Hkv,G,C,L]
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-    valid = (key_pos[None, None, :] <= q_positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+    valid = (key_pos[None, None, :] <= q_positions[:, :, None]) & (
+        key_pos[None, None, :] < kv_lens[:, None, None]
+    )
     s = jnp.where(valid[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked (padding) rows
