@@ -1,18 +1,28 @@
-"""hotswap: a JAX inference engine whose hot weight updates can never serve stale KV."""
+"""hotswap: a JAX inference engine whose hot weight updates can never serve stale KV.
 
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine.engine import Engine
-from hotswap.engine.llm import LLM
-from hotswap.engine.outputs import CompletionOutput, RequestOutput
-from hotswap.engine.sampling import SamplingParams
+The public names load lazily so that `hotswap.errors` and `hotswap.api.errors`
+import without jax (for HTTP clients and tooling).
+"""
 
-__all__ = [
-    "LLM",
-    "Engine",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "EngineConfig",
-    "ModelConfig",
-]
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "LLM": "hotswap.engine.llm",
+    "Engine": "hotswap.engine.engine",
+    "SamplingParams": "hotswap.engine.sampling",
+    "RequestOutput": "hotswap.engine.outputs",
+    "CompletionOutput": "hotswap.engine.outputs",
+    "EngineConfig": "hotswap.config",
+    "ModelConfig": "hotswap.config",
+}
+
+__all__ = list(_LAZY)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hotswap' has no attribute {name!r}")

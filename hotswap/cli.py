@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -45,24 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_create_model)
 
-    try:
-        from hotswap.api import cli_serve
-
-        cli_serve.add_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from hotswap import demo
-
-        demo.add_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from hotswap import bench
-
-        bench.add_parser(sub)
-    except ImportError:
-        pass
+    for module in ("hotswap.api.cli_serve", "hotswap.demo", "hotswap.bench"):
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a real import error inside the module must surface
+                raise
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.errors import PayloadError, RequestError, WeightsPathNotAllowed
-from hotswap.checkpoint.payload import decode_json_entries
+from hotswap.checkpoint.payload import decode_json_entries, sniff_refuse_pickle
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -139,6 +139,7 @@ async def update_weights(request: Request) -> dict[str, Any]:
         opts = _ChunkOptions.model_validate(query)
         return await _apply_chunk(ctx, body, opts, content_type)
 
+    sniff_refuse_pickle(body)  # a pickle mislabelled as JSON still gets the clear refusal
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

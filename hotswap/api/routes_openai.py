@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
-from hotswap.api.errors import PromptTooLong, exception_body
+from hotswap.api.errors import EngineAsleep, PromptTooLong, exception_body
 from hotswap.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +56,11 @@ async def _start(
 ) -> tuple[asyncio.Queue, list[str]]:
     """Queue one engine request per prompt; all outputs arrive on one asyncio queue."""
     ctx.check_admitting()
+    if ctx.engine.is_sleeping:  # the engine re-checks under its lock; this one speaks REST
+        raise EngineAsleep(
+            f"the engine is asleep ({', '.join(sorted(ctx.engine.state.asleep))}): POST /wakeup first "
+            "(after /sleep?level=2: /wakeup?tags=weights, /update_weights, then /wakeup?tags=kv_cache)"
+        )
     for ids in prompts:
         _check_length(ctx, ids, sp.max_tokens)
     queue: asyncio.Queue = asyncio.Queue()
@@ -106,11 +111,11 @@ async def _stream(
     rids: list[str],
     sp: SamplingParams,
     head: list[dict],
-    choice: Callable[[int, CompletionOutput, str, int], dict],
+    choice: Callable[[int, CompletionOutput, str, int, int], dict],
     wrap: Callable[[list[dict], int], dict],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token)` builds one."""
+    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`."""
     deltas: dict[int, TextDelta] = {}
     sent_tokens: dict[int, int] = {}
     done_choices: set[int] = set()
@@ -127,14 +132,16 @@ async def _stream(
                 ci = prompt_index[item.request_id] * sp.n + comp.index
                 if ci in done_choices:
                     continue
-                text = deltas.setdefault(ci, TextDelta(sp.stop)).next(comp)
+                td = deltas.setdefault(ci, TextDelta(sp.stop))
+                text = td.next(comp)
                 if not text and comp.finish_reason is None:
                     continue  # held back (partial character or stop-string prefix)
                 start = sent_tokens.get(ci, 0)
                 sent_tokens[ci] = len(comp.token_ids)
                 if comp.finish_reason is not None:
                     done_choices.add(ci)
-                yield _sse(wrap([choice(ci, comp, text, start)], _chunk_version(item, comp)))
+                body = choice(ci, comp, text, start, len(td.sent) - len(text))
+                yield _sse(wrap([body], _chunk_version(item, comp)))
             if item.finished:
                 final[item.request_id] = item
         if include_usage:
@@ -249,7 +256,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     def logprobs(comp: CompletionOutput, start: int) -> dict | None:
         return chat_logprobs(tok, comp, start) if body.logprobs else None
 
-    def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int) -> dict:
+    def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int, _offset: int = 0) -> dict:
         out = {"index": ci, "delta": {"content": text}, "logprobs": logprobs(comp, start)}
         out["finish_reason"] = comp.finish_reason
         if comp.finish_reason is not None:

@@ -174,6 +174,10 @@ class Engine:
                 )
             if rid in self.requests:
                 raise RequestError(f"request id {rid!r} is already in use")
+            if params.n > self.ecfg.max_waiting:
+                raise RequestError(
+                    f"n={params.n} exceeds the queue capacity max_waiting={self.ecfg.max_waiting}"
+                )
             if len(self.sched.waiting) + params.n > self.ecfg.max_waiting:
                 raise QueueFull(
                     f"{len(self.sched.waiting)} requests are waiting (max_waiting={self.ecfg.max_waiting})"

@@ -13,6 +13,7 @@ import numpy as np
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig
+from hotswap.engine import sharding
 from hotswap.engine.engine import Engine
 from hotswap.engine.model import token_logprobs_jit
 from hotswap.engine.outputs import RequestOutput
@@ -46,6 +47,8 @@ class LLM:
         weights_root: str | None = None,
         max_waiting: int = 1024,
         drain_timeout_s: float = 60.0,
+        tensor_parallel_size: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         self.model_dir = Path(model)
         mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
@@ -66,8 +69,20 @@ class LLM:
         )
         tok_path = self.model_dir / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None
+        shardings = kv = None
+        if mesh is not None or tensor_parallel_size > 1:
+            mesh = mesh if mesh is not None else sharding.make_mesh(tensor_parallel_size)
+            shardings, kv = sharding.param_shardings(mcfg, mesh), sharding.kv_sharding(mcfg, mesh)
         self.engine = Engine(
-            mcfg, params, ecfg, tokenizer, warmup=warmup, seed=seed, weights_root=weights_root
+            mcfg,
+            params,
+            ecfg,
+            tokenizer,
+            warmup=warmup,
+            seed=seed,
+            weights_root=weights_root,
+            shardings=shardings,
+            kv_sharding=kv,
         )
 
     # ---- views ---------------------------------------------------------------

@@ -9,7 +9,6 @@ Python loop (unrolled) over per-layer arrays: 2-3x faster on CPU than
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -80,37 +79,56 @@ def forward_paged(
     pages: tuple[jax.Array, ...],
     tokens: jax.Array,
     positions: jax.Array,
-    slots: jax.Array,
     block_tables: jax.Array,
     kv_lens: jax.Array,
     *,
     cfg: ModelConfig,
     impl: str = "reference",
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+):
     """One engine step over a [B, C] block of tokens (decode: C=1; prefill chunk: B=1).
 
-    tokens, positions, slots: int32[B, C]; block_tables: int32[B, P]; kv_lens: int32[B]
-    (cache length after this step). Writes this step's K/V into `pages` at `slots`
-    and returns (final hidden states [B, C, D], new pages).
+    tokens, positions: int32[B, C]; block_tables: int32[B, P]; kv_lens: int32[B] (cache
+    length after this step). Returns (final hidden [B, C, D], new_kv, pages) where
+    new_kv is this step's (K, V) per layer, each [B, C, Hkv, hd].
+
+    impl "reference": attention reads the cache as it was before the step plus the
+    step's own K/V, and `pages` come back untouched; the caller writes new_kv
+    with `write_pages` in a separate donated call. Fusing write and read in one
+    XLA CPU program made it copy every layer's buffer each step (5x slower decode,
+    measured). Kernel impls write first and read the updated pages (the kernel is
+    a custom call, so nothing fuses across it); `pages` come back updated.
     """
     inv_freq = rope_inv_freq(cfg)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     b, c = tokens.shape
     x = params["embed"][tokens]  # [B, C, D]
-    flat_slots = slots.reshape(-1)
-    new_pages = []
+    new_kv, new_pages = [], []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = _qkv(lp, cfg, h, positions, inv_freq)
-            layer_pages = reference.write_kv(
-                pages[i], k.reshape(b * c, *k.shape[2:]), v.reshape(b * c, *v.shape[2:]), flat_slots
-            )
-            new_pages.append(layer_pages)
-            o = kernels.attention(q, layer_pages, block_tables, positions, kv_lens, scale=scale, impl=impl)
+            new_kv.append((k, v))
+            if impl == "reference":
+                o = reference.paged_attention_with_new(
+                    q, pages[i], k, v, block_tables, positions, kv_lens, scale=scale
+                )
+            else:
+                new_pages.append(reference.write_kv(pages[i], k, v, block_tables, positions, kv_lens))
+                o = kernels.attention(
+                    q, new_pages[-1], block_tables, positions, kv_lens, scale=scale, impl=impl
+                )
             x = x + o.reshape(b, c, cfg.q_size) @ lp["wo"]
             x = _mlp(lp, cfg, x)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), tuple(new_pages)
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return h, tuple(new_kv), (pages if impl == "reference" else tuple(new_pages))
+
+
+def write_pages(pages, new_kv, block_tables, positions, kv_lens):
+    """Write a step's K/V (per layer, [B, C, Hkv, hd]) into the page buffers (donate `pages`)."""
+    return tuple(
+        reference.write_kv(p, k, v, block_tables, positions, kv_lens)
+        for p, (k, v) in zip(pages, new_kv, strict=True)
+    )
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:
@@ -140,4 +158,3 @@ def token_logprobs(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
 
 
 token_logprobs_jit = jax.jit(token_logprobs, static_argnames=("cfg",))
-forward_paged_jit = partial(jax.jit, static_argnames=("cfg", "impl"))(forward_paged)

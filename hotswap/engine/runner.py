@@ -63,17 +63,33 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(params, pages, tokens, positions, slots, block_tables, kv_lens, sample_idx, sa, *, cfg, impl):
-    h, pages = model.forward_paged(
-        params, pages, tokens, positions, slots, block_tables, kv_lens, cfg=cfg, impl=impl
+def _step(params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, *, cfg, impl):
+    h, new_kv, pages = model.forward_paged(
+        params, pages, tokens, positions, block_tables, kv_lens, cfg=cfg, impl=impl
     )
     h_last = jnp.take_along_axis(h, sample_idx[:, None, None], axis=1)[:, 0]  # [B, D]
     with jax.named_scope("sample"):
         out = sample(model.logits_from_hidden(params, h_last), sa)
-    return pages, out
+    return (new_kv if impl == "reference" else pages), out
 
 
-step_jit = partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))(_step)
+# reference: read-only forward, then a separate in-place write of the step's K/V.
+forward_jit = partial(jax.jit, static_argnames=("cfg", "impl"))(_step)
+write_jit = jax.jit(model.write_pages, donate_argnums=(0,))
+# kernels: write and read inside one program, pages donated.
+fused_jit = partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))(_step)
+
+
+def run_step(params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, *, cfg, impl):
+    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps))."""
+    if impl == "reference":
+        new_kv, out = forward_jit(
+            params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, cfg=cfg, impl=impl
+        )
+        return write_jit(pages, new_kv, block_tables, positions, kv_lens), out
+    return fused_jit(
+        params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, cfg=cfg, impl=impl
+    )
 
 
 class Runner:
@@ -86,7 +102,6 @@ class Runner:
         """Host numpy -> fixed-shape int32 arrays: the one place engine state meets the device."""
         tokens = np.zeros((b, c), np.int32)
         positions = np.zeros((b, c), np.int32)
-        slots = np.zeros((b, c), np.int32)  # padding writes land in the null page
         tables = np.zeros((b, p), np.int32)
         kv_lens = np.zeros(b, np.int32)
         sample_idx = np.zeros(b, np.int32)
@@ -96,12 +111,12 @@ class Runner:
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, np.int32)
             tokens[i, :n] = ids
-            positions[i, :n] = pos
-            slots[i, :n] = table[pos // self.ps] * self.ps + pos % self.ps
+            positions[i, :n] = pos  # padding continues the run; kv_lens marks it as unreal
+            positions[i, n:] = np.arange(start + n, start + c)
             tables[i, : len(table)] = table
             kv_lens[i] = start + n
             sample_idx[i] = n - 1
-        return tokens, positions, slots, tables, kv_lens, sample_idx
+        return tokens, positions, tables, kv_lens, sample_idx
 
     def run(self, params: Params, pages, rows: list[tuple[Sequence, int]], decode: bool):
         """One jitted call for `rows` (a decode batch, or a single prefill chunk)."""
@@ -111,7 +126,7 @@ class Runner:
         p = pick(self.buckets.pages, max(len(s.block_table) for s, _ in rows))
         arrays = self.prepare_inputs(rows, b, c, p)
         sa = SamplingArrays.from_rows([(s.params, s.seed, len(s.output_ids)) for s, _ in rows], b)
-        pages, out = step_jit(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)
+        pages, out = run_step(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)
         tok, lp, ti, tl = jax.device_get(out)  # one host copy per call
         return pages, (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
 
@@ -126,12 +141,11 @@ class Runner:
             arrays = (
                 z((b, c), np.int32),
                 z((b, c), np.int32),
-                z((b, c), np.int32),
                 z((b, p), np.int32),
                 z(b, np.int32),
                 z(b, np.int32),
             )
             sa = SamplingArrays.from_rows([], b)
-            pages, out = step_jit(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)
+            pages, out = run_step(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)
         jax.block_until_ready(pages)
         return pages

@@ -106,10 +106,10 @@ class EngineState:
 def new_kv_cache(mcfg: ModelConfig, ecfg: EngineConfig, dtype: str | None = None, sharding=None) -> KVCache:
     shape = (ecfg.num_pages, ecfg.page_size, 2 * mcfg.num_kv_heads, mcfg.head_dim)
     dt = jnp.dtype(dtype or mcfg.dtype)
-    pages = tuple(
-        jnp.zeros(shape, dt, device=sharding) if sharding is not None else jnp.zeros(shape, dt)
-        for _ in range(mcfg.num_layers)
-    )
+    # Always committed to a sharding: uncommitted buffers would key a separate jit
+    # cache entry from the step's own (committed) outputs and recompile once.
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    pages = tuple(jnp.zeros(shape, dt, device=sharding) for _ in range(mcfg.num_layers))
     return KVCache(pages=pages, page_version=np.full(ecfg.num_pages, -1, np.int64))
 
 

@@ -65,19 +65,39 @@ def _heads_per_block(hkv: int) -> int:
 def _kernel(
     bt_ref,  # SMEM int32[B*P]: flattened block tables (clipped to valid page ids)
     lens_ref,  # SMEM int32[B]: kv lengths (clipped to P*page_size)
-    steps_ref,  # SMEM int32[B*nq]: kv blocks needed per (row, query block)
+    need_ref,  # SMEM int32[B*nq]: keys each (row, query block) can see: min(kv_len, max pos + 1)
     q_ref,  # [hpb, tq, hd]
     pos_ref,  # [tq, 1] int32 absolute position per query row (-1 for padding rows)
-    *refs,  # ppb page refs [ps, 2*hpb, hd], out [hpb, tq, hd], scratch m, l [hpb, tq, 128], acc [hpb, tq, hd]
-    ppb: int,
+    pages_hbm,  # [num_pages, ps, 2*Hkv, hd], left in HBM (pl.ANY)
+    o_ref,  # [hpb, tq, hd]
+    buf,  # VMEM [2, ppb, ps, 2*hpb, hd]: double-buffered pages
+    sem,  # DMA semaphores [2], one per buffer slot
+    m_ref,  # [hpb, tq, 128] running max (lane-replicated)
+    l_ref,  # [hpb, tq, 128] running sum
+    acc_ref,  # [hpb, tq, hd] unnormalised output
+    *,
+    p_cols: int,
     nq: int,
     scale: float,
 ):
-    page_refs, (o_ref, m_ref, l_ref, acc_ref) = refs[:ppb], refs[ppb:]
-    b, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, h, qi, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     hpb, tq, hd = q_ref.shape
-    ps = page_refs[0].shape[0]
+    _, ppb, ps, two_hpb, _ = buf.shape
     t = ppb * ps
+    need = need_ref[b * nq + qi]
+    steps = (need + t - 1) // t  # kv blocks to visit; 0 for padding rows
+    n_pages = (need + ps - 1) // ps
+
+    def for_each_page(kb, slot, action):
+        """Start or wait the DMA of every needed page of kv block `kb` (same predicate both ways,
+        so each started copy is waited exactly once)."""
+        for j in range(ppb):
+
+            @pl.when(kb * ppb + j < n_pages)
+            def _():
+                page = bt_ref[b * p_cols + kb * ppb + j]
+                src = pages_hbm.at[page, :, pl.ds(h * two_hpb, two_hpb), :]
+                action(pltpu.make_async_copy(src, buf.at[slot, j], sem.at[slot]))
 
     @pl.when(ki == 0)
     def _init():
@@ -85,16 +105,26 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(ki < steps_ref[b * nq + qi])
+        @pl.when(steps > 0)
+        def _():
+            for_each_page(0, 0, lambda c: c.start())
+
+    @pl.when(ki < steps)
     def _step():
-        kv_len = lens_ref[b]
+        slot = ki % 2
+
+        @pl.when(ki + 1 < steps)
+        def _prefetch():  # next block's pages stream in while this one computes
+            for_each_page(ki + 1, 1 - slot, lambda c: c.start())
+
+        for_each_page(ki, slot, lambda c: c.wait())
         key_pos = ki * t + lax.broadcasted_iota(jnp.int32, (1, t), 1)  # [1, T]
-        visible = (key_pos <= pos_ref[...]) & (key_pos < kv_len)  # [tq, T]
-        v_ok = ki * t + lax.broadcasted_iota(jnp.int32, (t, 1), 0) < kv_len  # [T, 1]
+        visible = (key_pos <= pos_ref[...]) & (key_pos < lens_ref[b])  # [tq, T]
+        v_ok = ki * t + lax.broadcasted_iota(jnp.int32, (t, 1), 0) < lens_ref[b]  # [T, 1]
         for j in range(hpb):  # static: each kv head of the block, its G q heads together
-            k = jnp.concatenate([r[:, 2 * j, :] for r in page_refs], axis=0).astype(jnp.float32)  # [T, hd]
-            v = jnp.concatenate([r[:, 2 * j + 1, :] for r in page_refs], axis=0).astype(jnp.float32)
-            v = jnp.where(v_ok, v, 0.0)  # unused pages may hold NaN
+            k = buf[slot, :, :, 2 * j, :].reshape(t, hd).astype(jnp.float32)  # [T, hd]
+            v = buf[slot, :, :, 2 * j + 1, :].reshape(t, hd).astype(jnp.float32)
+            v = jnp.where(v_ok, v, 0.0)  # pages past kv_len (and unfetched slots) may hold NaN
             q = q_ref[j].astype(jnp.float32)  # [tq, hd]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             s = jnp.where(visible, s * scale, -jnp.inf)  # [tq, T]
@@ -163,41 +193,33 @@ def paged_attention(
     row_pos = jnp.repeat(q_positions.astype(jnp.int32), g, axis=1)  # [B, R]
     row_pos = jnp.pad(row_pos, ((0, 0), (0, r_pad - r)), constant_values=-1)  # [B, R_pad]
 
-    # Keys each query block needs: min(kv_len, last visible position + 1) -> kv blocks (steps).
+    # Keys each query block can see: min(kv_len, last query position in the block + 1).
     lens = jnp.clip(kv_lens.astype(jnp.int32), 0, p_cols * ps)  # keys past P pages do not exist
     need = jnp.minimum(lens[:, None], row_pos.reshape(b, nq, tq).max(axis=2) + 1)  # [B, nq]
-    steps = _cdiv(jnp.maximum(need, 0), t).astype(jnp.int32).reshape(-1)
+    need = jnp.maximum(need, 0).reshape(-1)
     tables = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1).reshape(-1)  # [B*P]
 
-    def page_map(j):
-        def index_map(bi, hi, qi, ki, bt_ref, lens_ref, steps_ref):
-            # Past the last needed block, repeat it: same block index -> the pipeline skips the copy.
-            kb = jnp.maximum(jnp.minimum(ki, steps_ref[bi * nq + qi] - 1), 0)
-            col = jnp.minimum(kb * ppb + j, p_cols - 1)
-            return bt_ref[bi * p_cols + col], 0, hi, 0
-
-        return index_map
-
     q_spec = pl.BlockSpec((None, hpb, tq, hd), lambda bi, hi, qi, ki, *_: (bi, hi, qi, 0))
-    page_specs = [pl.BlockSpec((None, ps, 2 * hpb, hd), page_map(j)) for j in range(ppb)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(b, hkv // hpb, nq, nk),
         in_specs=[
             q_spec,
             pl.BlockSpec((None, tq, 1), lambda bi, hi, qi, ki, *_: (bi, qi, 0)),
-            *page_specs,
+            pl.BlockSpec(memory_space=pl.ANY),  # pages: copied page by page by the kernel
         ],
         out_specs=q_spec,
         scratch_shapes=[
-            pltpu.VMEM((hpb, tq, LANES), jnp.float32),  # running max m
-            pltpu.VMEM((hpb, tq, LANES), jnp.float32),  # running sum l
-            pltpu.VMEM((hpb, tq, hd), jnp.float32),  # unnormalised output acc
+            pltpu.VMEM((2, ppb, ps, 2 * hpb, hd), pages.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((hpb, tq, LANES), jnp.float32),
+            pltpu.VMEM((hpb, tq, LANES), jnp.float32),
+            pltpu.VMEM((hpb, tq, hd), jnp.float32),
         ],
     )
     kv_bytes = b * nq * p_cols * ps * two_hkv * hd * pages.dtype.itemsize  # upper bound (P bucket)
     out = pl.pallas_call(
-        functools.partial(_kernel, ppb=ppb, nq=nq, scale=scale),
+        functools.partial(_kernel, p_cols=p_cols, nq=nq, scale=scale),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(
@@ -210,6 +232,6 @@ def paged_attention(
         ),
         interpret=interpret,
         name="hotswap_paged_attention",
-    )(tables, lens, steps, qr, row_pos[:, :, None], *([pages] * ppb))
+    )(tables, lens, need, qr, row_pos[:, :, None], pages)
     out = out[:, :, :r].reshape(b, hkv, c, g, hd).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, c, hq, hd)

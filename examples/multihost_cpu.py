@@ -1,0 +1,139 @@
+"""Two CPU processes on loopback serve one tensor-parallel model, the way a TPU pod slice does.
+
+    python examples/multihost_cpu.py                    # launcher: 2 processes x 1 device, tp=2
+    python examples/multihost_cpu.py --local-devices 2  # 2 processes x 2 devices, tp=4
+
+The launcher writes two checkpoints (the served weights and an update), starts
+one copy of this script per process with `--process-id`, and relays their
+output. Every process builds the same LLM over the global mesh. Process 0
+drives: it wraps its engine in a `multihost.Driver`, generates, hot-swaps the
+weights from a checkpoint path, from an in-memory tree and from safetensors
+bytes (both sent by a device broadcast), sleeps and wakes up, and generates
+after each; the follower applies the same
+commands with `multihost.follow`. Each process ends by printing one JSON line
+with the outputs it saw and its weights version; they must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [list(range(5, 20)), [7, 8, 9] * 4]
+# 4 q and 4 kv heads: tensor-parallel over 2 or 4 devices.
+SHAPES = {"num_attention_heads": 4, "num_key_value_heads": 4}
+ENGINE = dict(max_model_len=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=48, warmup=False)
+
+
+def launch(args) -> int:
+    from hotswap.checkpoint.create import create_checkpoint
+
+    tmp = Path(args.workdir or tempfile.mkdtemp(prefix="hotswap-multihost-"))
+    model = create_checkpoint(tmp / "v1", preset="tiny", seed=0, overrides=SHAPES)
+    update = create_checkpoint(tmp / "v2", preset="tiny", seed=1, overrides=SHAPES)
+    with socket.socket() as s:  # only to pick a free port for jax's coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if args.local_devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--process-id", str(i), "--num-processes", str(args.num_processes)]
+            + ["--coordinator", f"127.0.0.1:{port}", "--model", str(model), "--update", str(update)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(args.num_processes)
+    ]
+    rcs = []
+    for i, p in enumerate(procs):
+        out, _ = p.communicate(timeout=args.timeout)
+        rcs.append(p.returncode)
+        for line in out.splitlines():
+            if line.startswith("{") or p.returncode:
+                print(f"[process {i}] {line}", flush=True)
+        print(f"[process {i}] exit {p.returncode}", flush=True)
+    return max(rcs)
+
+
+def serve(args) -> None:
+    import jax
+
+    from hotswap.engine import multihost
+
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    from hotswap import LLM, SamplingParams
+    from hotswap.checkpoint import hf
+    from hotswap.checkpoint.payload import encode_safetensors
+
+    # One model over every device of every process.
+    llm = LLM(args.model, tensor_parallel_size=jax.device_count(), **ENGINE)
+    seen: dict[str, dict] = {}  # request id -> token ids and the weights versions that made them
+    record = {"process": jax.process_index(), "devices": jax.device_count(), "outputs": seen}
+
+    def keep(out) -> None:
+        if out.finished:
+            c = out.outputs[0]
+            seen[out.request_id] = {"ids": c.token_ids, "versions": sorted(set(c.weights_versions))}
+
+    if jax.process_index() == 0:
+        llm.engine = driver = multihost.Driver(llm.engine)
+        sp = SamplingParams(**GREEDY)
+        rounds = []
+
+        def generate(tag: str) -> None:
+            for k, prompt in enumerate(PROMPTS):
+                driver.add_request(f"{tag}-{k}", prompt, sp, sink=keep)
+            while any(f"{tag}-{k}" not in seen for k in range(len(PROMPTS))):
+                driver.step()
+            rounds.append(llm.weights_version)
+
+        generate("v1")
+        llm.update_weights(args.update)  # a checkpoint path: every process reads it
+        generate("v2")
+        llm.update_weights(hf.load_hf_dir(args.model)[1])  # host tree: sent by device broadcast
+        generate("v3")
+        driver.sleep(1)  # params to host memory, KV dropped, on every process
+        driver.wakeup()
+        generate("v3-woken")
+        payload = encode_safetensors(hf.read_hf_tensors(args.update))
+        llm.update_weights(payload)  # safetensors bytes, as the HTTP endpoint receives them
+        generate("v4")
+        driver.reset_prefix_cache()
+        driver.stop()
+        record["versions_served"] = rounds
+    else:
+        record["commands"] = multihost.follow(llm.engine, on_output=keep)
+    record["weights_version"] = llm.weights_version
+    print(json.dumps(record), flush=True)
+    jax.distributed.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--process-id", type=int, default=None, help="set by the launcher")
+    ap.add_argument("--num-processes", type=int, default=2)
+    ap.add_argument("--local-devices", type=int, default=1, help="fake CPU devices per process")
+    ap.add_argument("--coordinator", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--update", default=None)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--workdir", default=None, help="where the launcher writes the checkpoints")
+    args = ap.parse_args()
+    if args.process_id is None:
+        sys.exit(launch(args))
+    serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Multi-host serving on JAX's multi-controller runtime: process 0 drives, the others follow.
+
+Every process holds the same Engine over one global mesh, and every jitted
+step is a collective program that all of them must issue, in the same order,
+with the same inputs. Process 0 owns the outside world (HTTP, the user's
+script): it wraps its engine in a `Driver`, which broadcasts each engine
+command (add_request, abort, step, update_weights, sleep, wakeup,
+reset_prefix_cache) before running it. Followers run `follow(engine)`, which
+applies the same commands in the same order. The scheduler is deterministic
+host code (and sampling seeds come from the engine's seeded RNG), so the
+processes stay in lock-step and every one of them sees the same tokens.
+
+Transport is JAX's own runtime, no sockets of ours: commands are small JSON
+records in the coordination service's key-value store; weight data travels as
+a device collective (`multihost_utils.broadcast_one_to_all`).
+
+Two rules keep the processes in step, and the Driver enforces them:
+- Nothing depends on wall-clock time: the `drain` policy waits without a
+  timeout, and `sleep(mode="wait")` is broadcast steps until the queue is empty.
+- Commands are broadcast and run under the engine lock, so the local order is
+  the broadcast order even with an HTTP thread and a step-loop thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from hotswap.engine import sources
+from hotswap.engine.engine import Engine
+from hotswap.engine.sampling import SamplingParams
+from hotswap.errors import ConfigError, HotswapError
+
+log = logging.getLogger(__name__)
+PREFIX = "hotswap/cmd"
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int, **kwargs) -> None:
+    """`jax.distributed.initialize`, with gloo for CPU collectives (already jax 0.10's default;
+    set so a CPU run never silently falls back to no cross-process collectives)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id, **kwargs
+    )
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise ConfigError("jax.distributed is not initialized: call multihost.initialize(...) first")
+    return client
+
+
+class Channel:
+    """An ordered command stream from process 0 to every other process (the coordination KV store)."""
+
+    def __init__(self, prefix: str = PREFIX, poll_s: float = 60.0):
+        self.client, self.prefix, self.poll_ms = _client(), prefix, int(poll_s * 1000)
+        self.next = 0  # index of the next command to send / receive
+        self.kept = 0  # oldest key not yet deleted (driver)
+
+    def send(self, cmd: dict) -> int:
+        self.client.key_value_set(f"{self.prefix}/{self.next}", json.dumps(cmd))
+        self.next += 1
+        return self.next - 1
+
+    def recv(self) -> dict:
+        """Block until the next command arrives (an idle server sends nothing for a long time)."""
+        key = f"{self.prefix}/{self.next}"
+        while True:
+            try:
+                raw = self.client.blocking_key_value_get(key, self.poll_ms)
+                break
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        self.next += 1
+        return json.loads(raw)
+
+    def forget_through(self, index: int) -> None:
+        """Delete keys <= index: only once every follower is known to have read them."""
+        for i in range(self.kept, index + 1):
+            self.client.key_value_delete(f"{self.prefix}/{i}")
+        self.kept = max(self.kept, index + 1)
+
+
+def _encode_sampling(p: SamplingParams | None) -> dict | None:
+    return dataclasses.asdict(p) if p is not None else None
+
+
+def _broadcast_weights(engine: Engine, kind: str, value=None, nbytes: int = 0):
+    """Weight data from process 0 to all, as a device collective. `value` only matters on process 0."""
+    if kind == "bytes":
+        buf = np.frombuffer(value, np.uint8) if value is not None else np.zeros(nbytes, np.uint8)
+        return multihost_utils.broadcast_one_to_all(buf).tobytes()
+    like = value if value is not None else jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), engine.abstract)
+    return multihost_utils.broadcast_one_to_all(like)
+
+
+class Driver:
+    """Process 0's handle on the engine: each command is broadcast to the followers, then run here.
+
+    It can stand in for the Engine (`llm.engine = Driver(llm.engine)`, or handed to the server):
+    commands are the methods below, and reads (weights_version, tokenizer, lock, ...) go to the engine.
+    """
+
+    def __init__(self, engine: Engine, channel: Channel | None = None):
+        if jax.process_index() != 0:
+            raise ConfigError(f"the Driver runs on process 0; this is process {jax.process_index()}")
+        self.engine, self.channel = engine, channel or Channel()
+
+    def __getattr__(self, name):  # views only: every command is defined below
+        return getattr(self.engine, name)
+
+    def _send(self, op: str, **args) -> int:
+        return self.channel.send({"op": op, **args})
+
+    def add_request(self, request_id, prompt, params=None, *, sink=None, stream=False) -> str:
+        rid = request_id or uuid.uuid4().hex  # chosen here so every process uses the same id
+        with self.engine.lock:
+            self._send(
+                "add_request", request_id=rid, prompt=prompt, params=_encode_sampling(params), stream=stream
+            )
+            return self.engine.add_request(rid, prompt, params, sink=sink, stream=stream)
+
+    def abort(self, request_id: str) -> None:
+        with self.engine.lock:
+            self._send("abort", request_id=request_id)
+            self.engine.abort(request_id)
+
+    def step(self):
+        with self.engine.lock:
+            index = self._send("step")
+            before = self.engine.stats["steps"]
+            outputs = self.engine.step()
+            if self.engine.stats["steps"] != before:
+                # The step ran collectives, so every follower has read every command up to it.
+                self.channel.forget_through(index)
+            return outputs
+
+    def update_weights(self, source, *, policy="drain", version=None, partial=False, drain_timeout_s=None):
+        """As Engine.update_weights. Paths are read by every process (a shared filesystem or bucket);
+        bytes and in-memory trees are sent from here over a device broadcast."""
+        if partial:
+            raise ConfigError(
+                "partial updates are not supported across processes; send the full weights (or a checkpoint path)"
+            )
+        del drain_timeout_s  # a timeout would let processes stop draining at different steps
+        args = dict(policy=policy, version=version)
+        with self.engine.lock:
+            if isinstance(source, (str, os.PathLike)):
+                self._send("update_weights", kind="path", path=os.fspath(source), **args)
+            elif isinstance(source, (bytes, bytearray, memoryview)):
+                self._send("update_weights", kind="bytes", nbytes=len(source), **args)
+                source = _broadcast_weights(self.engine, "bytes", bytes(source))
+            else:
+                e = self.engine
+                tree = sources.resolve_source(source, e.mcfg, current=None, abstract=e.abstract)
+                tree = jax.tree.map(np.asarray, tree)  # host copies; global arrays must be replicated
+                self._send("update_weights", kind="tree", **args)
+                source = _broadcast_weights(e, "tree", tree)
+            return self.engine.update_weights(source, **args, drain_timeout_s=math.inf)
+
+    def update_weights_chunk(self, tensors_or_bytes, *, finished, update_id=None, **kwargs):
+        """Chunks are staged here only; the merged update is broadcast as one in-memory source."""
+        from hotswap.checkpoint.payload import decode_payload
+
+        content_type = kwargs.pop("content_type", "application/octet-stream")
+        tensors = (
+            decode_payload(bytes(tensors_or_bytes), content_type)
+            if isinstance(tensors_or_bytes, (bytes, bytearray, memoryview))
+            else dict(tensors_or_bytes)
+        )
+        merged = self.engine.stager.add(tensors, finished=finished, update_id=update_id)
+        return None if merged is None else self.update_weights(merged, **kwargs)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        with self.engine.lock:
+            if mode == "wait":  # drain by broadcast steps, not by a deadline
+                while self.engine.has_unfinished() and not self.engine.is_sleeping:
+                    self.step()
+            self._send("sleep", level=level)
+            self.engine.sleep(level, "abort")
+
+    def wakeup(self, tags: list[str] | None = None) -> None:
+        with self.engine.lock:
+            self._send("wakeup", tags=tags)
+            self.engine.wakeup(tags)
+
+    def reset_prefix_cache(self) -> None:
+        with self.engine.lock:
+            self._send("reset_prefix_cache")
+            self.engine.reset_prefix_cache()
+
+    def stop(self) -> None:
+        """Release the followers from `follow`."""
+        with self.engine.lock:
+            self._send("stop")
+
+
+def apply(engine: Engine, cmd: dict):
+    """Run one broadcast command on a follower's engine."""
+    op = cmd["op"]
+    if op == "add_request":
+        params = SamplingParams(**cmd["params"]) if cmd["params"] is not None else None
+        return engine.add_request(cmd["request_id"], cmd["prompt"], params, stream=cmd["stream"])
+    if op == "abort":
+        return engine.abort(cmd["request_id"])
+    if op == "step":
+        return engine.step()
+    if op == "update_weights":
+        kind = cmd["kind"]
+        source = (
+            cmd["path"] if kind == "path" else _broadcast_weights(engine, kind, nbytes=cmd.get("nbytes", 0))
+        )
+        return engine.update_weights(
+            source, policy=cmd["policy"], version=cmd["version"], drain_timeout_s=math.inf
+        )
+    if op == "sleep":
+        return engine.sleep(cmd["level"], "abort")
+    if op == "wakeup":
+        return engine.wakeup(cmd["tags"])
+    if op == "reset_prefix_cache":
+        return engine.reset_prefix_cache()
+    raise ConfigError(f"unknown multihost command {op!r}")
+
+
+def follow(engine: Engine, channel: Channel | None = None, on_output: Callable | None = None) -> int:
+    """A follower's main loop: apply process 0's commands until it sends `stop`. Returns the count.
+
+    `on_output` gets each RequestOutput a step returns (the driver's sinks live on process 0 only).
+
+    A command that fails with a typed error fails the same way on process 0 (same state, same
+    checks), which reports it to its caller; here it is logged and the loop goes on.
+    """
+    channel = channel or Channel()
+    done = 0
+    while True:
+        cmd = channel.recv()
+        if cmd["op"] == "stop":
+            return done
+        try:
+            result = apply(engine, cmd)
+            if cmd["op"] == "step" and on_output is not None:
+                for out in result:
+                    on_output(out)
+        except HotswapError as e:
+            log.info("process %d: %s failed as on process 0: %s", jax.process_index(), cmd["op"], e)
+        done += 1

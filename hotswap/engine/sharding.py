@@ -1,0 +1,123 @@
+"""Tensor-parallel sharding: the mesh, the logical axes of every array, and the one rules table.
+
+Arrays are described by *logical* axis names ("heads", "mlp", "vocab", ...);
+`RULES` maps those names to mesh axes and is the only place in hotswap that
+names a mesh axis. The layout is Megatron-style: q/k/v and gate/up are split
+by output column (heads, mlp), o and down by input row, so each layer needs one
+all-reduce after attention and one after the MLP, and the KV cache is split by
+kv head, so attention itself never leaves the device that holds its heads.
+
+Params stay a plain pytree; shardings are a params-shaped tree of
+`NamedSharding` that `Engine(shardings=..., kv_sharding=...)` places them on.
+The jitted step is an ordinary `jax.jit`: GSPMD propagates these input
+shardings through the forward pass (see `tests/test_sharding.py` for the
+checks that it keeps KV local).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from hotswap.config import ModelConfig
+from hotswap.engine.params import Params, layer_shapes
+from hotswap.errors import ConfigError
+
+TP = "tp"  # the tensor-parallel mesh axis
+
+# Logical axis -> mesh axis (None: replicated). The only table that names mesh axes.
+RULES: dict[str, str | None] = {
+    "vocab": TP,  # lm_head columns: logits come out vocab-sharded
+    "embed": None,  # the residual stream D is replicated between layers
+    "heads": TP,  # q heads (and o's input rows)
+    "kv_heads": TP,  # k/v heads, and the KV cache's interleaved 2*kv_heads axis
+    "mlp": TP,  # F
+    "head_dim": None,
+    "kv_pages": None,
+    "page_slots": None,
+}
+
+# Logical axes of every array, by params-tree leaf name (layout in `params.py`).
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("embed",),
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"),
+    "wo": ("heads", "embed"),
+    "bq": ("heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "mlp_norm": ("embed",),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+}
+
+# [num_pages, page_size, 2*kv_heads, head_dim]: K of head h at 2h, V at 2h+1, so a
+# contiguous block of the axis holds whole (K, V) pairs when kv_heads % tp == 0.
+KV_AXES = ("kv_pages", "page_slots", "kv_heads", "head_dim")
+
+
+def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
+    """Logical axis names -> PartitionSpec through `RULES`."""
+    return PartitionSpec(*(RULES[a] if a is not None else None for a in axes))
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D ("tp",) mesh over `devices` (default: the first `tensor_parallel_size` of `jax.devices()`,
+    which spans every process in a multi-host run)."""
+    all_devices = list(devices) if devices is not None else jax.devices()
+    if tensor_parallel_size < 1 or tensor_parallel_size > len(all_devices):
+        raise ConfigError(
+            f"tensor_parallel_size={tensor_parallel_size} needs that many devices; {len(all_devices)} available"
+        )
+    chosen = all_devices[:tensor_parallel_size]
+    # Auto axes: GSPMD propagates shardings through the (unannotated) model code.
+    # jax.make_mesh orders devices along the physical topology (ICI rings on TPU).
+    return jax.make_mesh((tensor_parallel_size,), (TP,), (AxisType.Auto,), devices=chosen)
+
+
+def tp_size(mesh: Mesh) -> int:
+    return int(np.prod([mesh.shape[a] for a in set(RULES.values()) if a is not None]))
+
+
+def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
+    tp = tp_size(mesh)
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_heads} and "
+            f"num_key_value_heads={cfg.num_kv_heads}; pick a tensor_parallel_size that divides both"
+        )
+    for name, size in (("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if size % tp:
+            raise ConfigError(f"tensor_parallel_size={tp} must divide {name}={size}")
+
+
+def _named(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
+    """A params-shaped tree of NamedSharding (same structure as `params.param_shapes`)."""
+    check_divisible(cfg, mesh)
+    layer = {name: _named(mesh, PARAM_AXES[name]) for name in layer_shapes(cfg)}
+    return {
+        "embed": _named(mesh, PARAM_AXES["embed"]),
+        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "final_norm": _named(mesh, PARAM_AXES["final_norm"]),
+        "lm_head": _named(mesh, PARAM_AXES["lm_head"]),
+    }
+
+
+def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis."""
+    check_divisible(cfg, mesh)
+    return _named(mesh, KV_AXES)
