@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,12 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -ra
+
+# Both languages, warnings as errors; -E re-reads every page so a warning in an unchanged page
+# still fails. The docs' examples run in tests/test_docs.py (part of `make test`).
+docs: $(STAMP)
+	JAX_PLATFORMS=cpu $(BIN)/sphinx-build -W --keep-going -E -b html docs/en docs/_build/en
+	JAX_PLATFORMS=cpu $(BIN)/sphinx-build -W --keep-going -E -b html docs/zh_cn docs/_build/zh_cn
 
 clean:
 	rm -rf $(VENV)

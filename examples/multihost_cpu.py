@@ -75,6 +75,7 @@ def serve(args) -> None:
     from hotswap import LLM, SamplingParams
     from hotswap.checkpoint import hf
     from hotswap.checkpoint.payload import encode_safetensors
+    from hotswap.errors import HotswapError
 
     # One model over every device of every process.
     llm = LLM(args.model, tensor_parallel_size=jax.device_count(), **ENGINE)
@@ -109,6 +110,10 @@ def serve(args) -> None:
         payload = encode_safetensors(hf.read_hf_tensors(args.update))
         llm.update_weights(payload)  # safetensors bytes, as the HTTP endpoint receives them
         generate("v4")
+        try:  # a rejected update fails the same way everywhere and changes nothing
+            llm.update_weights(Path(args.update) / "no-such-checkpoint")
+        except HotswapError as e:
+            record["rejected"] = type(e).__name__
         driver.reset_prefix_cache()
         driver.stop()
         record["versions_served"] = rounds

@@ -44,6 +44,11 @@ def generate(llm: LLM) -> list[dict]:
     return [{"ids": o.outputs[0].token_ids, "lps": o.outputs[0].logprobs} for o in outs]
 
 
+def padded(spec: PartitionSpec, ndim: int) -> list:
+    """A spec as a JSON list, one entry per dim (P(None, 'tp') and P(None, 'tp', None) are the same)."""
+    return list(spec) + [None] * (ndim - len(spec))
+
+
 def describe(llm: LLM) -> dict:
     """Shardings as the test sees them: spec strings and per-device shard shapes."""
     p, pages = llm.params, llm.state.kv.pages[0]
@@ -52,7 +57,7 @@ def describe(llm: LLM) -> dict:
     def info(x):
         shards = x.addressable_shards
         return {
-            "spec": str(getattr(x.sharding, "spec", None)),
+            "spec": padded(x.sharding.spec, x.ndim) if hasattr(x.sharding, "spec") else None,
             "devices": len({s.device for s in shards}),
             "distinct": len({str(s.index) for s in shards}),
             "shard_shape": list(shards[0].data.shape),
@@ -62,21 +67,25 @@ def describe(llm: LLM) -> dict:
 
 
 def collectives(llm: LLM) -> dict:
-    """Collectives in the compiled decode (B=4) and prefill (C=16) steps, as 'op shape' -> count."""
+    """Collectives in the compiled decode (B=4) and prefill (C=16) programs, as 'op shape' -> count.
+
+    A reference step is two programs: the read-only forward (+ sampler) and the donated
+    KV write; both are checked.
+    """
     e, out = llm.engine, {}
     for name, (b, c) in {"decode": (4, 1), "prefill": (1, 16)}.items():
         z = np.zeros
-        ints = (z((b, c), np.int32),) * 3 + (z((b, 4), np.int32), z(b, np.int32), z(b, np.int32))
-        lowered = runner.step_jit.lower(
-            e.state.params,
-            e.state.kv.pages,
-            *ints,
-            SamplingArrays.from_rows([], b),
-            cfg=e.mcfg,
-            impl="reference",
-        )
-        text = lowered.compile().as_text()
-        out[name] = dict(Counter(f"{op} {shape}" for shape, op in KV_COLLECTIVE.findall(text)))
+        ints = (z((b, c), np.int32),) * 2 + (z((b, 4), np.int32), z(b, np.int32), z(b, np.int32))
+        args = (e.state.params, e.state.kv.pages, *ints, SamplingArrays.from_rows([], b))
+        fwd = runner.forward_jit.lower(*args, cfg=e.mcfg, impl="reference").compile()
+        new_kv, _ = runner.forward_jit(*args, cfg=e.mcfg, impl="reference")
+        tokens, positions, tables, kv_lens, _ = ints
+        write = runner.write_jit.lower(e.state.kv.pages, new_kv, tables, positions, kv_lens).compile()
+        for prog, compiled in (("forward", fwd), ("write", write)):
+            found = KV_COLLECTIVE.findall(compiled.as_text())
+            out[f"{name}/{prog}"] = dict(Counter(f"{op} {shape}" for shape, op in found))
+        out[f"{name}/new_kv_sharding"] = padded(new_kv[0][0].sharding.spec, 4)
+        out[f"{name}/write_in_place"] = "input_output_alias" in write.as_text()  # donation survives
     return out
 
 

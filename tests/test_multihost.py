@@ -29,11 +29,14 @@ def _example():
 
 
 @pytest.mark.slow
-def test_two_processes_serve_one_model(tmp_path):
+@pytest.mark.parametrize("local_devices", [1, 2])
+def test_two_processes_serve_one_model(tmp_path, local_devices):
+    """tp = 2 processes x 1 device, and 2 x 2 (fake CPU devices): the mesh spans both processes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device per process: tp=2 spans both processes
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "110"]
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "110"],
+        cmd + ["--local-devices", str(local_devices)],
         env=env,
         capture_output=True,
         text=True,
@@ -43,12 +46,13 @@ def test_two_processes_serve_one_model(tmp_path):
     assert re.findall(r"\[process (\d)\] exit (\d+)", proc.stdout) == [("0", "0"), ("1", "0")]
     records = [json.loads(m) for m in re.findall(r"^\[process \d\] (\{.*\})$", proc.stdout, re.M)]
     driver, follower = sorted(records, key=lambda r: r["process"])
-    assert driver["devices"] == follower["devices"] == 2
+    assert driver["devices"] == follower["devices"] == 2 * local_devices
 
     # Process 0's lifecycle calls took effect on both: same versions, same tokens.
     assert driver["versions_served"] == [1, 2, 3, 3, 4]
     assert driver["weights_version"] == follower["weights_version"] == 4
     assert follower["commands"] > 10
+    assert driver["rejected"] == "CheckpointError"  # ...and version 4 kept serving on both
     assert driver["outputs"] == follower["outputs"]
     want_version = {"v1": 1, "v2": 2, "v3": 3, "v3-woken": 3, "v4": 4}
     for rid, out in driver["outputs"].items():

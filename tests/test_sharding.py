@@ -61,14 +61,16 @@ def test_tensor_parallel_matches_single_device(result):
 def test_params_and_kv_are_sharded(result, tp):
     sh = result["tp"][str(tp)]["shardings"]
     kv = sh["kv"]  # [num_pages, page_size, 2*kv_heads=16, head_dim]
-    assert kv["spec"] == "P(None, None, 'tp')"
+    assert kv["spec"] == [None, None, "tp", None]
     assert kv["devices"] == kv["distinct"] == tp
     assert kv["shard_shape"][2] == 16 // tp  # whole (K, V) pairs of 8/tp heads per device
     p = sh["params"]
+    assert p["wq"]["spec"] == [None, "tp"]
     assert p["wq"]["shard_shape"] == [128, 128 // tp] and p["wq"]["distinct"] == tp
     assert p["wo"]["shard_shape"] == [128 // tp, 128]
     assert p["w_down"]["shard_shape"] == [256 // tp, 128]
     assert p["lm_head"]["shard_shape"] == [128, 512 // tp]
+    assert p["embed"]["shard_shape"] == [512 // tp, 128]  # vocab rows: see sharding.RULES
     assert p["attn_norm"]["distinct"] == 1  # replicated
     assert p["attn_norm"]["devices"] == tp
 
@@ -82,20 +84,28 @@ def test_bad_tensor_parallel_size_names_both_head_counts(result):
 
 
 @pytest.mark.slow
-def test_kv_stays_local_in_compiled_step(result):
-    """GSPMD must keep attention on the device holding the heads: no collective on a KV-sized array.
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_kv_stays_local_in_compiled_step(result, step):
+    """GSPMD keeps attention on the device holding the heads: no collective on a KV-sized array.
 
-    The only all-gathers allowed are the sampler's, on logit-sized [B, V] rows or
-    per-shard [B, tp] partials; all-reduces are the Megatron ones on [B, C, D].
+    The forward's only all-gathers are the sampler's, on logit-sized [B, V] rows or
+    per-shard [B, tp] partials; its all-reduces are the Megatron ones on [B, C, D]
+    (one per attention and MLP block, one for the vocab-sharded embedding lookup).
+    The separate donated KV write has no collective at all and stays in place.
     """
-    for name, ops in result["collectives"].items():
-        for key in ops:
-            op, shape = key.split(" ", 1)
-            dims = [int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d]
-            assert len(dims) <= 3, f"{name}: {key}"
-            if op == "all-gather":
-                assert len(dims) == 2 and dims[1] in (512, 8), f"{name}: {key}"
-        assert any(k.startswith("all-reduce") and k.endswith(",128]{2,1,0}") for k in ops)
+    col = result["collectives"]
+    for key in col[f"{step}/forward"]:
+        op, shape = key.split(" ", 1)
+        dims = [int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d]
+        assert len(dims) <= 3, key
+        if op == "all-gather":
+            assert len(dims) == 2 and dims[1] in (512, 8), key
+    c = 1 if step == "decode" else 16
+    b = 4 if step == "decode" else 1
+    assert col[f"{step}/forward"][f"all-reduce f32[{b},{c},128]{{2,1,0}}"] == 2 * 2 + 1
+    assert col[f"{step}/write"] == {}
+    assert col[f"{step}/write_in_place"]
+    assert col[f"{step}/new_kv_sharding"] == [None, None, "tp", None]  # [B, C, kv_heads, hd] by head
 
 
 @pytest.mark.slow

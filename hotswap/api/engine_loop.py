@@ -38,6 +38,12 @@ STALL_WAIT_S = 0.005  # work exists but nothing could be scheduled (e.g. admissi
 
 OnOutput = Callable[[RequestOutput | BaseException], None]
 
+# How a generation request (/v1/completions, /v1/chat/completions) ended; each ends in exactly one.
+# rejected: refused before generating (4xx/503: bad input, 429, asleep, shutting down);
+# aborted: a choice ended with finish_reason "abort" or the client went away; errored: 5xx or an
+# in-band error event after the stream started.
+OUTCOMES = ("completed", "aborted", "rejected", "errored")
+
 
 class EngineLoop:
     """Calls `engine.step()` in a background thread while the engine has work."""
@@ -143,6 +149,9 @@ class ServerContext:
     shutting_down: bool = False
     weight_updates: int = 0
     started_at: float = dataclasses.field(default_factory=time.time)
+    # Generation requests: received, and how they ended (total = sum(outcomes) + in flight).
+    requests_total: int = 0
+    outcomes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
 
     @property
     def model_name(self) -> str:
@@ -182,6 +191,30 @@ class ServerContext:
 
 def ctx_of(request: Request) -> ServerContext:
     return request.app.state.ctx
+
+
+TALLY_KEY = "hotswap.tally"  # ASGI scope key of a generation request's Tally
+
+
+class Tally:
+    """One generation request's outcome. The handler names it; the server's tally middleware
+    records it exactly once when the request's ASGI call ends (the first name set wins)."""
+
+    __slots__ = ("outcome",)
+
+    def __init__(self) -> None:
+        self.outcome: str | None = None
+
+    def settle(self, outcome: str) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+
+
+def settle(request: Request, outcome: str) -> None:
+    """Name how this generation request ended (a no-op outside the tally middleware)."""
+    tally = request.scope.get(TALLY_KEY)
+    if tally is not None:
+        tally.settle(outcome)
 
 
 def _bearer(request: Request) -> str | None:

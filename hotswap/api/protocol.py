@@ -38,6 +38,9 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # vLLM's field: logprob tokens as "token_id:<id>", so a client (an RL trainer re-scoring
+    # its samples) gets exact ids; decoded strings of byte-level tokens are ambiguous.
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted for openai-client compatibility; only neutral values (see `_check_neutral`).
@@ -176,20 +179,26 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _token_str(tokenizer, tid: int) -> str:
+def _token_str(tokenizer, tid: int, as_ids: bool = False) -> str:
+    if as_ids:
+        return f"token_id:{tid}"
     return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer is not None else str(tid)
 
 
-def completion_logprobs(tokenizer, comp: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer, comp: CompletionOutput, start: int, text_offset: int, as_ids: bool = False
+) -> dict[str, Any]:
     """Legacy completions format for tokens [start:]: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [_token_str(tokenizer, t) for t in comp.token_ids[start:]]
+    tokens = [_token_str(tokenizer, t, as_ids) for t in comp.token_ids[start:]]
     offsets, pos = [], text_offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     top = None
     if comp.top_logprobs is not None:
-        top = [{_token_str(tokenizer, i): lp for i, lp in d.items()} for d in comp.top_logprobs[start:]]
+        top = [
+            {_token_str(tokenizer, i, as_ids): lp for i, lp in d.items()} for d in comp.top_logprobs[start:]
+        ]
     return {
         "tokens": tokens,
         "token_logprobs": comp.logprobs[start:],
@@ -198,11 +207,11 @@ def completion_logprobs(tokenizer, comp: CompletionOutput, start: int, text_offs
     }
 
 
-def chat_logprobs(tokenizer, comp: CompletionOutput, start: int) -> dict[str, Any]:
+def chat_logprobs(tokenizer, comp: CompletionOutput, start: int, as_ids: bool = False) -> dict[str, Any]:
     """Chat format for tokens [start:]: content = [{token, logprob, bytes, top_logprobs}]."""
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
-        s = _token_str(tokenizer, tid)
+        s = _token_str(tokenizer, tid, as_ids)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     content = []

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key, settle
 from hotswap.api.errors import EngineAsleep, PromptTooLong, exception_body
 from hotswap.api.protocol import (
     ChatCompletionRequest,
@@ -97,6 +97,12 @@ async def _collect(ctx: ServerContext, request: Request, queue: asyncio.Queue, r
     return [final[r] for r in rids]
 
 
+def _ended(outs: list[RequestOutput]) -> str:
+    """The outcome of a request whose outputs all finished: 'aborted' if any choice was aborted."""
+    aborted = any(c.finish_reason == "abort" for o in outs for c in o.outputs)
+    return "aborted" if aborted else "completed"
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -114,6 +120,7 @@ async def _stream(
     choice: Callable[[int, CompletionOutput, str, int, int], dict],
     wrap: Callable[[list[dict], int], dict],
     include_usage: bool,
+    request: Request,
 ) -> AsyncIterator[str]:
     """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`."""
     deltas: dict[int, TextDelta] = {}
@@ -144,12 +151,15 @@ async def _stream(
                 yield _sse(wrap([body], _chunk_version(item, comp)))
             if item.finished:
                 final[item.request_id] = item
+        outs = [final[r] for r in rids]
         if include_usage:
-            outs = [final[r] for r in rids]
             yield _sse({**wrap([], response_version(outs)), "usage": usage(outs)})
+        settle(request, _ended(outs))
     except Exception as e:  # after the first byte the status is sent: report in-band, then [DONE]
+        settle(request, "errored")
         yield _sse(exception_body(e)[1])
     finally:  # also runs on client disconnect (the generator is cancelled / closed)
+        settle(request, "aborted")  # a no-op unless the stream was cut short
         for rid in rids:
             if rid not in final:
                 ctx.loop.abort(rid)
@@ -192,7 +202,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         }
 
     def choice(ci: int, comp: CompletionOutput, text: str, start: int, offset: int = 0) -> dict:
-        lp = completion_logprobs(tok, comp, start, offset) if body.logprobs is not None else None
+        as_ids = body.return_tokens_as_token_ids
+        lp = completion_logprobs(tok, comp, start, offset, as_ids) if body.logprobs is not None else None
         out = {"index": ci, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp))
@@ -210,9 +221,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             for i in range(n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming(_stream(ctx, queue, rids, sp, head, choice, wrap, include_usage))
+        return _streaming(_stream(ctx, queue, rids, sp, head, choice, wrap, include_usage, request))
 
     outs = await _collect(ctx, request, queue, rids)
+    settle(request, "aborted" if outs is None else _ended(outs))
     if outs is None:
         return Response(status_code=CLIENT_GONE)
     choices = [
@@ -254,7 +266,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         }
 
     def logprobs(comp: CompletionOutput, start: int) -> dict | None:
-        return chat_logprobs(tok, comp, start) if body.logprobs else None
+        return chat_logprobs(tok, comp, start, body.return_tokens_as_token_ids) if body.logprobs else None
 
     def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int, _offset: int = 0) -> dict:
         out = {"index": ci, "delta": {"content": text}, "logprobs": logprobs(comp, start)}
@@ -280,9 +292,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             for i in range(sp.n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming(_stream(ctx, queue, rids, sp, head, delta_choice, wrap, include_usage))
+        return _streaming(_stream(ctx, queue, rids, sp, head, delta_choice, wrap, include_usage, request))
 
     outs = await _collect(ctx, request, queue, rids)
+    settle(request, "aborted" if outs is None else _ended(outs))
     if outs is None:
         return Response(status_code=CLIENT_GONE)
     choices = [

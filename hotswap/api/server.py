@@ -10,17 +10,27 @@ the one table in `hotswap.api.errors`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
 
+import numpy as np
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hotswap.api import management, routes_openai
-from hotswap.api.engine_loop import EngineLoop, ServerContext, ctx_of, require_api_key
+from hotswap.api.engine_loop import (
+    OUTCOMES,
+    TALLY_KEY,
+    EngineLoop,
+    ServerContext,
+    Tally,
+    ctx_of,
+    require_api_key,
+)
 from hotswap.api.errors import HotswapError, ShuttingDown, error_body, exception_body
 from hotswap.engine.engine import Engine
 
@@ -95,15 +105,45 @@ def _metrics_text(ctx: ServerContext) -> str:
             ctx.weight_updates,
         ),
         ("is_sleeping", "gauge", "1 while any part of the engine sleeps.", int(e.is_sleeping)),
+        ("requests_total", "counter", "Generation requests received.", ctx.requests_total),
+    ]
+    in_flight = ctx.requests_total - sum(ctx.outcomes.values())
+    labelled = [
+        (
+            "request_outcomes_total",
+            "counter",
+            "Generation requests by how they ended; requests_total = their sum + in flight.",
+            [(f'outcome="{k}"', ctx.outcomes[k]) for k in OUTCOMES],
+        ),
+        (
+            "requests_in_flight",
+            "gauge",
+            "Generation requests received and not yet ended.",
+            [("", in_flight)],
+        ),
+        (
+            "kv_pages",
+            "gauge",
+            "KV pages (the null page excluded): owned by a sequence, cached in the prefix index, free.",
+            [(f'state="{k}"', v) for k, v in _page_states(e).items()],
+        ),
     ]
     lines = []
-    for name, kind, help_, value in rows:
-        lines += [
-            f"# HELP hotswap_{name} {help_}",
-            f"# TYPE hotswap_{name} {kind}",
-            f"hotswap_{name} {value}",
-        ]
+    for name, kind, help_, samples in [(n, k, h, [("", v)]) for n, k, h, v in rows] + labelled:
+        lines += [f"# HELP hotswap_{name} {help_}", f"# TYPE hotswap_{name} {kind}"]
+        lines += [f"hotswap_{name}{{{lab}}} {v}" if lab else f"hotswap_{name} {v}" for lab, v in samples]
     return "\n".join(lines) + "\n"
+
+
+def _page_states(e: Engine) -> dict[str, int]:
+    """Owned / cached / free page counts, read without the engine lock (a gauge may be a step
+    stale; a quiescent engine reads exactly). A page leaked by a bug shows up as none of them."""
+    refcount, key = e.sched.pool.refcount[1:], e.state.prefix.key[1:]
+    return {
+        "owned": int(np.count_nonzero(refcount > 0)),
+        "cached": int(np.count_nonzero((key != 0) & (refcount == 0))),
+        "free": len(e.sched.pool.free),
+    }
 
 
 def _open_routes() -> APIRouter:
@@ -145,6 +185,49 @@ def _open_routes() -> APIRouter:
         return {"object": "list", "data": data}
 
     return router
+
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _RequestTally:
+    """Counts generation requests and records exactly one outcome for each (plain ASGI, so it
+    sees every way a request ends: a handler's answer, an error status, a client hang-up)."""
+
+    def __init__(self, app, ctx: ServerContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        tally = scope[TALLY_KEY] = Tally()
+        status = 0
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.ctx.requests_total += 1
+        try:
+            await self.app(scope, receive, send_status)
+        except asyncio.CancelledError:  # the server is stopping or the client went away
+            tally.settle("aborted")
+            raise
+        except BaseException:
+            tally.settle("errored")
+            raise
+        finally:
+            # The handler's own word first; else the status: 4xx/503 refused it, 5xx failed it,
+            # and a 2xx without an outcome is a stream the client cut short.
+            if status >= 500 and status != 503:
+                tally.settle("errored")
+            elif status >= 400:
+                tally.settle("rejected")
+            tally.settle("aborted")
+            self.ctx.outcomes[tally.outcome] += 1
 
 
 class _ShutdownGate:
@@ -198,6 +281,7 @@ def create_app(
     app.state.ctx = ctx
 
     app.add_middleware(_ShutdownGate, ctx=ctx)
+    app.add_middleware(_RequestTally, ctx=ctx)  # outermost: also counts the gate's 503s
     _install_error_handlers(app)
     app.include_router(_open_routes())
     app.include_router(routes_openai.router)

@@ -249,6 +249,9 @@ class Engine:
                     first, last = seq.num_computed // ps, (seq.num_computed + n - 1) // ps
                     page_version[seq.block_table[first : last + 1]] = version
                     seq.num_computed += n
+                    # Index newly full pages before a finish can release them (then they stay cached).
+                    prefix = self.sched.register_full_pages(seq, self.state.prefix, version)
+                    self.state = dataclasses.replace(self.state, prefix=prefix)
                     if seq.num_computed == seq.total_len:
                         self._append_token(seq, out, i, version)
                     touched[seq.request_id] = self.requests[seq.request_id]
@@ -257,13 +260,8 @@ class Engine:
             # running sequence, so no accepted request is lost, then re-raise.
             self._recover()
             raise
-        prefix = self.state.prefix
-        for rows in calls:
-            for seq, _ in rows:
-                if not seq.is_finished:
-                    prefix = self.sched.register_full_pages(seq, prefix, version)
         self.state = dataclasses.replace(
-            self.state, prefix=prefix, kv=KVCache(pages=self.state.kv.pages, page_version=page_version)
+            self.state, kv=KVCache(pages=self.state.kv.pages, page_version=page_version)
         )
         self.stats["steps"] += 1
         outputs = []

@@ -69,10 +69,7 @@ class LLM:
         )
         tok_path = self.model_dir / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None
-        shardings = kv = None
-        if mesh is not None or tensor_parallel_size > 1:
-            mesh = mesh if mesh is not None else sharding.make_mesh(tensor_parallel_size)
-            shardings, kv = sharding.param_shardings(mcfg, mesh), sharding.kv_sharding(mcfg, mesh)
+        shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
         self.engine = Engine(
             mcfg,
             params,

@@ -19,6 +19,12 @@ Two rules keep the processes in step, and the Driver enforces them:
   timeout, and `sleep(mode="wait")` is broadcast steps until the queue is empty.
 - Commands are broadcast and run under the engine lock, so the local order is
   the broadcast order even with an HTTP thread and a step-loop thread.
+
+Limits: a command that fails on one process only (a checkpoint path missing
+on one host) leaves the others waiting in a collective, so paths must be
+readable everywhere; partial updates are refused (they would read the
+current, cross-process weights on one host); `LLM.score` is not a command,
+so in a multi-process run call it on every process or not at all.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from hotswap.engine import sources
+from hotswap.checkpoint import orbax_io
+from hotswap.engine import lifecycle, sources
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError
@@ -44,9 +51,12 @@ log = logging.getLogger(__name__)
 PREFIX = "hotswap/cmd"
 
 
-def initialize(coordinator: str, num_processes: int, process_id: int, **kwargs) -> None:
-    """`jax.distributed.initialize`, with gloo for CPU collectives (already jax 0.10's default;
-    set so a CPU run never silently falls back to no cross-process collectives)."""
+def initialize(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, **kwargs
+) -> None:
+    """`jax.distributed.initialize`. On TPU pods call it with no arguments (the TPU metadata has
+    them). gloo carries CPU collectives (jax 0.10's default already; set so a CPU run never
+    falls back to having none); the setting does nothing on TPU or GPU."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id, **kwargs
@@ -123,6 +133,14 @@ class Driver:
     def __getattr__(self, name):  # views only: every command is defined below
         return getattr(self.engine, name)
 
+    @property
+    def weights_root(self) -> str | None:  # the server sets it; it must reach the engine
+        return self.engine.weights_root
+
+    @weights_root.setter
+    def weights_root(self, root: str | None) -> None:
+        self.engine.weights_root = root
+
     def _send(self, op: str, **args) -> int:
         return self.channel.send({"op": op, **args})
 
@@ -160,7 +178,9 @@ class Driver:
         args = dict(policy=policy, version=version)
         with self.engine.lock:
             if isinstance(source, (str, os.PathLike)):
-                self._send("update_weights", kind="path", path=os.fspath(source), **args)
+                # Refuse a path outside weights_root here, before any follower starts on it.
+                source = os.fspath(orbax_io.resolve_weights_path(source, self.engine.weights_root))
+                self._send("update_weights", kind="path", path=source, **args)
             elif isinstance(source, (bytes, bytearray, memoryview)):
                 self._send("update_weights", kind="bytes", nbytes=len(source), **args)
                 source = _broadcast_weights(self.engine, "bytes", bytes(source))
@@ -168,6 +188,8 @@ class Driver:
                 e = self.engine
                 tree = sources.resolve_source(source, e.mcfg, current=None, abstract=e.abstract)
                 tree = jax.tree.map(np.asarray, tree)  # host copies; global arrays must be replicated
+                # Shapes must be right before the broadcast: followers receive into engine-shaped buffers.
+                lifecycle.validate_params(tree, e.abstract)
                 self._send("update_weights", kind="tree", **args)
                 source = _broadcast_weights(e, "tree", tree)
             return self.engine.update_weights(source, **args, drain_timeout_s=math.inf)

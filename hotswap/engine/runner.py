@@ -51,8 +51,10 @@ class Buckets:
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """(B, C, P) for every compiled step."""
+        # Prefill chunks always see the full table: a chunk's own compute dominates,
+        # and it keeps start-up compiles to one per chunk size.
         return [(b, 1, p) for b in self.batch for p in self.pages] + [
-            (1, c, p) for c in self.chunk for p in self.pages
+            (1, c, self.pages[-1]) for c in self.chunk
         ]
 
 
@@ -123,7 +125,11 @@ class Runner:
         n_rows = len(rows)
         b = pick(self.buckets.batch, n_rows) if decode else 1
         c = 1 if decode else pick(self.buckets.chunk, rows[0][1])
-        p = pick(self.buckets.pages, max(len(s.block_table) for s, _ in rows))
+        p = (
+            pick(self.buckets.pages, max(len(s.block_table) for s, _ in rows))
+            if decode
+            else self.buckets.pages[-1]
+        )
         arrays = self.prepare_inputs(rows, b, c, p)
         sa = SamplingArrays.from_rows([(s.params, s.seed, len(s.output_ids)) for s, _ in rows], b)
         pages, out = run_step(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)

@@ -10,8 +10,12 @@ kv head, so attention itself never leaves the device that holds its heads.
 Params stay a plain pytree; shardings are a params-shaped tree of
 `NamedSharding` that `Engine(shardings=..., kv_sharding=...)` places them on.
 The jitted step is an ordinary `jax.jit`: GSPMD propagates these input
-shardings through the forward pass (see `tests/test_sharding.py` for the
-checks that it keeps KV local).
+shardings through the forward pass. `tests/test_sharding.py` reads the
+compiled HLO to check what it chooses: per step, 2 all-reduces of [B, C, D]
+per layer plus one for the embedding, no collective on any KV-sized array
+(the interleaved K/V reshapes split a sharded major dim, so they stay local),
+and the sampler all-gathers only [B, V] logit rows (for top-k/sort) and
+[B, tp] argmax partials.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ TP = "tp"  # the tensor-parallel mesh axis
 
 # Logical axis -> mesh axis (None: replicated). The only table that names mesh axes.
 RULES: dict[str, str | None] = {
-    "vocab": TP,  # lm_head columns: logits come out vocab-sharded
+    # Embedding rows and lm_head columns. Vocab-sharded rows cost one [B, C, D] all-reduce
+    # per step (GSPMD does a masked local lookup, never an all-gather of the table) and
+    # save (tp-1)/tp of the V*D table on every device. Logits come out vocab-sharded.
+    "vocab": TP,
     "embed": None,  # the residual stream D is replicated between layers
     "heads": TP,  # q heads (and o's input rows)
     "kv_heads": TP,  # k/v heads, and the KV cache's interleaved 2*kv_heads axis
@@ -86,6 +93,9 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
 
 
 def tp_size(mesh: Mesh) -> int:
+    missing = {a for a in RULES.values() if a is not None} - set(mesh.axis_names)
+    if missing:
+        raise ConfigError(f"the mesh has axes {mesh.axis_names}; hotswap shards over {sorted(missing)}")
     return int(np.prod([mesh.shape[a] for a in set(RULES.values()) if a is not None]))
 
 
@@ -121,3 +131,17 @@ def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis."""
     check_divisible(cfg, mesh)
     return _named(mesh, KV_AXES)
+
+
+def engine_shardings(
+    cfg: ModelConfig, tensor_parallel_size: int = 1, mesh: Mesh | None = None
+) -> tuple[Params | None, NamedSharding | None]:
+    """(param shardings, KV sharding) for `Engine`; (None, None) means one device, no mesh."""
+    if mesh is None and tensor_parallel_size == 1:
+        return None, None
+    if mesh is not None and tensor_parallel_size not in (1, tp_size(mesh)):
+        raise ConfigError(
+            f"tensor_parallel_size={tensor_parallel_size} but the mesh's tp axis has {tp_size(mesh)} devices"
+        )
+    mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
+    return param_shardings(cfg, mesh), kv_sharding(cfg, mesh)

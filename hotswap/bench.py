@@ -1,0 +1,287 @@
+"""`hotswap bench`: hotswap vs HF transformers on one checkpoint, in one process, as ratios.
+
+Everything is measured in the same run (this kind of machine is shared and noisy):
+the physical limits are probed first (GEMV bandwidth, matmul FLOP/s), then each
+engine runs the same prompts with the same thread count. Prints a table and one
+JSON line, and writes a PNG of throughput vs batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="decode / serving / prefix / update benchmarks vs HF transformers")
+    p.add_argument("model_dir", nargs="?", help="HF model dir (default: create the bench-100m preset)")
+    p.add_argument("--batches", default="1,16,32")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--serving-requests", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--out", default="runs/bench")
+    p.set_defaults(func=run)
+
+
+def _timeit(fn, repeats: int) -> float:
+    """Median wall time of fn() over `repeats` runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def probe_limits() -> dict:
+    """GEMV bandwidth (bytes/s streaming a 64 MiB f32 matrix) and f32 matmul FLOP/s, via jax."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.ones((4096, 4096), jnp.float32)
+    x = jnp.ones((1, 4096), jnp.float32)
+    gemv = jax.jit(lambda x, w: x @ w)
+    t = _timeit(lambda: gemv(x, w).block_until_ready(), 10)
+    a = jnp.ones((512, 2048), jnp.float32)
+    b = jnp.ones((2048, 2048), jnp.float32)
+    mm = jax.jit(lambda a, b: a @ b)
+    t2 = _timeit(lambda: mm(a, b).block_until_ready(), 5)
+    return {"gemv_bytes_per_s": w.nbytes / t, "matmul_flops": 2 * 512 * 2048 * 2048 / t2}
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, min(vocab, 700), length).tolist() for _ in range(n)]
+
+
+def hotswap_decode(llm, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """Decode tok/s: time from every sequence having its first token until all finish."""
+    from hotswap import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    def once() -> float:
+        eng.reset_prefix_cache()
+        rids = [eng.add_request(None, p, sp) for p in prompts]
+        while any(not eng.requests[r].seqs[0].output_ids for r in rids if r in eng.requests):
+            eng.step()
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t
+
+    once()
+    dt = statistics.median(once() for _ in range(repeats))
+    return len(prompts) * (new_tokens - 1) / dt
+
+
+def hf_decode(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """HF generate decode tok/s: (time for N new tokens - time for 1) per decoded token."""
+    import torch
+
+    ids = torch.tensor(prompts)
+
+    def gen(n):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    full = _timeit(lambda: gen(new_tokens), repeats)
+    first = _timeit(lambda: gen(1), repeats)
+    return len(prompts) * (new_tokens - 1) / max(full - first, 1e-9)
+
+
+def serving_workload(llm, n: int, vocab: int, seed: int = 1) -> dict:
+    """n requests (prompts 32-512, outputs 16-128) submitted at once: throughput, TTFT, TPOT."""
+    from hotswap import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    eng = llm.engine
+    eng.reset_prefix_cache()
+    lens = rng.integers(32, 513, n)
+    outs = rng.integers(16, 129, n)
+    t0 = time.perf_counter()
+    rids = [
+        eng.add_request(
+            None,
+            rng.integers(10, min(vocab, 700), int(p)).tolist(),
+            SamplingParams(temperature=0.0, max_tokens=int(o), ignore_eos=True),
+        )
+        for p, o in zip(lens, outs, strict=True)
+    ]
+    seqs = {r: eng.requests[r].seqs[0] for r in rids}
+    first, done = {}, {}
+    while eng.has_unfinished():
+        eng.step()
+        now = time.perf_counter()
+        for r, s in seqs.items():
+            if r not in first and s.output_ids:
+                first[r] = now - t0
+            if r not in done and s.is_finished:
+                done[r] = now - t0
+    total = time.perf_counter() - t0
+    ttft = np.array([first[r] for r in rids])
+    tpot = np.array([(done[r] - first[r]) / max(int(o) - 1, 1) for r, o in zip(rids, outs, strict=True)])
+    return {
+        "requests": n,
+        "output_tokens": int(outs.sum()),
+        "throughput_tok_s": float(outs.sum() / total),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tpot_p50_s": float(np.percentile(tpot, 50)),
+        "tpot_p99_s": float(np.percentile(tpot, 99)),
+        "_plan": (lens.tolist(), outs.tolist()),
+    }
+
+
+def hf_static_batches(model, plan, vocab: int, seed: int = 1, batch: int = 16) -> dict:
+    """The same requests through HF generate in static batches of `batch` (left-padded)."""
+    import torch
+
+    lens, outs = plan
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(10, min(vocab, 700), int(p)).tolist() for p in lens]
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(map(len, group))
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(group):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        n = max(outs[i : i + batch])
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+    total = time.perf_counter() - t0
+    return {"throughput_tok_s": float(sum(outs) / total)}
+
+
+def prefix_ttft(llm, vocab: int) -> dict:
+    """TTFT of a 1,024-token prompt whose first 960 tokens are cached vs not."""
+    from hotswap import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(10, min(vocab, 700), 960).tolist()
+
+    def ttft(prompt):
+        t = time.perf_counter()
+        llm.generate([prompt], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    cold, warm = [], []
+    for i in range(3):
+        llm.reset_prefix_cache()
+        cold.append(ttft(shared + rng.integers(10, 700, 64).tolist()))
+        warm.append(ttft(shared + rng.integers(10, 700, 64).tolist()))  # hits the 960 cached tokens
+    return {"uncached_s": statistics.median(cold), "cached_s": statistics.median(warm)}
+
+
+def weight_updates(llm, model_dir: Path) -> dict:
+    """In-process same-sharding update vs an HF directory update vs raw read + device copy."""
+    import jax
+
+    from hotswap.checkpoint import hf
+
+    params = llm.params
+    same = _timeit(lambda: llm.update_weights(params), 5)
+    zero_copy = all(a is b for a, b in zip(jax.tree.leaves(llm.params), jax.tree.leaves(params), strict=True))
+    directory = _timeit(lambda: llm.update_weights(str(model_dir)), 3)
+
+    def raw():
+        tensors = hf.read_hf_tensors(model_dir)
+        jax.block_until_ready([jax.device_put(np.ascontiguousarray(t)) for t in tensors.values()])
+
+    return {
+        "same_sharding_ms": same * 1e3,
+        "zero_copy": zero_copy,
+        "directory_s": directory,
+        "raw_read_copy_s": _timeit(raw, 3),
+    }
+
+
+def run(args) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from hotswap import LLM
+    from hotswap.checkpoint.create import create_checkpoint
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir) if args.model_dir else out / "bench-100m"
+    if not (model_dir / "config.json").exists():
+        create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
+    batches = [int(b) for b in args.batches.split(",")]
+    limits = probe_limits()
+    llm = LLM(
+        model_dir, max_model_len=1088, max_num_seqs=max(batches), max_num_batched_tokens=512, page_size=16
+    )
+    cfg = llm.config
+    weight_bytes = (
+        sum(x.nbytes for x in __import__("jax").tree.leaves(llm.params)) - llm.params["embed"].nbytes
+    )
+    flops_per_token = 2 * weight_bytes / 4
+    rows = []
+    hf_model = None
+    if not args.no_hf:
+        import torch
+        import transformers
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for b in batches:
+        prompts = _prompts(b, args.prompt_len, cfg.vocab_size)
+        ours = hotswap_decode(llm, prompts, args.new_tokens, args.repeats)
+        row = {"batch": b, "hotswap_tok_s": ours}
+        row["mem_limit_tok_s"] = limits["gemv_bytes_per_s"] / weight_bytes * b
+        row["compute_limit_tok_s"] = limits["matmul_flops"] / flops_per_token
+        row["fraction_of_limit"] = ours / min(row["mem_limit_tok_s"], row["compute_limit_tok_s"])
+        if hf_model is not None:
+            row["hf_tok_s"] = hf_decode(hf_model, prompts, args.new_tokens, args.repeats)
+            row["ratio_vs_hf"] = ours / row["hf_tok_s"]
+        rows.append(row)
+        print(
+            " | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            flush=True,
+        )
+    serving = serving_workload(llm, args.serving_requests, cfg.vocab_size)
+    plan = serving.pop("_plan")
+    if hf_model is not None:
+        serving["hf_static"] = hf_static_batches(hf_model, plan, cfg.vocab_size)
+        serving["ratio_vs_hf"] = serving["throughput_tok_s"] / serving["hf_static"]["throughput_tok_s"]
+    prefix = prefix_ttft(llm, cfg.vocab_size)
+    prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
+    updates = weight_updates(llm, model_dir)
+    result = {"limits": limits, "decode": rows, "serving": serving, "prefix": prefix, "updates": updates}
+    _plot(rows, out / "throughput.png")
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["batch"] for r in rows]
+    ax.plot(xs, [r["hotswap_tok_s"] for r in rows], "o-", label="hotswap")
+    if rows and "hf_tok_s" in rows[0]:
+        ax.plot(xs, [r["hf_tok_s"] for r in rows], "s-", label="HF transformers")
+    ax.plot(xs, [min(r["mem_limit_tok_s"], r["compute_limit_tok_s"]) for r in rows], "k--", label="limit")
+    ax.set(xlabel="batch", ylabel="decode tok/s", xscale="log", yscale="log", title="decode throughput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
