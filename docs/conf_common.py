@@ -29,7 +29,6 @@ version = release = hotswap.__version__
 extensions = ["myst_parser", "sphinx.ext.autodoc"]
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build"]
-myst_enable_extensions = ["colon_fence"]
 
 # Docstrings use Markdown-style `code` spans; the rST default role would render them as
 # italic "title references". `literal` renders them as code, as their authors meant.

@@ -181,7 +181,7 @@ def prefix_ttft(llm, vocab: int) -> dict:
         return time.perf_counter() - t
 
     cold, warm = [], []
-    for i in range(3):
+    for _ in range(3):
         llm.reset_prefix_cache()
         cold.append(ttft(shared + rng.integers(10, 700, 64).tolist()))
         warm.append(ttft(shared + rng.integers(10, 700, 64).tolist()))  # hits the 960 cached tokens
@@ -212,7 +212,6 @@ def weight_updates(llm, model_dir: Path) -> dict:
 
 
 def run(args) -> int:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from hotswap import LLM
     from hotswap.checkpoint.create import create_checkpoint
 

@@ -49,6 +49,33 @@ def test_demo_other_policies(tmp_path, capsys, policy):
 
 
 @pytest.mark.slow
+def test_demo_catches_stale_kv_from_a_broken_engine(tmp_path, capsys, monkeypatch):
+    """The demo's checks are evidence, not trust: re-create the bug class hotswap prevents (a prefix
+    index that survives an update and matches any version) and they must all fire."""
+    import dataclasses
+
+    import numpy as np
+
+    from hotswap.engine import lifecycle, pages, scheduler
+    from hotswap.engine.state import PrefixIndex
+
+    update, page_key = lifecycle.update_weights, pages.page_key
+    monkeypatch.setattr(
+        lifecycle,
+        "update_weights",
+        lambda st, p, **kw: dataclasses.replace(update(st, p, **kw), prefix=st.prefix),
+    )
+    monkeypatch.setattr(scheduler, "page_key", lambda parent, tokens, version: page_key(parent, tokens, 0))
+    monkeypatch.setattr(
+        PrefixIndex, "find", lambda self, key, version: int(next(iter(np.flatnonzero(self.key == key)), 0))
+    )
+    rc, s = _run(capsys, ["--steps", "3", "--prompts-per-step", "4", "--n", "4", "--out", str(tmp_path)])
+    assert rc == 1  # the CLI fails
+    assert s["stale_prefix_hits"] > 0  # reused pages written under an older version
+    assert s["max_logprob_mismatch"] > 1e-2  # and the served logprobs really were wrong
+
+
+@pytest.mark.slow
 def test_demo_via_http(tmp_path, capsys):
     argv = ["--steps", "3", "--prompts-per-step", "2", "--n", "4", "--max-tokens", "8", "--via-http"]
     rc, s = _run(capsys, [*argv, "--out", str(tmp_path)])

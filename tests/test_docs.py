@@ -304,6 +304,8 @@ def test_shell_commands_in_the_docs_are_valid(lang, capsys):
                 where = f"{page.name}:{b.line}: {shlex.join(words)}"
                 while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value command ...
                     words = words[1:]
+                if not words:
+                    continue
                 if Path(words[0]).name == "hotswap":
                     try:
                         _parse_cli(words[1:])
@@ -357,7 +359,6 @@ def site(tmp_path_factory):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "TQDM_DISABLE": "1",
         "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }

@@ -265,6 +265,7 @@ def test_sglang_style_sequence(llm, tiny_dir_b, new_params, fresh_b):
     llm.sleep(level=2)
     assert llm.params is None
     llm.wakeup(["weights"])
+    assert llm.is_sleeping  # no weights to serve until the update arrives
     with pytest.raises(EngineAsleep):
         _gen(llm)
     tensors = hf.hf_from_params(llm.config, new_params)

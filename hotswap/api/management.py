@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.errors import PayloadError, RequestError, WeightsPathNotAllowed
-from hotswap.checkpoint.payload import decode_json_entries, sniff_refuse_pickle
+from hotswap.checkpoint.payload import decode_json_entries, decode_payload, sniff_refuse_pickle
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -99,7 +99,13 @@ async def _apply_chunk(ctx: ServerContext, payload, opts: _ChunkOptions, content
     """Stage a chunk; on `finished`, commit every staged tensor as one update."""
 
     def run():
-        tensors = decode_json_entries(payload) if isinstance(payload, list) else payload
+        try:
+            if isinstance(payload, list):
+                tensors = decode_json_entries(payload)
+            else:
+                tensors = decode_payload(payload, content_type)
+        except RecursionError:  # json.loads of a safetensors header nested thousands deep
+            raise PayloadError("weight payload header is nested too deeply (not safetensors)") from None
         return ctx.engine.update_weights_chunk(
             tensors,
             finished=opts.finished,
@@ -144,6 +150,8 @@ async def update_weights(request: Request) -> dict[str, Any]:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"update_weights body is not valid JSON: {e}") from None
+    except RecursionError:  # [[[[...]]]] thousands deep: json's C parser gives up
+        raise PayloadError("update_weights body is JSON nested too deeply") from None
     if not isinstance(data, dict) or ("path" in data) == ("tensors" in data):
         raise PayloadError(
             'update_weights JSON needs exactly one of "path" (a directory) or "tensors" (entries)'

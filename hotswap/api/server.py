@@ -20,6 +20,7 @@ import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotswap.api import management, routes_openai
 from hotswap.api.engine_loop import (
@@ -60,6 +61,9 @@ def _error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def on_validation(
         _: Request, exc: RequestValidationError | pydantic.ValidationError
@@ -74,6 +78,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         return _error_response(exc)
 
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # The framework's own refusals (unknown route 404, wrong method 405, a body that is not
+        # UTF-8 JSON 400) get the same OpenAI-style body as ours, not Starlette's {"detail": ...}.
+        type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request_error")
+        body = error_body(str(exc.detail), status=exc.status_code, type_=type_)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(pydantic.ValidationError, on_validation)
     # HotswapError is handled in the exception middleware (expected, not logged as a crash);

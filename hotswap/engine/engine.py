@@ -395,7 +395,8 @@ class Engine:
                 if busy or self.state.prefix.num_cached:
                     raise LifecycleConflict(
                         f"policy 'reject': {busy} request(s) in flight and {self.state.prefix.num_cached} "
-                        "cached page(s); use policy 'drain', 'abort' or 'recompute', or retry when idle"
+                        "cached page(s); use policy 'drain', 'abort' or 'recompute', or wait until idle and "
+                        "call reset_prefix_cache() first"
                     )
         if policy == "drain":
             self._drain(drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s)

@@ -16,7 +16,7 @@ import numpy as np
 from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine.params import Params, path_name
 from hotswap.engine.state import EngineState, KVCache, PrefixIndex, new_kv_cache
-from hotswap.errors import EngineAsleep, LifecycleConflict, NonFiniteWeights, WeightsMismatch
+from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict, NonFiniteWeights, WeightsMismatch
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
@@ -147,7 +147,7 @@ def _to_host(x: jax.Array):
 def sleep(state: EngineState, level: int = 1) -> EngineState:
     """Level 1: params to host, KV and prefix index dropped. Level 2: params dropped too."""
     if level not in (1, 2):
-        raise LifecycleConflict(f"sleep level must be 1 or 2, got {level}")
+        raise ConfigError(f"sleep level must be 1 or 2, got {level}")
     if state.asleep == SLEEP_TAGS and (level == 1 or state.params is None):
         return state
     params = (
@@ -172,13 +172,15 @@ def wakeup(
     tags = frozenset(tags) if tags else SLEEP_TAGS
     unknown = tags - SLEEP_TAGS
     if unknown:
-        raise LifecycleConflict(f"unknown wakeup tag(s) {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        raise ConfigError(f"unknown wakeup tag(s) {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
     params, kv = state.params, state.kv
     if "weights" in tags and "weights" in state.asleep and params is not None:
         params = place_params(params, abstract)
     if "kv_cache" in tags and kv is None:
         kv = new_kv_cache(mcfg, ecfg, sharding=kv_sharding)
     asleep = state.asleep - tags
+    if params is None:  # after sleep level 2 there is nothing to wake: still asleep until an update
+        asleep = asleep | {"weights"}
     return dataclasses.replace(state, params=params, kv=kv, asleep=asleep)
 
 

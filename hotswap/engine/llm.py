@@ -182,7 +182,9 @@ class LLM:
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
         """
-        return self.engine.update_weights(source, policy=policy, version=version, partial=partial)
+        return self.engine.update_weights(
+            source, policy=policy, version=version, partial=partial, drain_timeout_s=drain_timeout_s
+        )
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.engine.sleep(level, mode)

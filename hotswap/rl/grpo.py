@@ -97,11 +97,12 @@ def resolve_ambiguous(samples: list[Sample], params, cfg: ModelConfig, length: i
     """Pick ids for tokens whose text was ambiguous (--via-http), left to right; returns how many.
 
     The server's completions report token *text*; with a byte-level tokenizer the
-    128 lone high bytes all read as U+FFFD. For each such token the candidate
-    whose teacher-forced log-prob (under the weights that generated it) equals
-    the server's reported log-prob is the one that was sampled. A wrong pick
-    would change every later position's context and show up as a large
-    mismatch, so the check stays honest.
+    128 lone high bytes all read as U+FFFD. For each such token, the candidate
+    whose teacher-forced log-prob (under the weights that generated it) is
+    closest to the server's reported log-prob is the one that was sampled. A
+    wrong pick would change the context of every later position and show up
+    there as a large mismatch. (A server that returned token ids would make
+    this unnecessary.)
     """
     total = sum(len(s.ambiguous) for s in samples)
     while any(s.ambiguous for s in samples):

@@ -19,7 +19,6 @@ from relkit import (
     ServerProc,
     assert_metrics_add_up,
     gather_bounded,
-    metrics,
     outcomes,
     scale,
     stream_completion,
@@ -75,7 +74,9 @@ def test_burst_over_capacity_gets_429_with_retry_after(small_server):
         assert len(refused) + len(admitted) == BURST, sorted({s.status for s in results})
         for s in refused:
             assert int(s.headers["retry-after"]) >= 1
-            assert s.body["error"]["type"] == "rate_limit_error" and "max_waiting" in s.body["error"]["message"]
+            assert (
+                s.body["error"]["type"] == "rate_limit_error" and "max_waiting" in s.body["error"]["message"]
+            )
         for s in admitted:
             c = s.choices[0]
             assert s.done and not s.errors and c.finish_reason == "length" and c.finish_count == 1, s
@@ -91,7 +92,9 @@ def test_burst_over_capacity_gets_429_with_retry_after(small_server):
     body = {"model": MODEL, **BODY}
     r = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    print(f"\nbackpressure: burst {BURST} into queue {MAX_WAITING}: {len(admitted)} admitted, {len(refused)} x 429")
+    print(
+        f"\nbackpressure: burst {BURST} into queue {MAX_WAITING}: {len(admitted)} admitted, {len(refused)} x 429"
+    )
 
 
 async def _in_flight_then_sigterm(proc: ServerProc, n: int) -> tuple[list, list, float]:

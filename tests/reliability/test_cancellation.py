@@ -12,8 +12,19 @@ import asyncio
 import random
 
 import httpx
-from relkit import AUTH, MODEL, TIMEOUT, assert_metrics_add_up, gather_bounded, metrics, outcomes, pages
-from relkit import scale, stream_completion, wait_quiescent
+from relkit import (
+    AUTH,
+    MODEL,
+    TIMEOUT,
+    assert_metrics_add_up,
+    gather_bounded,
+    metrics,
+    outcomes,
+    pages,
+    scale,
+    stream_completion,
+    wait_quiescent,
+)
 
 N_STREAMS = scale(200, 1000)
 MAX_TOKENS = 40

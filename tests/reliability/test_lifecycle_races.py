@@ -55,7 +55,9 @@ def _ops(rng: random.Random) -> list[tuple[str, str, dict]]:
         ("GET", "/is_sleeping", {}),
     ]
     for policy in rng.sample(["drain", "abort", "recompute", "keep"], 3):
-        ops.append(("POST", "/update_weights", {"json": {"path": rng.choice(["seed0", "seed1"]), "policy": policy}}))
+        ops.append(
+            ("POST", "/update_weights", {"json": {"path": rng.choice(["seed0", "seed1"]), "policy": policy}})
+        )
     if rng.random() < 0.5:
         ops.append(("POST", "/sleep", {"params": {"level": 2}}))
     rng.shuffle(ops)
@@ -142,8 +144,10 @@ def test_lifecycle_calls_race_each_other_and_traffic(main_server):
     assert r.status_code == 409 and "asleep" in r.json()["error"]["message"]
     assert httpx.post(f"{server.base}/wakeup", headers=ADMIN, timeout=60).status_code == 200
     assert server.version() == v and _greedy(server.base) == expected[server.versions[v]]
-    print(f"\nraces: {ROUNDS} rounds, {len(statuses)} lifecycle calls, {conflicts} conflicts (409), "
-          f"{aborted_streams} streams cut by sleep/update")
+    print(
+        f"\nraces: {ROUNDS} rounds, {len(statuses)} lifecycle calls, {conflicts} conflicts (409), "
+        f"{aborted_streams} streams cut by sleep/update"
+    )
 
 
 def test_sleep_wakeup_cycles_keep_outputs_and_memory_flat(main_server):

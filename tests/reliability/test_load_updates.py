@@ -17,12 +17,21 @@ import time
 import httpx
 import numpy as np
 import pytest
-from relkit import ADMIN, TIMEOUT, assert_metrics_add_up, gather_bounded, scale, stream_completion, wait_quiescent
+from relkit import (
+    ADMIN,
+    TIMEOUT,
+    assert_metrics_add_up,
+    gather_bounded,
+    scale,
+    stream_completion,
+    wait_quiescent,
+)
 
-N_REQUESTS = scale(200, 1000)
+N_SLOTS = scale(200, 400)  # concurrent clients, each streaming request after request until the updates end
 N_UPDATES = scale(10, 40)
 N_SCORED = scale(32, 300)  # responses re-scored per policy (a sample: scoring is in-process work)
-WINDOW_S = scale(4, 30)  # requests are sent at random moments within this window
+ARRIVAL_S = 0.3  # clients start at random moments within this window: all at once, nearly
+UPDATE_GAP_S = scale(0.1, 0.25)  # between one update's answer and the next (a drain also waits)
 # Shared 16-token first pages: repeats hit the prefix cache, the place stale KV would hide.
 PREFIXES = [[(7 * i + 3 * k) % 500 + 5 for k in range(16)] for i in range(4)]
 FINISH = {
@@ -36,27 +45,24 @@ SINGLE_VERSION = {"drain", "abort", "reject"}  # policies under which no respons
 LOGPROB_ATOL = 2e-3  # paged f32 serving vs one dense forward
 
 
-def _requests(rng: random.Random) -> list[dict]:
-    reqs = []
-    for _ in range(N_REQUESTS):
-        prompt = rng.choice(PREFIXES) if rng.random() < 0.6 else []
-        prompt = prompt + [rng.randrange(5, 500) for _ in range(rng.randint(1, 12))]
-        body = {
-            "prompt": prompt,
-            "max_tokens": rng.randint(4, 64 - len(prompt) - 1),
-            "temperature": rng.choice([0.0, 0.8]),
-            "seed": rng.randrange(1 << 20),
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        }
-        reqs.append({"body": body, "delay": rng.uniform(0, WINDOW_S)})
-    return reqs
+def _request(rng: random.Random) -> dict:
+    prompt = rng.choice(PREFIXES) if rng.random() < 0.6 else []
+    prompt = prompt + [rng.randrange(5, 500) for _ in range(rng.randint(1, 12))]
+    return {
+        "prompt": prompt,
+        "max_tokens": rng.randint(4, 64 - len(prompt) - 1),
+        "ignore_eos": rng.random() < 0.7,  # long streams keep the server busy; some stop on EOS
+        "temperature": rng.choice([0.0, 0.8]),
+        "seed": rng.randrange(1 << 20),
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
 
 
 async def _updater(client: httpx.AsyncClient, server, policy: str, log: list[dict]) -> None:
-    """N_UPDATES updates spread over the traffic window, alternating the two checkpoints."""
+    """N_UPDATES updates one after another while the streams run, alternating the two checkpoints."""
     for i in range(N_UPDATES):
-        await asyncio.sleep(WINDOW_S / N_UPDATES * (0.5 if i == 0 else 1.0))
+        await asyncio.sleep(UPDATE_GAP_S if i else ARRIVAL_S + 0.2)
         name = "seed1" if i % 2 == 0 else "seed0"
         t0 = time.monotonic()
         r = await client.post("/update_weights", json={"path": name, "policy": policy}, headers=ADMIN)
@@ -66,23 +72,33 @@ async def _updater(client: httpx.AsyncClient, server, policy: str, log: list[dic
         log.append(entry)
 
 
-async def _run(server, policy: str, reqs: list[dict]) -> tuple[list, list[dict]]:
-    limits = httpx.Limits(max_connections=N_REQUESTS + 8, max_keepalive_connections=N_REQUESTS + 8)
+async def _run(server, policy: str) -> tuple[list[tuple[dict, object]], list[dict]]:
+    """N_SLOTS clients stream request after request (at least one each) until the updates are done."""
+    limits = httpx.Limits(max_connections=N_SLOTS + 8, max_keepalive_connections=N_SLOTS + 8)
     async with httpx.AsyncClient(base_url=server.base, timeout=TIMEOUT, limits=limits) as client:
-
-        async def one(req):
-            await asyncio.sleep(req["delay"])
-            return await stream_completion(client, req["body"])
-
+        finished = asyncio.Event()
         updates: list[dict] = []
-        results = await gather_bounded(
-            [_updater(client, server, policy, updates), *(one(q) for q in reqs)], timeout_s=240
-        )
-    return results[1:], updates
+
+        async def updater():
+            try:
+                await _updater(client, server, policy, updates)
+            finally:
+                finished.set()
+
+        async def slot(k: int) -> list:
+            rng = random.Random(f"load-{policy}-{k}")
+            await asyncio.sleep(rng.uniform(0, ARRIVAL_S))
+            done = []
+            while not done or not finished.is_set():
+                body = _request(rng)
+                done.append((body, await stream_completion(client, body)))
+            return done
+
+        per_slot = await gather_bounded([updater(), *(slot(k) for k in range(N_SLOTS))], timeout_s=300)
+    return [pair for slot_results in per_slot[1:] for pair in slot_results], updates
 
 
-def _check_stream(s, req: dict, policy: str, known: dict[int, str]) -> None:
-    body = req["body"]
+def _check_stream(s, body: dict, policy: str, known: dict[int, str]) -> None:
     assert s.status == 200, (s.status, s.body)
     assert s.done and s.after_done == 0 and not s.errors, s
     assert list(s.choices) == [0]
@@ -130,22 +146,25 @@ def _check_logprobs(oracles, known, pairs) -> int:
 def test_streams_under_updates(main_server, oracles, policy):
     server = main_server
     server.restore("seed0")
-    reqs = _requests(random.Random(f"load-{policy}"))
     t0 = time.monotonic()
-    results, updates = asyncio.run(_run(server, policy, reqs))
+    pairs, updates = asyncio.run(_run(server, policy))
     elapsed = time.monotonic() - t0
+    results = [s for _, s in pairs]
 
     known = dict(server.versions)
-    for s, req in zip(results, reqs, strict=True):
-        _check_stream(s, req, policy, known)
+    for body, s in pairs:
+        _check_stream(s, body, policy, known)
     statuses = [u["status"] for u in updates]
     assert len(updates) == N_UPDATES
     if policy == "reject":
         # With requests in flight (or cached pages), a strict controller's update is refused.
-        assert set(statuses) <= {200, 409} and 409 in statuses, updates
-        assert all("reject" in u["body"]["error"]["message"] for u in updates if u["status"] == 409)
+        assert statuses == [409] * N_UPDATES, updates
+        assert all("reject" in u["body"]["error"]["message"] for u in updates)
     else:
         assert statuses == [200] * N_UPDATES, updates
+    # Every update (or refusal) happened with streams open: the scenario really ran under load.
+    open_at = [sum(s.sent_at < u["t0"] < s.ended_at for s in results) for u in updates]
+    assert min(open_at) > 0, open_at
     finals = [s.choices[0] for s in results]
     mixed = sum(len(set(c.versions)) > 1 for c in finals)
     aborted = sum(c.finish_reason == "abort" for c in finals)
@@ -158,8 +177,8 @@ def test_streams_under_updates(main_server, oracles, policy):
     # computes new tokens on old KV (labelled, by design), so only requests that lived
     # entirely between updates are re-scored there.
     eligible = [
-        (req["body"], s.choices[0])
-        for s, req in zip(results, reqs, strict=True)
+        (body, s.choices[0])
+        for body, s in pairs
         if s.choices[0].token_ids and (policy != "keep" or _clean(s, updates))
     ]
     sample = random.Random(policy).sample(eligible, min(N_SCORED, len(eligible)))
@@ -170,16 +189,14 @@ def test_streams_under_updates(main_server, oracles, policy):
         assert httpx.post(f"{server.base}/reset_prefix_cache", headers=ADMIN, timeout=30).status_code == 200
         r = server.update("seed1", policy="reject")
         assert r.status_code == 200, r.text
-        applied = statuses.count(200) + 1
-    else:
-        applied = statuses.count(200)
-
     m = wait_quiescent(server.base)
     assert_metrics_add_up(m, server.num_pages)
     assert m['hotswap_kv_pages{state="owned"}'] == 0
     print(
-        f"\n{policy}: {len(results)} streams (peak {_peak(results)} concurrent), {applied}/{len(statuses)} "
-        f"updates applied, {mixed} mixed, {aborted} aborted, {compared} tokens re-scored, {elapsed:.1f}s"
+        f"\n{policy}: {len(results)} streams from {N_SLOTS} clients (peak {_peak(results)} open), "
+        f"updates {statuses.count(200)} applied / {statuses.count(409)} refused with {min(open_at)}-"
+        f"{max(open_at)} streams open, {mixed} mixed, {aborted} aborted, {compared} tokens re-scored "
+        f"({len(sample)} responses), {elapsed:.1f}s"
     )
 
 

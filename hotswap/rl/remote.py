@@ -40,7 +40,7 @@ class ServerProcess:
         for k, v in engine_args.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in close())
+        self._log = open(log_path, "wb")  # closed in close()
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         self.proc = subprocess.Popen(
             cmd + ["--log-level", "warning"], stdout=self._log, stderr=self._log, env=env
