@@ -175,7 +175,13 @@ class LLM:
     # ---- lifecycle -------------------------------------------------------------
 
     def update_weights(
-        self, source, *, policy: str = "drain", version: int | None = None, partial: bool = False
+        self,
+        source,
+        *,
+        policy: str = "drain",
+        version: int | None = None,
+        partial: bool = False,
+        drain_timeout_s: float | None = None,
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir or safetensors bytes).
 
