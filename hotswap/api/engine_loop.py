@@ -168,13 +168,7 @@ class ServerContext:
     async def run_sync(self, fn: Callable, *args, **kwargs):
         """Run a blocking engine call in a worker thread, then wake the loop (held work may resume)."""
         try:
-            t0 = time.monotonic()
-            def timed():
-                t1 = time.monotonic()
-                out = fn(*args, **kwargs)
-                log.warning("lifecycle %s: waited for a thread %.3fs, ran %.3fs", getattr(fn, "__name__", fn), t1 - t0, time.monotonic() - t1)
-                return out
-            return await anyio.to_thread.run_sync(timed)
+            return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
         finally:
             self.loop.notify()
 

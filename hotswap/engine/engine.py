@@ -367,6 +367,7 @@ class Engine:
         version: int | None = None,
         partial: bool = False,
         drain_timeout_s: float | None = None,
+        check_finite: bool = True,
     ) -> int:
         """Validate -> stage -> apply the in-flight policy -> swap. Returns the new version.
 
@@ -383,8 +384,9 @@ class Engine:
             weights_root=self.weights_root,
             abstract=self.abstract,
         )
-        lifecycle.validate_params(params, self.abstract)
-        placed = lifecycle.place_params(params, self.abstract)
+        staged = lifecycle.stage_params(
+            params, self.abstract, check_finite=check_finite
+        )  # outside the lock: serving goes on
         with self._lock:
             if "weights" in self.state.asleep and self.state.params is not None:
                 raise EngineAsleep(
@@ -404,7 +406,7 @@ class Engine:
             try:
                 keep_pages = self._apply_policy(policy)
                 self.state = lifecycle.update_weights(
-                    self.state, placed, abstract=self.abstract, version=version, keep_pages=keep_pages
+                    self.state, staged, abstract=self.abstract, version=version, keep_pages=keep_pages
                 )
                 self.sched.pool.reclaim_uncached(self.state.prefix)
             finally:

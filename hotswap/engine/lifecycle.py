@@ -26,8 +26,13 @@ def abstract_of(params: Params) -> Params:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
 
 
-def validate_params(params: Params, abstract: Params) -> None:
-    """Tree structure, shapes, dtypes, finiteness; raises a typed error naming the tensor."""
+def validate_params(params: Params, abstract: Params, *, check_finite: bool = True) -> None:
+    """Tree structure, shapes, dtypes, finiteness; raises a typed error naming the tensor.
+
+    The finiteness check reads every weight once (on CPU ~0.1 s for 100M f32
+    params; on TPU HBM about a millisecond). A trainer that already guards its
+    loss may skip it with check_finite=False; nothing else is skipped.
+    """
     want = jax.tree_util.tree_flatten_with_path(abstract)[0]
     got_flat, got_def = jax.tree_util.tree_flatten_with_path(params)
     want_names = {path_name(p) for p, _ in want}
@@ -54,7 +59,8 @@ def validate_params(params: Params, abstract: Params) -> None:
             raise WeightsMismatch(
                 f"{name}: expected {tuple(spec.shape)} {np.dtype(spec.dtype)}, got {shape} {dtype}"
             )
-    _check_finite(got)
+    if check_finite:
+        _check_finite(got)
 
 
 @jax.jit
@@ -94,9 +100,27 @@ def place_params(params: Params, abstract: Params) -> Params:
     return jax.tree.map(put, params, abstract)
 
 
+@dataclasses.dataclass(frozen=True)
+class StagedParams:
+    """Params already validated against `abstract` and placed on its shardings.
+
+    Lets the engine validate and place (the slow part: a full read for the
+    finiteness check, maybe a reshard) outside its lock, then swap without
+    doing that work twice.
+    """
+
+    params: Params
+    abstract: Params
+
+
+def stage_params(params: Params, abstract: Params, *, check_finite: bool = True) -> StagedParams:
+    validate_params(params, abstract, check_finite=check_finite)
+    return StagedParams(place_params(params, abstract), abstract)
+
+
 def update_weights(
     state: EngineState,
-    params: Params,
+    params: Params | StagedParams,
     *,
     abstract: Params | None = None,
     version: int | None = None,
@@ -115,8 +139,8 @@ def update_weights(
         raise LifecycleConflict(
             f"version {new_version} must be greater than the current version {state.weights_version}"
         )
-    validate_params(params, abstract)
-    placed = place_params(params, abstract)
+    staged = params if isinstance(params, StagedParams) and params.abstract is abstract else None
+    placed = (staged or stage_params(params, abstract)).params
     kv = state.kv
     if kv is not None:
         page_version = np.full_like(kv.page_version, -1)

@@ -182,6 +182,7 @@ class LLM:
         version: int | None = None,
         partial: bool = False,
         drain_timeout_s: float | None = None,
+        check_finite: bool = True,
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir or safetensors bytes).
 
@@ -189,7 +190,12 @@ class LLM:
         update raises a typed error and the old weights keep serving.
         """
         return self.engine.update_weights(
-            source, policy=policy, version=version, partial=partial, drain_timeout_s=drain_timeout_s
+            source,
+            policy=policy,
+            version=version,
+            partial=partial,
+            drain_timeout_s=drain_timeout_s,
+            check_finite=check_finite,
         )
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
