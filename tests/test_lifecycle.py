@@ -306,3 +306,20 @@ def test_errors_are_typed(llm):
         llm.update_weights(42)
     with pytest.raises(HotswapError, match="policy"):
         llm.update_weights({}, policy="yolo")
+
+
+def test_drain_finishes_preempted_sequences(tiny_dir, new_params):
+    """A sequence preempted (pages ran out) before the update still finishes on the old weights."""
+    small = LLM(tiny_dir, **(KW | dict(num_pages=12)), warmup=False)
+    got = {}
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        small.engine.add_request(f"r{i}", PROMPT[i:], sp, sink=lambda o: got.__setitem__(o.request_id, o))
+    while small.engine.sched.num_preemptions == 0:
+        small.engine.step()
+    assert small.update_weights(new_params, policy="drain", drain_timeout_s=120) == 2
+    assert len(got) == 3
+    for o in got.values():
+        c = o.outputs[0]
+        assert c.finish_reason == "length" and c.weights_versions == [1] * 30
+    small.engine.check_invariants()

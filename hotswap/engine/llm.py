@@ -133,13 +133,18 @@ class LLM:
                     None, prompt, sp or SamplingParams(), sink=lambda o: done.__setitem__(o.request_id, o)
                 )
             )
-        from tqdm.auto import tqdm
+        bar = None
+        if use_tqdm:  # imported only when asked: tqdm.auto warns in notebooks without ipywidgets
+            from tqdm.auto import tqdm
 
-        with tqdm(total=len(ids), desc="hotswap: generating", disable=not use_tqdm, leave=False) as bar:
-            while any(i not in done for i in ids):
-                before = len(done)
-                self.engine.step()
+            bar = tqdm(total=len(ids), desc="hotswap: generating", leave=False)
+        while any(i not in done for i in ids):
+            before = len(done)
+            self.engine.step()
+            if bar is not None:
                 bar.update(len(done) - before)
+        if bar is not None:
+            bar.close()
         return [done[i] for i in ids]
 
     def score(self, prompt_token_ids, completion_token_ids=None):

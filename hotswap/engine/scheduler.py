@@ -52,7 +52,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.running) or (bool(self.waiting) and not self.hold_admission)
+        if self.hold_admission:
+            return bool(self.running) or any(s.admitted_once for s in self.waiting)
+        return bool(self.running) or bool(self.waiting)
 
     def owners(self) -> dict[int, int]:
         count: dict[int, int] = collections.Counter()
@@ -172,24 +174,25 @@ class Scheduler:
         plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
         plan.prefill = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
 
-        # 2. Admit waiting sequences while the budget, max_num_seqs and pages allow.
-        while self.waiting and budget > 0 and not self.hold_admission:
-            if len(self.running) >= self.cfg.max_num_seqs:
+        # 2. Admit waiting sequences, in order, while the budget, max_num_seqs and pages allow.
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            if self.hold_admission and not seq.admitted_once:
+                continue  # an update is draining: only already-started (preempted) work may run
             if seq.fork_parent is not None and self._parent_pending(seq):
-                break  # wait for the parent's prompt so the pages can be shared
+                continue  # n > 1: wait for the parent's prompt so its pages can be shared
             prefix = self._match_prefix(seq, prefix, version)
             if not seq.admitted_once:
                 seq.num_cached_tokens = seq.num_computed
                 seq.admitted_once = True
             n = min(seq.total_len - seq.num_computed, budget)
             ok, prefix = self._grow(seq, seq.num_computed + n, prefix)
-            if not ok:
+            if not ok:  # out of pages: stop here, so admission stays first-come first-served
                 self.release(seq, prefix)
                 seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             budget -= n

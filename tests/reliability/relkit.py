@@ -28,6 +28,14 @@ MODEL = "tiny"
 TIMEOUT = httpx.Timeout(90.0, connect=10.0)  # generous: 2 shared cores; a hang still fails
 
 
+def async_client(base: str, connections: int = 1) -> httpx.AsyncClient:
+    """One client per simulated user: httpx's shared pool slows down badly with hundreds of open
+    streams (it held an update back for seconds). Idle connections expire before uvicorn's 5 s
+    keep-alive timeout, so a request never goes out on a socket the server is closing."""
+    limits = httpx.Limits(max_connections=connections, keepalive_expiry=2.0)
+    return httpx.AsyncClient(base_url=base, timeout=TIMEOUT, limits=limits)
+
+
 def scale(fast: int, soak: int) -> int:
     return soak if SOAK else fast
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from relkit import (
     ADMIN,
-    TIMEOUT,
     assert_metrics_add_up,
+    async_client,
     gather_bounded,
     scale,
     stream_completion,
@@ -74,27 +74,27 @@ async def _updater(client: httpx.AsyncClient, server, policy: str, log: list[dic
 
 async def _run(server, policy: str) -> tuple[list[tuple[dict, object]], list[dict]]:
     """N_SLOTS clients stream request after request (at least one each) until the updates are done."""
-    limits = httpx.Limits(max_connections=N_SLOTS + 8, max_keepalive_connections=N_SLOTS + 8)
-    async with httpx.AsyncClient(base_url=server.base, timeout=TIMEOUT, limits=limits) as client:
-        finished = asyncio.Event()
-        updates: list[dict] = []
+    finished = asyncio.Event()
+    updates: list[dict] = []
 
-        async def updater():
-            try:
+    async def updater():
+        try:
+            async with async_client(server.base) as client:
                 await _updater(client, server, policy, updates)
-            finally:
-                finished.set()
+        finally:
+            finished.set()
 
-        async def slot(k: int) -> list:
-            rng = random.Random(f"load-{policy}-{k}")
-            await asyncio.sleep(rng.uniform(0, ARRIVAL_S))
-            done = []
+    async def slot(k: int) -> list:
+        rng = random.Random(f"load-{policy}-{k}")
+        await asyncio.sleep(rng.uniform(0, ARRIVAL_S))
+        done = []
+        async with async_client(server.base) as client:
             while not done or not finished.is_set():
                 body = _request(rng)
                 done.append((body, await stream_completion(client, body)))
-            return done
+        return done
 
-        per_slot = await gather_bounded([updater(), *(slot(k) for k in range(N_SLOTS))], timeout_s=300)
+    per_slot = await gather_bounded([updater(), *(slot(k) for k in range(N_SLOTS))], timeout_s=300)
     return [pair for slot_results in per_slot[1:] for pair in slot_results], updates
 
 
