@@ -92,6 +92,9 @@ async def _run(server, policy: str) -> tuple[list[tuple[dict, object]], list[dic
             while not done or not finished.is_set():
                 body = _request(rng)
                 done.append((body, await stream_completion(client, body)))
+            if k % 8 == 0:  # a tail after the last update: requests that never saw a swap
+                body = _request(rng)
+                done.append((body, await stream_completion(client, body)))
         return done
 
     per_slot = await gather_bounded([updater(), *(slot(k) for k in range(N_SLOTS))], timeout_s=300)

@@ -1,0 +1,39 @@
+"""The `hotswap` command line: create-model writes a loadable checkpoint; unknown commands fail clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hotswap import cli
+from hotswap.checkpoint import hf
+
+
+def test_create_model_cli(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert (
+        cli.main(["create-model", "--preset", "tiny", "--arch", "qwen3", "--seed", "3", "--out", str(out)])
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == str(out)
+    cfg, params = hf.load_hf_dir(out)
+    assert cfg.arch == "qwen3" and cfg.qk_norm
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+
+
+def test_every_command_is_registered():
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    for command in ("create-model", "serve", "demo", "bench"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([command, "--help"])
+        assert e.value.code == 0, command
+
+
+def test_unknown_command_fails():
+    with pytest.raises(SystemExit) as e:
+        cli.main(["frobnicate"])
+    assert e.value.code == 2
