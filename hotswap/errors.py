@@ -78,8 +78,14 @@ class LifecycleConflict(HotswapError):
 
 
 class EngineAsleep(LifecycleConflict):
-    """Generation or an update was asked of a sleeping engine."""
+    """Generation or an update was asked of a sleeping engine.
 
+    A subclass of LifecycleConflict (so `except LifecycleConflict` still catches it), but
+    HTTP 503 with Retry-After rather than 409: the engine will serve again after a wakeup,
+    so clients should retry later; the official OpenAI client retries a 503 by itself.
+    """
+
+    status = 503
     code = "engine_asleep"
 
 
@@ -91,5 +97,14 @@ class QueueFull(HotswapError):
 
 
 class Unauthorized(HotswapError):
+    """A missing or wrong bearer key."""
+
     status = 401
     code = "unauthorized"
+
+
+class Forbidden(HotswapError):
+    """A valid key without the right to this route (the api key on an admin route)."""
+
+    status = 403
+    code = "forbidden"

@@ -3,11 +3,12 @@
 One server process serves the whole module (start-up compiles the step buckets);
 tests run in file order and share its weights history:
 v1 seed0 -> v2 seed1 (safetensors) -> v3 seed1 (path) -> v4 seed0 (2 chunks) -> v5 (partial JSON)
--> sleep level 2 -> v6 seed1 (chunks) -> SIGTERM.
+-> sleep level 2 -> v6 seed1 (chunks) -> v7 seed0 (safetensors while streams run) -> SIGTERM.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pickle
@@ -15,7 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -145,10 +148,26 @@ def test_health_models_and_auth(server, client, http):
     bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    for route in ("/sleep", "/wakeup", "/reset_prefix_cache", "/update_weights"):
-        assert http.post(route).status_code == 401, route
-        assert http.post(route, headers=_admin(API_KEY)).status_code == 401, route  # api key is not admin
-    assert http.get("/is_sleeping").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        _chat(bad, "x", max_tokens=1)
+    for path, body in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": []})]:
+        for headers in ({}, _admin("wrong"), {"Authorization": API_KEY}):  # none, wrong, not Bearer
+            r = http.post(path, json={"model": MODEL, "max_tokens": 1, **body}, headers=headers)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", (path, headers)
+    # Lifecycle routes: no or an unknown key is 401; the api key is known but not allowed: 403.
+    posts = ["/sleep", "/wakeup", "/reset_prefix_cache", "/update_weights"]
+    for method, route in [("POST", r) for r in posts] + [
+        ("GET", "/is_sleeping"),
+        ("GET", "/weights_version"),
+    ]:
+        assert http.request(method, route).status_code == 401, route
+        assert http.request(method, route, headers=_admin("wrong")).status_code == 401, route
+        r = http.request(method, route, headers=AUTH)
+        assert r.status_code == 403, (route, r.text)
+        assert r.json()["error"]["type"] == "permission_error" and "admin key" in r.json()["error"]["message"]
+    assert http.get("/is_sleeping", headers=_admin()).json()["is_sleeping"] is False  # nothing happened
     r = http.get("/weights_version", headers=_admin())
     assert r.status_code == 200 and r.json() == {"weights_version": 1}
 
@@ -181,6 +200,15 @@ def test_completion_variants(client):
     assert r.choices[0].text.startswith("Hello there")
     a, b = (_complete(client, "Hello", max_tokens=6, temperature=0.9, seed=7) for _ in range(2))
     assert a.choices[0].text == b.choices[0].text  # seeded sampling is reproducible
+
+
+def test_seed_reproducibility(client):
+    """temperature 1: the same seed gives the same text, another seed another text."""
+    kw = {"max_tokens": 12, "temperature": 1.0}
+    a, b, c = (_complete(client, "Hello", seed=s, **kw).choices[0].text for s in (1234, 1234, 4321))
+    assert a == b != c
+    x, y, z = (_chat(client, "Hi", seed=s, **kw).choices[0].message.content for s in (5, 5, 6))
+    assert x == y != z
 
 
 def test_chat_with_logprobs(client):
@@ -263,12 +291,46 @@ def test_update_with_safetensors_bytes(client, http, oracle, dirs):
     SEEN["v2"] = out.choices[0].text
 
 
-def test_pickle_refused_keeps_serving(client, http, dirs):
+class _Canary:
+    """Unpickling this calls os.makedirs(path): a payload that would run code on the server."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+def test_pickle_refused_keeps_serving(client, http, dirs, tmp_path):
     arrays = {k: np.asarray(v) for k, v in list(read_hf_tensors(dirs["model"]).items())[:2]}
     for ctype in ("application/octet-stream", "application/python-pickle", "application/json"):
         headers = {**_admin(), "Content-Type": ctype}
         r = http.post("/update_weights", content=pickle.dumps(arrays), headers=headers)
         assert r.status_code == 400 and "pickle" in r.json()["error"]["message"].lower()
+
+    # A live gadget: loading it here creates its directory, so the server must never load it.
+    pickle.loads(pickle.dumps(_Canary(tmp_path / "control")))
+    assert (tmp_path / "control").is_dir()
+    canary = tmp_path / "canary"
+    octet, json_type = {**_admin(), "Content-Type": "application/octet-stream"}, _admin()
+    attempts = []
+    for protocol in (0, 2, 5):
+        body = pickle.dumps({"model.norm.weight": _Canary(canary)}, protocol=protocol)
+        attempts += [(body, octet), (body, {**json_type, "Content-Type": "application/json"})]
+    b64 = base64.b64encode(pickle.dumps(_Canary(canary))).decode()
+    entry = {"name": "model.norm.weight", "dtype": "float32", "shape": [4], "data": b64}
+    for obj in ({"serialized_named_tensors": [b64]}, {"tensors": [entry]}):  # pickles inside JSON fields
+        attempts.append((json.dumps(obj).encode(), {**json_type, "Content-Type": "application/json"}))
+    errors = []
+    for body, headers in attempts:
+        r = http.post("/update_weights", content=body, headers=headers)
+        assert 400 <= r.status_code < 500, r.text
+        errors.append(r.json()["error"])
+    # Whole-pickle bodies and the pickle-carrying field say why and what is accepted; the last
+    # (pickle bytes as a tensor's raw data) is only ever read as numbers, and is the wrong size.
+    assert all(e["code"] == "pickle_refused" and "safetensors" in e["message"] for e in errors[:-1]), errors
+    assert errors[-1]["code"] == "bad_payload"
+    assert not canary.exists()
     assert http.get("/weights_version", headers=_admin()).json()["weights_version"] == 2
     assert _complete(client).choices[0].text == SEEN["v2"]
 
@@ -313,9 +375,14 @@ def test_json_tensors_and_reject_policy(client, http, dirs):
 def test_sleep_wakeup_update_sequence(client, http, oracle, dirs):
     r = http.post("/sleep", params={"level": 2}, headers=_admin())
     assert r.status_code == 200 and r.json()["is_sleeping"]
-    with pytest.raises(openai.ConflictError) as e:
-        _complete(client)
-    assert "asleep" in str(e.value)
+    # Asleep: 503 at once (the client fixture has max_retries=0; by default the client retries 503s).
+    for call in (lambda: _complete(client), lambda: _chat(client, "Hi", stream=True)):
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as e:
+            call()
+        assert time.monotonic() - t0 < 2
+        assert e.value.status_code == 503 and e.value.body["code"] == "engine_asleep"
+        assert "wakeup" in e.value.body["message"] and e.value.response.headers["Retry-After"] == "1"
     # after level 2 there are no weights to wake: "weights" stays asleep until the update lands
     assert http.post("/wakeup", params={"tags": "weights"}, headers=_admin()).json()["asleep"] == [
         "kv_cache",
@@ -333,10 +400,109 @@ def test_sleep_wakeup_update_sequence(client, http, oracle, dirs):
     assert out.model_extra["weights_version"] == 6 and out.choices[0].text == oracle["text"]
 
 
+def _sse_stream(base: str, prompt: str, max_tokens: int, started: threading.Event) -> list[str]:
+    """A raw streamed completion: its non-empty SSE lines (to see [DONE], which the client hides)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+    return lines
+
+
+def test_update_while_streaming(server, client, http, oracle, dirs):
+    """A plain drain update lands while streams run: each reports the version that made its tokens."""
+    assert _complete(client).choices[0].text == oracle["text"]  # v6 (seed1), and now cached
+    assert _complete(client).usage.prompt_tokens_details.cached_tokens > 0
+    body = encode_safetensors(read_hf_tensors(dirs["model"]))  # back to seed0
+    started = [threading.Event() for _ in range(3)]
+    done_at: dict[str, float] = {}
+
+    def via_client(prompt, max_tokens):  # the official client, stream=True
+        kw = {"max_tokens": max_tokens, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+        chunks = []
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, **kw):
+            chunks.append(chunk)
+            started[0].set()
+        done_at["a"] = time.monotonic()
+        return chunks
+
+    def via_sse(key, i, prompt, max_tokens):
+        lines = _sse_stream(server["base"], prompt, max_tokens, started[i])
+        done_at[key] = time.monotonic()
+        return lines
+
+    def update():
+        headers = {**_admin(), "Content-Type": "application/octet-stream"}
+        return httpx.post(server["base"] + "/update_weights", content=body, headers=headers, timeout=120)
+
+    with ThreadPoolExecutor(4) as pool:
+        # a and b fill both slots (--max-num-seqs 2); c waits behind them
+        a = pool.submit(via_client, "Hello", 64)
+        b = pool.submit(via_sse, "b", 1, "The weather today", 64)
+        assert started[0].wait(60) and started[1].wait(60)
+        c = pool.submit(via_sse, "c", 2, "Once upon", 6)
+        deadline = time.monotonic() + 10
+        while _metrics(http)["hotswap_num_requests_waiting"] < 1:
+            assert time.monotonic() < deadline and not c.done()
+            time.sleep(0.02)
+        posted_at = time.monotonic()
+        upd = pool.submit(update)
+        a_chunks, b_lines, c_lines, r = a.result(120), b.result(120), c.result(120), upd.result(120)
+    assert r.status_code == 200 and r.json() == {"weights_version": 7, "policy": "drain"}, r.text
+    assert posted_at < min(done_at["a"], done_at["b"])  # the update came while a and b streamed
+
+    # a, b: admitted before the update, so drain let them finish on v6, every chunk saying so
+    assert {c.model_extra["weights_version"] for c in a_chunks} == {6}
+    assert a_chunks[-1].choices[0].finish_reason == "length"
+    assert "weights_version_spans" not in a_chunks[-1].choices[0].model_extra
+    assert sum(len(c.choices[0].text) for c in a_chunks) > 0
+    for lines, version in ((b_lines, 6), (c_lines, 7)):  # c was held, then ran on the new weights
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert {e["weights_version"] for e in events} == {version}
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert "weights_version_spans" not in events[-1]["choices"][0]
+    c_text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in c_lines[:-1])
+    again = _complete(client, "Once upon", max_tokens=6, extra_body={"ignore_eos": True})
+    assert again.model_extra["weights_version"] == 7 and again.choices[0].text == c_text
+
+    # The prompt cached under v6 is recomputed under v7, and the output is seed0's again.
+    out = _complete(client)
+    assert out.model_extra["weights_version"] == 7
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    assert out.choices[0].text == SEEN["v1"] != oracle["text"]
+
+
+def test_binds_loopback_by_default(server, monkeypatch):
+    from hotswap import cli
+    from hotswap.api import cli_serve
+
+    parsed = []
+    monkeypatch.setattr(cli_serve, "serve", parsed.append)  # parse only; do not start a server
+    assert cli.main(["serve"]) == 0 and parsed[0].host == "127.0.0.1"
+    # The module's server was started without --host: it listens on 127.0.0.1 and nothing else.
+    assert "--host" not in server["proc"].args
+    port = int(server["base"].rsplit(":", 1)[1])
+
+    def listening(table: str) -> list[str]:
+        path = Path("/proc/net") / table
+        rows = [row.split() for row in path.read_text().splitlines()[1:]] if path.exists() else []
+        # columns: sl local_address rem_address st ...; st 0A = LISTEN; addresses as hex ip:port
+        return [r[1] for r in rows if r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port]
+
+    assert listening("tcp") == [f"0100007F:{port:04X}"]  # 127.0.0.1, little-endian hex
+    assert listening("tcp6") == []
+
+
 def test_metrics(http):
     values = _metrics(http)
-    assert values["hotswap_weights_version"] == 6
-    assert values["hotswap_weight_updates_total"] == 5
+    assert values["hotswap_weights_version"] == 7
+    assert values["hotswap_weight_updates_total"] == 6
     assert values["hotswap_prefix_cache_hit_tokens_total"] > 0
     assert values["hotswap_num_requests_running"] == 0
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import anyio
 from fastapi import Request
 
-from hotswap.api.errors import ModelNotFound, ShuttingDown, Unauthorized
+from hotswap.api.errors import Forbidden, ModelNotFound, ShuttingDown, Unauthorized
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
@@ -236,8 +236,16 @@ def require_api_key(request: Request) -> None:
 
 
 def require_admin(request: Request) -> None:
-    """Lifecycle routes: the admin key; without one configured, the api key guards them instead."""
+    """Lifecycle routes: the admin key; without one configured, the api key guards them instead.
+
+    401 for a missing or unknown key; 403 for the api key when an admin key is configured
+    (the caller is known, it just may not change the engine).
+    """
     ctx = ctx_of(request)
     key = ctx.admin_key if ctx.admin_key is not None else ctx.api_key
-    if key is not None and not _key_ok(_bearer(request), key):
-        raise Unauthorized("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
+    given = _bearer(request)
+    if key is None or _key_ok(given, key):
+        return
+    if _key_ok(given, ctx.api_key):
+        raise Forbidden("the api key may not call lifecycle routes: send 'Authorization: Bearer <admin key>'")
+    raise Unauthorized("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")

@@ -14,6 +14,7 @@ from hotswap.errors import (
     CheckpointError,
     ConfigError,
     EngineAsleep,
+    Forbidden,
     HotswapError,
     LifecycleConflict,
     NonFiniteWeights,
@@ -52,9 +53,10 @@ class UnsupportedMediaType(HotswapError):
 # (checked at import below) so engine code and HTTP code cannot drift apart.
 ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     Unauthorized: (401, "authentication_error"),
+    Forbidden: (403, "permission_error"),
     WeightsPathNotAllowed: (403, "permission_error"),
     ModelNotFound: (404, "not_found_error"),
-    EngineAsleep: (409, "conflict_error"),
+    EngineAsleep: (503, "service_unavailable_error"),  # before its parent LifecycleConflict (409)
     LifecycleConflict: (409, "conflict_error"),
     UnsupportedMediaType: (415, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
@@ -72,7 +74,8 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
 for _cls, (_status, _) in ERROR_TABLE.items():
     assert _cls.status == _status, f"{_cls.__name__}: table says {_status}, class says {_cls.status}"
 
-# Seconds a client should wait after a 429 before retrying (the queue drains in steps of ms).
+# Seconds a client should wait after a 429 or 503 before retrying (the queue drains in steps of
+# ms; a sleeping engine wakes when its controller says so, so the client polls).
 RETRY_AFTER_S = 1
 
 
@@ -98,7 +101,7 @@ def exception_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, s
     if status == 500:
         message = f"internal error: {type(exc).__name__}: {message}"
     headers: dict[str, str] = {}
-    if status == 429:
+    if status in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -112,6 +115,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EngineAsleep",
+    "Forbidden",
     "HotswapError",
     "LifecycleConflict",
     "ModelNotFound",

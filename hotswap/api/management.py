@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict
 
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
-from hotswap.api.errors import PayloadError, RequestError, WeightsPathNotAllowed
+from hotswap.api.errors import PayloadError, PickleRefused, RequestError, WeightsPathNotAllowed
 from hotswap.checkpoint.payload import decode_json_entries, decode_payload, sniff_refuse_pickle
 
 router = APIRouter(dependencies=[Depends(require_admin)])
@@ -152,6 +152,13 @@ async def update_weights(request: Request) -> dict[str, Any]:
         raise PayloadError(f"update_weights body is not valid JSON: {e}") from None
     except RecursionError:  # [[[[...]]]] thousands deep: json's C parser gives up
         raise PayloadError("update_weights body is JSON nested too deeply") from None
+    if isinstance(data, dict) and "serialized_named_tensors" in data:
+        # What other engines' update-from-tensor routes take: pickled (ForkingPickler) tensors.
+        raise PickleRefused(
+            '"serialized_named_tensors" holds pickled tensors, and pickles are never loaded; send '
+            'JSON {"path": dir} or {"tensors": [{name, dtype, shape, data (base64)}]}, or safetensors '
+            "bytes as application/octet-stream"
+        )
     if not isinstance(data, dict) or ("path" in data) == ("tensors" in data):
         raise PayloadError(
             'update_weights JSON needs exactly one of "path" (a directory) or "tensors" (entries)'

@@ -73,6 +73,7 @@ class SamplingArrays:
     min_p: jax.Array  # f32
     seed: jax.Array  # u32
     step: jax.Array  # i32: index of the token being sampled in the row's output
+    want_top: jax.Array  # bool: the row asked for top logprobs
 
     @staticmethod
     def from_rows(rows: list[tuple[SamplingParams, int, int]], pad_to: int) -> SamplingArrays:
@@ -83,10 +84,11 @@ class SamplingArrays:
         m = np.zeros(pad_to, np.float32)
         s = np.zeros(pad_to, np.uint32)
         st = np.zeros(pad_to, np.int32)
+        top = np.zeros(pad_to, bool)
         for i, (sp, seed, idx) in enumerate(rows):
             t[i], k[i], p[i], m[i] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
-            s[i], st[i] = np.uint32(seed & 0xFFFFFFFF), idx
-        return SamplingArrays(t, k, p, m, s, st)
+            s[i], st[i], top[i] = np.uint32(seed & 0xFFFFFFFF), idx, bool(sp.logprobs)
+        return SamplingArrays(t, k, p, m, s, st, top)
 
 
 def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
@@ -126,5 +128,11 @@ def sample(logits: jax.Array, sa: SamplingArrays) -> tuple[jax.Array, jax.Array,
         lambda: greedy,
     )
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lps, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    # Only when some row asked: under tensor parallelism top_k gathers the whole [R, V] row.
+    r = logits.shape[0]
+    top_lps, top_ids = jax.lax.cond(
+        jnp.any(sa.want_top),
+        lambda: tuple(jax.lax.top_k(logprobs, TOP_LOGPROBS)),
+        lambda: (jnp.zeros((r, TOP_LOGPROBS), logprobs.dtype), jnp.zeros((r, TOP_LOGPROBS), jnp.int32)),
+    )
     return tokens, chosen, top_ids.astype(jnp.int32), top_lps

@@ -18,6 +18,7 @@ from relkit import (
     TIMEOUT,
     ServerProc,
     assert_metrics_add_up,
+    async_client,
     gather_bounded,
     outcomes,
     scale,
@@ -50,18 +51,17 @@ def small_server(rel_ckpts, tmp_path_factory):
 
 
 async def _burst(base: str) -> list:
-    limits = httpx.Limits(max_connections=BURST + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT, limits=limits) as client:
-        go = asyncio.Event()
+    go = asyncio.Event()
 
-        async def one():
+    async def one():
+        async with async_client(base) as client:
             await go.wait()  # all at once
             return await stream_completion(client, BODY)
 
-        tasks = [asyncio.create_task(one()) for _ in range(BURST)]
-        await asyncio.sleep(0.2)
-        go.set()
-        return await gather_bounded(tasks, timeout_s=180)
+    tasks = [asyncio.create_task(one()) for _ in range(BURST)]
+    await asyncio.sleep(0.2)
+    go.set()
+    return await gather_bounded(tasks, timeout_s=180)
 
 
 def test_burst_over_capacity_gets_429_with_retry_after(small_server):

@@ -15,8 +15,8 @@ import httpx
 from relkit import (
     AUTH,
     MODEL,
-    TIMEOUT,
     assert_metrics_add_up,
+    async_client,
     gather_bounded,
     metrics,
     outcomes,
@@ -30,8 +30,13 @@ N_STREAMS = scale(200, 1000)
 MAX_TOKENS = 40
 
 
-async def _one(client: httpx.AsyncClient, i: int, rng: random.Random) -> tuple[str, object]:
+async def _one(base: str, i: int, rng: random.Random) -> tuple[str, object]:
     await asyncio.sleep(rng.uniform(0, 2.0))
+    async with async_client(base) as client:  # one client per user: hanging up closes its connection
+        return await _behave(client, i, rng)
+
+
+async def _behave(client: httpx.AsyncClient, i: int, rng: random.Random) -> tuple[str, object]:
     prompt = [rng.randrange(5, 500) for _ in range(rng.randint(2, 20))]
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     body |= {"logprobs": 0, "return_tokens_as_token_ids": True}
@@ -58,9 +63,7 @@ async def _one(client: httpx.AsyncClient, i: int, rng: random.Random) -> tuple[s
 
 async def _run(base: str) -> list:
     rng = random.Random("cancel")
-    limits = httpx.Limits(max_connections=N_STREAMS + 8)
-    async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT, limits=limits) as client:
-        return await gather_bounded([_one(client, i, rng) for i in range(N_STREAMS)], timeout_s=240)
+    return await gather_bounded([_one(base, i, rng) for i in range(N_STREAMS)], timeout_s=240)
 
 
 def test_half_the_clients_hang_up(main_server):

@@ -18,6 +18,7 @@ from relkit import (
     MODEL,
     TIMEOUT,
     assert_metrics_add_up,
+    async_client,
     gather_bounded,
     metrics,
     scale,
@@ -65,23 +66,22 @@ def _ops(rng: random.Random) -> list[tuple[str, str, dict]]:
 
 
 async def _round(server, rng: random.Random) -> tuple[list, list]:
-    limits = httpx.Limits(max_connections=STREAMS_PER_ROUND + 32)
-    async with httpx.AsyncClient(base_url=server.base, timeout=TIMEOUT, limits=limits) as client:
-
-        async def call(method, path, kw):
-            await asyncio.sleep(rng.uniform(0, 1.0))
+    async def call(method, path, kw):
+        await asyncio.sleep(rng.uniform(0, 1.0))
+        async with async_client(server.base) as client:
             r = await client.request(method, path, headers=ADMIN, **kw)
-            return path, kw, r.status_code, r.json()
+        return path, kw, r.status_code, r.json()
 
-        async def gen(i):
-            await asyncio.sleep(rng.uniform(0, 1.2))
-            body = {"prompt": [10 + i % 7] * (3 + i % 9), "max_tokens": 40, "ignore_eos": True, "logprobs": 0}
-            body["return_tokens_as_token_ids"] = True
+    async def gen(i):
+        await asyncio.sleep(rng.uniform(0, 1.2))
+        body = {"prompt": [10 + i % 7] * (3 + i % 9), "max_tokens": 40, "ignore_eos": True, "logprobs": 0}
+        body["return_tokens_as_token_ids"] = True
+        async with async_client(server.base) as client:
             return await stream_completion(client, body)
 
-        ops = [call(*op) for op in _ops(rng)]
-        gens = [gen(i) for i in range(STREAMS_PER_ROUND)]
-        results = await gather_bounded([*ops, *gens], timeout_s=120)
+    ops = [call(*op) for op in _ops(rng)]
+    gens = [gen(i) for i in range(STREAMS_PER_ROUND)]
+    results = await gather_bounded([*ops, *gens], timeout_s=120)
     return results[: len(ops)], results[len(ops) :]
 
 
