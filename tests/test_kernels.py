@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from hotswap.kernels import ragged_paged_attention, reference
@@ -17,7 +19,8 @@ PS = 16
 
 
 def make_case(seed, *, lens, starts, c, hq, hkv, hd, ps=PS, p, extra_pages=3):
-    """Random pages with permuted, non-contiguous tables; every page no row uses is NaN.
+    """Random pages with permuted, non-contiguous tables; every page no row uses, and every slot
+    past a row's kv_len in its last page, is NaN (a stray read poisons the output).
 
     lens: kv_len per row (0 = padding row); starts: first query position per row.
     Returns (q [B,C,Hq,hd], pages, block_tables [B,P], q_positions [B,C], kv_lens [B]).
@@ -31,6 +34,8 @@ def make_case(seed, *, lens, starts, c, hq, hkv, hd, ps=PS, p, extra_pages=3):
     used = np.zeros(num_pages, bool)
     for i, n in enumerate(lens):
         used[tables[i, : -(-n // ps)]] = True
+        if n % ps:
+            pages[tables[i, n // ps], n % ps :] = np.nan  # slots past kv_len in the last page too
         tables[i, -(-n // ps) :] = 0  # the engine pads tables with the null page
     pages[~used] = np.nan
     q = rng.standard_normal((b, c, hq, hd)).astype(np.float32)
@@ -38,8 +43,12 @@ def make_case(seed, *, lens, starts, c, hq, hkv, hd, ps=PS, p, extra_pages=3):
     return tuple(map(jnp.asarray, (q, pages, tables, pos, np.asarray(lens, np.int32))))
 
 
+# Jitted: one XLA compile per shape instead of one per op (halves the oracle's cost here).
+reference_jit = jax.jit(reference.paged_attention, static_argnames="scale")
+
+
 def check(args, **kw):
-    ref = reference.paged_attention(*args, scale=SCALE)
+    ref = reference_jit(*args, scale=SCALE)
     out = ragged_paged_attention.paged_attention(*args, scale=SCALE, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert bool(jnp.isfinite(out).all()), "NaN/inf leaked (padding row or unused page)"
@@ -54,7 +63,8 @@ DECODE_STARTS = [0] + [n - 1 for n in DECODE_LENS[1:]]
 
 @pytest.mark.parametrize(
     "hq,hkv,hd",
-    [(4, 4, 64), (4, 2, 128), (8, 2, 48), (12, 4, 64)],  # GQA 1, 2, 4, 3 (bench dims); 48 is not 128-aligned
+    # GQA 1, 2, 4, 3 (bench dims), 8; 48 is not 128-aligned
+    [(4, 4, 64), (4, 2, 128), (8, 2, 48), (12, 4, 64), (16, 2, 32)],
 )
 def test_decode_awkward_lengths(hq, hkv, hd):
     args = make_case(0, lens=DECODE_LENS, starts=DECODE_STARTS, c=1, hq=hq, hkv=hkv, hd=hd, p=5)
@@ -87,10 +97,56 @@ def test_page_size_8_and_block_not_dividing_table():
     check(args, pages_per_block=3)
 
 
+@st.composite
+def paged_cases(draw):
+    """A decode batch (C = 1) or prefill chunks (C > 1, real tokens then engine-style padding whose
+    positions run past kv_len) over random permuted tables, with the kernel's block sizes drawn too.
+    kv lengths favour 1, ps-1, ps, ps+1 and the whole table (long: several kv blocks when
+    pages_per_block is small); chunks start anywhere, mid-page included."""
+    ps = draw(st.sampled_from([4, 8, 16]), label="page_size")
+    g = draw(st.sampled_from([1, 2, 4, 8]), label="gqa")
+    hkv = draw(st.sampled_from([1, 2]), label="kv_heads")
+    hd = draw(st.sampled_from([32, 64, 128]), label="head_dim")
+    c = draw(st.one_of(st.just(1), st.integers(2, 24)), label="chunk")
+    b = draw(st.integers(1, 3 if c == 1 else 2), label="rows")
+    p = draw(st.integers(1, 6), label="table_cols")
+    long = p * ps
+    special = sorted({n for n in (1, ps - 1, ps, ps + 1, long) if 1 <= n <= long})
+    lens, starts = [], []
+    for i in range(b):
+        n = draw(
+            st.one_of(st.sampled_from(special), st.integers(1, long))
+            if i == 0
+            else st.one_of(st.just(0), st.sampled_from(special), st.integers(1, long))
+        )
+        real = draw(st.integers(min(1, n), min(c, n)))  # real query tokens of the row (0: padding row)
+        lens.append(n)
+        starts.append(n - real if real else 0)
+    kw = dict(
+        pages_per_block=draw(st.sampled_from([None, 1, 2, 3]), label="pages_per_block"),
+        rows_per_block=draw(st.sampled_from([None, 8]), label="rows_per_block"),
+    )
+    seed = draw(st.integers(0, 2**16), label="seed")
+    case = make_case(seed, lens=lens, starts=starts, c=c, hq=g * hkv, hkv=hkv, hd=hd, ps=ps, p=p)
+    return case, kw
+
+
+@settings(
+    max_examples=20,
+    deadline=None,  # each example compiles a new shape
+    derandomize=True,  # the same examples in every CI run
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(paged_cases())
+def test_matches_reference_property(case_kw):
+    case, kw = case_kw
+    check(case, **kw)
+
+
 def test_bf16_close_to_reference():
     args = make_case(4, lens=[33, 16], starts=[32, 15], c=1, hq=8, hkv=4, hd=64, p=3)
     args = (args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), *args[2:])
-    ref = reference.paged_attention(*args, scale=SCALE).astype(jnp.float32)
+    ref = reference_jit(*args, scale=SCALE).astype(jnp.float32)
     out = ragged_paged_attention.paged_attention(*args, scale=SCALE)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2)
