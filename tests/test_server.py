@@ -400,18 +400,40 @@ def test_sleep_wakeup_update_sequence(client, http, oracle, dirs):
     assert out.model_extra["weights_version"] == 6 and out.choices[0].text == oracle["text"]
 
 
-def _sse_stream(base: str, prompt: str, max_tokens: int, started: threading.Event) -> list[str]:
-    """A raw streamed completion: its non-empty SSE lines (to see [DONE], which the client hides)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    body |= {"stream": True, "ignore_eos": True}
+STREAM = {"max_tokens": 120, "temperature": 0.0}  # ~0.1 s of decoding each here; prompts are <= 8 tokens
+
+
+def _via_client(client, prompt: str, first: threading.Event) -> dict:
+    """A streamed completion through the official client (which hides [DONE])."""
+    versions, text, last = set(), "", None
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, stream=True, extra_body={"ignore_eos": True}, **STREAM
+    ):
+        versions.add(chunk.model_extra["weights_version"])
+        text, last = text + chunk.choices[0].text, chunk.choices[0]
+        first.set()
+    return {"versions": versions, "text": text, "finish": last.finish_reason, "last": last.model_extra}
+
+
+def _via_sse(base: str, prompt: str, first: threading.Event) -> dict:
+    """A streamed completion read as raw SSE lines, so [DONE] can be seen."""
+    body = {"model": MODEL, "prompt": prompt, "stream": True, "ignore_eos": True, **STREAM}
     lines = []
     with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line:
                 lines.append(line)
-                started.set()
-    return lines
+                first.set()
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    last = events[-1]["choices"][0]
+    return {
+        "versions": {e["weights_version"] for e in events},
+        "text": "".join(e["choices"][0]["text"] for e in events),
+        "finish": last["finish_reason"],
+        "last": last,
+    }
 
 
 def test_update_while_streaming(server, client, http, oracle, dirs):
@@ -419,57 +441,47 @@ def test_update_while_streaming(server, client, http, oracle, dirs):
     assert _complete(client).choices[0].text == oracle["text"]  # v6 (seed1), and now cached
     assert _complete(client).usage.prompt_tokens_details.cached_tokens > 0
     body = encode_safetensors(read_hf_tensors(dirs["model"]))  # back to seed0
-    started = [threading.Event() for _ in range(3)]
+    first = {k: threading.Event() for k in "abcdef"}
     done_at: dict[str, float] = {}
 
-    def via_client(prompt, max_tokens):  # the official client, stream=True
-        kw = {"max_tokens": max_tokens, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
-        chunks = []
-        for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, **kw):
-            chunks.append(chunk)
-            started[0].set()
-        done_at["a"] = time.monotonic()
-        return chunks
-
-    def via_sse(key, i, prompt, max_tokens):
-        lines = _sse_stream(server["base"], prompt, max_tokens, started[i])
+    def run(key, fn, *args):
+        out = fn(*args, first[key])
         done_at[key] = time.monotonic()
-        return lines
+        return out
 
     def update():
         headers = {**_admin(), "Content-Type": "application/octet-stream"}
         return httpx.post(server["base"] + "/update_weights", content=body, headers=headers, timeout=120)
 
-    with ThreadPoolExecutor(4) as pool:
-        # a and b fill both slots (--max-num-seqs 2); c waits behind them
-        a = pool.submit(via_client, "Hello", 64)
-        b = pool.submit(via_sse, "b", 1, "The weather today", 64)
-        assert started[0].wait(60) and started[1].wait(60)
-        c = pool.submit(via_sse, "c", 2, "Once upon", 6)
-        deadline = time.monotonic() + 10
+    with ThreadPoolExecutor(7) as pool:
+        # a and b fill both slots (--max-num-seqs 2); c..f queue behind them (--max-waiting 4)
+        futures = {"a": pool.submit(run, "a", _via_client, client, "Hello")}
+        futures["b"] = pool.submit(run, "b", _via_sse, server["base"], "The weather today")
+        assert first["a"].wait(60) and first["b"].wait(60)
+        for k in "cdef":
+            futures[k] = pool.submit(run, k, _via_sse, server["base"], "Once upon")
+        deadline = time.monotonic() + 30
         while _metrics(http)["hotswap_num_requests_waiting"] < 1:
-            assert time.monotonic() < deadline and not c.done()
-            time.sleep(0.02)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         posted_at = time.monotonic()
-        upd = pool.submit(update)
-        a_chunks, b_lines, c_lines, r = a.result(120), b.result(120), c.result(120), upd.result(120)
+        r = pool.submit(update).result(120)
+        streams = {k: f.result(120) for k, f in futures.items()}
     assert r.status_code == 200 and r.json() == {"weights_version": 7, "policy": "drain"}, r.text
-    assert posted_at < min(done_at["a"], done_at["b"])  # the update came while a and b streamed
+    assert posted_at < max(done_at.values())  # requests were still streaming when it arrived
 
-    # a, b: admitted before the update, so drain let them finish on v6, every chunk saying so
-    assert {c.model_extra["weights_version"] for c in a_chunks} == {6}
-    assert a_chunks[-1].choices[0].finish_reason == "length"
-    assert "weights_version_spans" not in a_chunks[-1].choices[0].model_extra
-    assert sum(len(c.choices[0].text) for c in a_chunks) > 0
-    for lines, version in ((b_lines, 6), (c_lines, 7)):  # c was held, then ran on the new weights
-        assert lines[-1] == "data: [DONE]"
-        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-        assert {e["weights_version"] for e in events} == {version}
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert "weights_version_spans" not in events[-1]["choices"][0]
-    c_text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in c_lines[:-1])
-    again = _complete(client, "Once upon", max_tokens=6, extra_body={"ignore_eos": True})
-    assert again.model_extra["weights_version"] == 7 and again.choices[0].text == c_text
+    for k, s in streams.items():  # drain never mixes: one version per stream, on every chunk
+        assert len(s["versions"]) == 1 and s["finish"] == "length", (k, s)
+        assert "weights_version_spans" not in s["last"] and len(s["text"]) > 0, k
+    version = {k: next(iter(s["versions"])) for k, s in streams.items()}
+    assert version["a"] == version["b"] == 6  # streaming before the update: drained on the old weights
+    # c..f ran on v6 if admitted before the drain began, else were held and ran on v7;
+    # whichever, their text is what that version's weights produce.
+    texts = {v: {streams[k]["text"] for k in "cdef" if version[k] == v} for v in (6, 7)}
+    assert set(version.values()) <= {6, 7} and all(len(t) <= 1 for t in texts.values()), (version, texts)
+    ref = _complete(client, "Once upon", extra_body={"ignore_eos": True}, **STREAM)
+    assert ref.model_extra["weights_version"] == 7 and ref.choices[0].finish_reason == "length"
+    assert texts[7] <= {ref.choices[0].text} and not (texts[6] & texts[7])
 
     # The prompt cached under v6 is recomputed under v7, and the output is seed0's again.
     out = _complete(client)

@@ -1,8 +1,10 @@
 """Lifecycle races: sleep / wakeup / update / reset against each other and against traffic.
 
 Every call has a timeout (a deadlock fails the test instead of hanging it), every answer
-is 200 or a 409 that names the conflict, no stream ends without `[DONE]`, and each
-committed update raises the version by exactly one (no update lost or applied twice).
+is 200 or a refusal that names the conflict (409 for a conflicting call; 503 with
+Retry-After for work asked of a sleeping engine, which will serve again after a wakeup),
+no stream ends without `[DONE]`, and each committed update raises the version by
+exactly one (no update lost or applied twice).
 Then many sleep/wakeup cycles: outputs stay identical and the server's memory stays flat.
 """
 
@@ -85,12 +87,21 @@ async def _round(server, rng: random.Random) -> tuple[list, list]:
     return results[: len(ops)], results[len(ops) :]
 
 
+def _assert_refusal(status: int, body: dict) -> None:
+    """A refused lifecycle call or request says why: a conflict (409) or a sleeping engine (503)."""
+    err = body["error"]
+    want = {409: "conflict_error", 503: "service_unavailable_error"}[status]
+    assert err["type"] == want and err["message"], body
+    if status == 503:
+        assert err["code"] == "engine_asleep", body
+
+
 def _recover(server) -> None:
     """Awake and serving after a round (a level-2 sleep may have dropped the weights)."""
     assert httpx.post(f"{server.base}/wakeup", headers=ADMIN, timeout=60).status_code == 200
     probe = {"model": MODEL, "prompt": [5], "max_tokens": 1}
     r = httpx.post(f"{server.base}/v1/completions", json=probe, headers=AUTH, timeout=TIMEOUT)
-    if r.status_code == 409:  # level 2 then wakeup: no weights until an update
+    if r.status_code == 503:  # level 2: asleep (no weights) until an update
         assert server.update("seed0").status_code == 200
     else:
         assert r.status_code == 200, r.text
@@ -110,17 +121,18 @@ def test_lifecycle_calls_race_each_other_and_traffic(main_server):
         committed = 0
         for path, kw, status, body in calls:
             statuses.append(status)
-            assert status in (200, 409), (path, kw, status, body)
-            if status == 409:
+            assert status in (200, 409, 503), (path, kw, status, body)
+            if status != 200:
                 conflicts += 1
-                assert body["error"]["type"] == "conflict_error" and body["error"]["message"], body
+                _assert_refusal(status, body)
             elif path == "/update_weights":
                 committed += 1
                 server.versions[body["weights_version"]] = kw["json"]["path"]
         for s in streams:
-            assert s.status in (200, 409), (s.status, s.body)
-            if s.status == 409:
-                assert "asleep" in s.body["error"]["message"]
+            assert s.status in (200, 503), (s.status, s.body)
+            if s.status == 503:
+                _assert_refusal(s.status, s.body)
+                assert int(s.headers["retry-after"]) >= 1
                 continue
             c = s.choices[0]
             assert s.done and not s.errors and c.finish_count == 1, s
@@ -134,18 +146,21 @@ def test_lifecycle_calls_race_each_other_and_traffic(main_server):
         assert m['hotswap_kv_pages{state="owned"}'] == 0 and m["hotswap_is_sleeping"] == 0
         assert_metrics_add_up(m, server.num_pages)
 
-    # A conflict on purpose: while asleep, an update and a request both get 409, nothing changes.
+    # Conflicts on purpose, nothing changes: an update that does not raise the version (409);
+    # while asleep, an update and a request (503, retry after a wakeup).
     v = server.version()
+    r = server.update("seed1", version=v)
+    assert r.status_code == 409 and "greater" in r.json()["error"]["message"], r.text
     assert httpx.post(f"{server.base}/sleep", headers=ADMIN, timeout=60).status_code == 200
     r = server.update("seed1")
-    assert r.status_code == 409 and "wakeup" in r.json()["error"]["message"], r.text
+    assert r.status_code == 503 and "wakeup" in r.json()["error"]["message"], r.text
     probe = {"model": MODEL, "prompt": [5], "max_tokens": 1}
     r = httpx.post(f"{server.base}/v1/completions", json=probe, headers=AUTH, timeout=TIMEOUT)
-    assert r.status_code == 409 and "asleep" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "asleep" in r.json()["error"]["message"] and r.headers["retry-after"]
     assert httpx.post(f"{server.base}/wakeup", headers=ADMIN, timeout=60).status_code == 200
     assert server.version() == v and _greedy(server.base) == expected[server.versions[v]]
     print(
-        f"\nraces: {ROUNDS} rounds, {len(statuses)} lifecycle calls, {conflicts} conflicts (409), "
+        f"\nraces: {ROUNDS} rounds, {len(statuses)} lifecycle calls, {conflicts} refused (409/503), "
         f"{aborted_streams} streams cut by sleep/update"
     )
 

@@ -91,7 +91,7 @@ def test_the_walk_catches_an_unguarded_route(app):
 
 
 def test_unauthenticated_calls_get_401(app):
-    """The dependencies really run: no key (or the api key on a lifecycle route) is a 401."""
+    """The dependencies really run: no key is a 401; the api key on a lifecycle route is a 403."""
     client = TestClient(app)  # no `with`: no lifespan, so no engine loop; auth answers first
     checked = 0
     for path, methods, _ in _routes(app):
@@ -103,7 +103,8 @@ def test_unauthenticated_calls_get_401(app):
             assert r.json()["error"]["type"] == "authentication_error"
             if not path.startswith("/v1/"):
                 r = client.request(method, path, headers={"Authorization": f"Bearer {API_KEY}"})
-                assert r.status_code == 401, f"{method} {path} accepts the api key as admin"
+                assert r.status_code == 403, f"{method} {path} accepts the api key as admin"
+                assert r.json()["error"]["type"] == "permission_error"
             checked += 1
     assert checked >= 10
 
