@@ -1,0 +1,1 @@
+"""Small repository checks used by pre-commit and the test suite."""
