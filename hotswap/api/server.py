@@ -214,7 +214,7 @@ class _RequestTally:
             await self.app(scope, receive, send)
             return
         tally = scope[TALLY_KEY] = Tally()
-        status = 0
+        status, hung_up = 0, False
 
         async def send_status(message):
             nonlocal status
@@ -222,9 +222,15 @@ class _RequestTally:
                 status = message["status"]
             await send(message)
 
+        async def receive_watch():
+            nonlocal hung_up
+            message = await receive()
+            hung_up = hung_up or message["type"] == "http.disconnect"
+            return message
+
         self.ctx.requests_total += 1
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive_watch, send_status)
         except asyncio.CancelledError:  # the server is stopping or the client went away
             tally.settle("aborted")
             raise
@@ -232,8 +238,11 @@ class _RequestTally:
             tally.settle("errored")
             raise
         finally:
-            # The handler's own word first; else the status: 4xx/503 refused it, 5xx failed it,
-            # and a 2xx without an outcome is a stream the client cut short.
+            # The handler's own word first; then a client that hung up before its answer (even
+            # if the framework then calls the half-read body a 400); else the status: 4xx/503
+            # refused it, 5xx failed it, and a 2xx without an outcome is a stream cut short.
+            if hung_up and status < 500:
+                tally.settle("aborted")
             if status >= 500 and status != 503:
                 tally.settle("errored")
             elif status >= 400:

@@ -118,7 +118,7 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
         )
     try:
         header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_no_dup_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise PayloadError(f"safetensors header must be a JSON object, got {type(header).__name__}")
@@ -324,7 +324,7 @@ def decode_payload(data: bytes | bytearray | memoryview, content_type: str | Non
     if kind == "application/json":
         try:
             body = json.loads(bytes(data))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise PayloadError(f"JSON weight payload is not valid JSON: {e}") from None
         return decode_json_body(body)
     raise PayloadError(

@@ -68,7 +68,7 @@ def parse_safetensors(buf, source: str) -> tuple[dict[str, np.ndarray], dict[str
         )
     try:
         header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{source}: corrupt safetensors header ({e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{source}: corrupt safetensors header (not a JSON object)")

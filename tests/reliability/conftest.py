@@ -1,8 +1,9 @@
 """Fixtures of the reliability suite: checkpoints, one shared server, in-process scoring oracles.
 
 One server serves every module that can share it (start-up compiles the step buckets,
-about half a minute on 2 loaded cores); modules whose scenario ends or reshapes a
-server (a small queue, SIGTERM) start their own. Tests leave the shared server
+up to half a minute on 2 loaded cores) and stops after the package's last test, not at
+the end of the whole session; modules whose scenario ends or reshapes a server (a small
+queue, SIGTERM) start their own. Tests leave the shared server
 awake and serving, and record every weights version they create in `versions`, so
 that any test can re-score a response under the checkpoint of its reported version.
 """
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from relkit import ADMIN, ServerProc
 
 from hotswap.checkpoint.create import create_checkpoint
+
+from .relkit import ADMIN, ServerProc
 
 # Main server: a 64-token context keeps buckets few (8 compiles); 256 pages leave most of the
 # cache to the prefix index, and make a leak of the KV buffers (2 MiB each) visible in RSS.
@@ -26,7 +28,7 @@ MAIN_KNOBS = {
     "max_num_batched_tokens": 64,
     "page_size": 16,
     "num_pages": 256,
-    "max_waiting": 512,
+    "max_waiting": 2048,  # above any test's concurrency: 429s belong to the backpressure test alone
     "drain_timeout": 30,
 }
 
@@ -59,7 +61,7 @@ class SharedServer:
         return r.json()["weights_version"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def rel_ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("reliability")
     weights = root / "weights"
@@ -73,7 +75,7 @@ def rel_ckpts(tmp_path_factory) -> dict[str, Path]:
     return ckpts
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def main_server(rel_ckpts, tmp_path_factory):
     log = tmp_path_factory.mktemp("main-log") / "server.log"
     proc = ServerProc(rel_ckpts["seed0"], log, weights_root=rel_ckpts["root"], **MAIN_KNOBS)
@@ -86,7 +88,7 @@ def main_server(rel_ckpts, tmp_path_factory):
         proc.kill()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def oracles(rel_ckpts):
     """In-process engines (no warm-up) that re-score tokens under a named checkpoint."""
     from hotswap.engine.llm import LLM

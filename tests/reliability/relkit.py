@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,12 +29,18 @@ MODEL = "tiny"
 TIMEOUT = httpx.Timeout(90.0, connect=10.0)  # generous: 2 shared cores; a hang still fails
 
 
+# Plain http on loopback never uses it, but each httpx client builds an SSL context unless given
+# one, loading the CA bundle: ~20 ms of event-loop time per client, which starved connects
+# (ConnectTimeout) once a thousand simulated users started within seconds.
+_SSL = ssl.create_default_context()
+
+
 def async_client(base: str, connections: int = 1) -> httpx.AsyncClient:
     """One client per simulated user: httpx's shared pool slows down badly with hundreds of open
     streams (it held an update back for seconds). Idle connections expire before uvicorn's 5 s
     keep-alive timeout, so a request never goes out on a socket the server is closing."""
     limits = httpx.Limits(max_connections=connections, keepalive_expiry=2.0)
-    return httpx.AsyncClient(base_url=base, timeout=TIMEOUT, limits=limits)
+    return httpx.AsyncClient(base_url=base, timeout=TIMEOUT, limits=limits, verify=_SSL)
 
 
 def scale(fast: int, soak: int) -> int:

@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-from relkit import (
+
+from .relkit import (
     AUTH,
     MODEL,
     TIMEOUT,
@@ -99,25 +100,29 @@ def test_burst_over_capacity_gets_429_with_retry_after(small_server):
 
 async def _in_flight_then_sigterm(proc: ServerProc, n: int) -> tuple[list, list, float]:
     body = {**BODY, "max_tokens": 120}
-    async with httpx.AsyncClient(base_url=proc.base, timeout=TIMEOUT) as client:
-        accepted = [asyncio.Event() for _ in range(n)]
-        tasks = [asyncio.create_task(stream_completion(client, body, accepted=a)) for a in accepted]
-        await asyncio.wait_for(asyncio.gather(*(a.wait() for a in accepted)), 30)
-        keep_alive = httpx.AsyncClient(base_url=proc.base, timeout=10)
-        assert (await keep_alive.get("/health")).status_code == 200  # an open connection before SIGTERM
-        proc.terminate()
-        sigterm_at = time.monotonic()
-        await asyncio.sleep(0.05)
-        refusals = []
-        for c in (keep_alive, httpx.AsyncClient(base_url=proc.base, timeout=10)):
-            try:  # a kept-alive connection gets 503; a new one finds the listener closed
-                r = await c.post("/v1/completions", json={"model": MODEL, **BODY}, headers=AUTH)
-                refusals.append(r.status_code)
-            except httpx.TransportError as e:
-                refusals.append(type(e).__name__)
-            finally:
-                await c.aclose()
-        return await gather_bounded(tasks, timeout_s=60), refusals, sigterm_at
+    keep_alive = httpx.AsyncClient(base_url=proc.base, timeout=10)
+    assert (await keep_alive.get("/health")).status_code == 200  # a connection open before SIGTERM
+    accepted = [asyncio.Event() for _ in range(n)]
+
+    async def one(event: asyncio.Event):
+        async with async_client(proc.base) as client:
+            return await stream_completion(client, body, accepted=event)
+
+    tasks = [asyncio.create_task(one(a)) for a in accepted]
+    await asyncio.wait_for(asyncio.gather(*(a.wait() for a in accepted)), 30)
+    proc.terminate()  # at once: all n are queued or running, with ~n*120 tokens still to generate
+    sigterm_at = time.monotonic()
+    await asyncio.sleep(0.05)
+    refusals = []
+    for c in (keep_alive, httpx.AsyncClient(base_url=proc.base, timeout=10)):
+        try:  # a kept-alive connection gets 503; a new one gets 503 or finds the listener closed
+            r = await c.post("/v1/completions", json={"model": MODEL, **BODY}, headers=AUTH)
+            refusals.append(r.status_code)
+        except httpx.TransportError as e:
+            refusals.append(type(e).__name__)
+        finally:
+            await c.aclose()
+    return await gather_bounded(tasks, timeout_s=60), refusals, sigterm_at
 
 
 def test_sigterm_drains_in_flight_refuses_new_exits_0(small_server):

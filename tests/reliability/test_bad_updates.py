@@ -15,11 +15,12 @@ import zipfile
 import httpx
 import numpy as np
 import pytest
-from relkit import ADMIN, AUTH, MODEL, TIMEOUT
 
 from hotswap.checkpoint.create import create_checkpoint
 from hotswap.checkpoint.hf import read_hf_tensors
 from hotswap.checkpoint.payload import encode_json_entries, encode_safetensors
+
+from .relkit import ADMIN, AUTH, MODEL, TIMEOUT
 
 NORM, UP = "model.norm.weight", "model.layers.0.mlp.up_proj.weight"
 OCTET = {"Content-Type": "application/octet-stream"}

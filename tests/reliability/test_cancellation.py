@@ -12,7 +12,8 @@ import asyncio
 import random
 
 import httpx
-from relkit import (
+
+from .relkit import (
     AUTH,
     MODEL,
     assert_metrics_add_up,
@@ -28,10 +29,11 @@ from relkit import (
 
 N_STREAMS = scale(200, 1000)
 MAX_TOKENS = 40
+ARRIVAL_S = scale(2, 10)  # arrivals spread so the client itself keeps up (1000 at once starve its loop)
 
 
 async def _one(base: str, i: int, rng: random.Random) -> tuple[str, object]:
-    await asyncio.sleep(rng.uniform(0, 2.0))
+    await asyncio.sleep(rng.uniform(0, ARRIVAL_S))
     async with async_client(base) as client:  # one client per user: hanging up closes its connection
         return await _behave(client, i, rng)
 

@@ -6,7 +6,8 @@ back as OpenAI-style JSON bodies. (test_schemathesis.py generates bodies from th
 from __future__ import annotations
 
 import httpx
-from relkit import ADMIN, TIMEOUT, assert_metrics_add_up, outcomes, wait_quiescent
+
+from .relkit import ADMIN, TIMEOUT, assert_metrics_add_up, outcomes, wait_quiescent
 
 
 def _raw_bodies() -> list[tuple[str, bytes, str]]:

@@ -14,7 +14,8 @@ import asyncio
 import random
 
 import httpx
-from relkit import (
+
+from .relkit import (
     ADMIN,
     AUTH,
     MODEL,

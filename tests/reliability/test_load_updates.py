@@ -17,11 +17,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-from relkit import (
+
+from .relkit import (
     ADMIN,
     assert_metrics_add_up,
     async_client,
     gather_bounded,
+    outcomes,
     scale,
     stream_completion,
     wait_quiescent,
@@ -149,6 +151,7 @@ def _check_logprobs(oracles, known, pairs) -> int:
 def test_streams_under_updates(main_server, oracles, policy):
     server = main_server
     server.restore("seed0")
+    before = outcomes(wait_quiescent(server.base))
     t0 = time.monotonic()
     pairs, updates = asyncio.run(_run(server, policy))
     elapsed = time.monotonic() - t0
@@ -195,6 +198,9 @@ def test_streams_under_updates(main_server, oracles, policy):
     m = wait_quiescent(server.base)
     assert_metrics_add_up(m, server.num_pages)
     assert m['hotswap_kv_pages{state="owned"}'] == 0
+    # The server's outcome counters agree with what the clients saw, request for request.
+    delta = {k: v - before[k] for k, v in outcomes(m).items()}
+    assert delta == {"completed": len(results) - aborted, "aborted": aborted, "rejected": 0, "errored": 0}
     print(
         f"\n{policy}: {len(results)} streams from {N_SLOTS} clients (peak {_peak(results)} open), "
         f"updates {statuses.count(200)} applied / {statuses.count(409)} refused with {min(open_at)}-"

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-from relkit import ADMIN, metrics, outcomes, scale
+
+from .relkit import ADMIN, metrics, outcomes, scale
 
 schemathesis = pytest.importorskip("schemathesis")
 

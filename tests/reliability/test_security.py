@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
-from relkit import ADMIN_KEY, API_KEY
 
 from hotswap.api.engine_loop import require_admin, require_api_key
 from hotswap.api.server import create_app
+
+from .relkit import ADMIN_KEY, API_KEY
 
 # Open on purpose: liveness and Prometheus scraping (as in vLLM), and FastAPI's schema and docs pages,
 # which describe the API but reach no engine state.

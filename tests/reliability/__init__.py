@@ -1,0 +1,1 @@
+"""Reliability suite (issue 9): load, faults and bad input against a real server on loopback."""
