@@ -167,7 +167,9 @@ class Driver:
                 self.channel.forget_through(index)
             return outputs
 
-    def update_weights(self, source, *, policy="drain", version=None, partial=False, drain_timeout_s=None):
+    def update_weights(
+        self, source, *, policy="drain", version=None, partial=False, drain_timeout_s=None, check_finite=True
+    ):
         """As Engine.update_weights. Paths are read by every process (a shared filesystem or bucket);
         bytes and in-memory trees are sent from here over a device broadcast."""
         if partial:
@@ -175,7 +177,7 @@ class Driver:
                 "partial updates are not supported across processes; send the full weights (or a checkpoint path)"
             )
         del drain_timeout_s  # a timeout would let processes stop draining at different steps
-        args = dict(policy=policy, version=version)
+        args = dict(policy=policy, version=version, check_finite=check_finite)
         with self.engine.lock:
             if isinstance(source, (str, os.PathLike)):
                 # Refuse a path outside weights_root here, before any follower starts on it.
@@ -247,7 +249,11 @@ def apply(engine: Engine, cmd: dict):
             cmd["path"] if kind == "path" else _broadcast_weights(engine, kind, nbytes=cmd.get("nbytes", 0))
         )
         return engine.update_weights(
-            source, policy=cmd["policy"], version=cmd["version"], drain_timeout_s=math.inf
+            source,
+            policy=cmd["policy"],
+            version=cmd["version"],
+            drain_timeout_s=math.inf,
+            check_finite=cmd.get("check_finite", True),
         )
     if op == "sleep":
         return engine.sleep(cmd["level"], "abort")
