@@ -124,6 +124,31 @@ class Scheduler:
         seq.num_computed = len(seq.block_table) * self.ps
         return prefix
 
+    def _prompt_keys(self, seq: Sequence, version: int) -> list[int]:
+        """Chain keys of seq's full prompt pages under `version` (computed once per version)."""
+        if seq.prompt_keys is None or seq.prompt_keys[0] != version:
+            keys, key = [], 0
+            for i in range(len(seq.prompt_ids) // self.ps):
+                key = page_key(key, seq.prompt_ids[i * self.ps : (i + 1) * self.ps], version)
+                keys.append(key)
+            seq.prompt_keys = (version, keys)
+        return seq.prompt_keys[1]
+
+    def _pending_keys(self, version: int) -> set[int]:
+        """Prompt pages that running sequences are still computing."""
+        pending: set[int] = set()
+        for s in self.running:
+            if s.in_prefill and not s.mixed_kv:
+                pending.update(self._prompt_keys(s, version)[s.num_computed // self.ps :])
+        return pending
+
+    def _waits_for_prefix(self, seq: Sequence, prefix: PrefixIndex, version: int, pending: set[int]) -> bool:
+        """True if seq's first uncached prompt page is being computed by another sequence right
+        now: admitting it next step turns that page into a prefix hit instead of a recompute."""
+        keys = self._prompt_keys(seq, version)[: (seq.total_len - 1) // self.ps]
+        missing = next((k for k in keys if prefix.find(k, version) == 0), None)
+        return missing is not None and missing in pending
+
     def _tick(self) -> int:
         self.pool.tick += 1
         return self.pool.tick
@@ -175,6 +200,8 @@ class Scheduler:
         plan.prefill = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
 
         # 2. Admit waiting sequences, in order, while the budget, max_num_seqs and pages allow.
+        caching = self.cfg.enable_prefix_caching
+        pending = self._pending_keys(version) if caching and self.waiting else set()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
@@ -182,6 +209,8 @@ class Scheduler:
                 continue  # an update is draining: only already-started (preempted) work may run
             if seq.fork_parent is not None and self._parent_pending(seq):
                 continue  # n > 1: wait for the parent's prompt so its pages can be shared
+            if pending and self._waits_for_prefix(seq, prefix, version, pending):
+                continue  # a shared prefix is being computed this step: hit it next step
             prefix = self._match_prefix(seq, prefix, version)
             if not seq.admitted_once:
                 seq.num_cached_tokens = seq.num_computed
@@ -193,6 +222,8 @@ class Scheduler:
                 seq.num_computed = 0
                 break
             self.waiting.remove(seq)
+            if caching and not seq.mixed_kv:
+                pending.update(self._prompt_keys(seq, version)[seq.num_computed // self.ps :])
             seq.status = Status.RUNNING
             self.running.append(seq)
             budget -= n

@@ -46,6 +46,7 @@ class Sequence:
     # versions, so pages it writes must never enter the prefix index.
     mixed_kv: bool = False
     admitted_once: bool = False
+    prompt_keys: tuple[int, list[int]] | None = None  # (version, chain keys of full prompt pages)
 
     @property
     def all_ids(self) -> list[int]:
