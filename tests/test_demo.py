@@ -86,9 +86,10 @@ def test_demo_via_http(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_notebook_executes(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    kernelspec = pytest.importorskip("ipykernel.kernelspec")
+    import nbclient
+    import nbformat
+    from ipykernel import kernelspec
+
     # A kernelspec for *this* interpreter, found first on JUPYTER_PATH: works in a clean venv with no
     # registered kernel, and is not shadowed by a system-wide "python3" of another environment.
     kernelspec.write_kernel_spec(

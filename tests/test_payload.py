@@ -202,7 +202,8 @@ def test_pickle_refused(protocol):
 
 
 def test_torch_save_refused():
-    torch = pytest.importorskip("torch")
+    import torch
+
     buf = io.BytesIO()
     torch.save({"w": torch.ones(2, 2)}, buf)
     with pytest.raises(PickleRefused, match="torch.save"):
@@ -213,7 +214,8 @@ def test_torch_save_refused():
 
 
 def test_torch_legacy_save_refused():
-    torch = pytest.importorskip("torch")
+    import torch
+
     buf = io.BytesIO()
     torch.save({"w": torch.ones(2)}, buf, _use_new_zipfile_serialization=False)
     with pytest.raises(PickleRefused):

@@ -11,13 +11,11 @@ from __future__ import annotations
 import collections
 
 import httpx
-import pytest
+import schemathesis  # noqa: E402  (a test dependency: a missing install must fail, not skip)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 
 from .relkit import ADMIN, metrics, outcomes, scale
-
-schemathesis = pytest.importorskip("schemathesis")
 
 EXAMPLES = scale(25, 100)  # per operation and generation mode
 SETTINGS = settings(
