@@ -99,13 +99,10 @@ async def _apply_chunk(ctx: ServerContext, payload, opts: _ChunkOptions, content
     """Stage a chunk; on `finished`, commit every staged tensor as one update."""
 
     def run():
-        try:
-            if isinstance(payload, list):
-                tensors = decode_json_entries(payload)
-            else:
-                tensors = decode_payload(payload, content_type)
-        except RecursionError:  # json.loads of a safetensors header nested thousands deep
-            raise PayloadError("weight payload header is nested too deeply (not safetensors)") from None
+        if isinstance(payload, list):
+            tensors = decode_json_entries(payload)
+        else:
+            tensors = decode_payload(payload, content_type)
         return ctx.engine.update_weights_chunk(
             tensors,
             finished=opts.finished,

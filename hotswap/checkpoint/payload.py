@@ -118,8 +118,10 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
         )
     try:
         header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_no_dup_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
+    except RecursionError:  # [[[[...]]]] thousands deep: json's parser gives up
+        raise PayloadError("safetensors header is nested too deeply (not a safetensors header)") from None
     if not isinstance(header, dict):
         raise PayloadError(f"safetensors header must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
@@ -324,8 +326,10 @@ def decode_payload(data: bytes | bytearray | memoryview, content_type: str | Non
     if kind == "application/json":
         try:
             body = json.loads(bytes(data))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise PayloadError(f"JSON weight payload is not valid JSON: {e}") from None
+        except RecursionError:
+            raise PayloadError("JSON weight payload is nested too deeply") from None
         return decode_json_body(body)
     raise PayloadError(
         f"unsupported content type {content_type!r} for weights; use application/octet-stream "
