@@ -211,7 +211,6 @@ def test_engine_step_contains_pallas_call(tiny_dir):
     from hotswap.checkpoint.hf import load_hf_dir
     from hotswap.config import EngineConfig
     from hotswap.engine import runner
-    from hotswap.engine.sampling import SamplingArrays
     from hotswap.engine.state import new_kv_cache
 
     mcfg, params = load_hf_dir(tiny_dir)
@@ -221,15 +220,7 @@ def test_engine_step_contains_pallas_call(tiny_dir):
     pages = new_kv_cache(mcfg, ecfg).pages
     shapes = runner.Runner(mcfg, ecfg).buckets.shapes()
     for b, c, p in (shapes[-1], shapes[0]):  # the largest prefill chunk and a decode batch, as in warmup
-        z = np.zeros
-        arrays = (
-            z((b, c), np.int32),
-            z((b, c), np.int32),
-            z((b, p), np.int32),
-            z(b, np.int32),
-            z(b, np.int32),
-        )
-        args = (params, pages, *arrays, SamplingArrays.from_rows([], b))
+        args = (params, pages, *runner.placeholder_inputs(b, c, p))
         fused = runner.fused_jit.trace(*args, cfg=mcfg, impl="pallas").jaxpr
         assert "pallas_call" in str(fused)
         assert list(_primitives(fused.jaxpr)).count("pallas_call") == mcfg.num_layers

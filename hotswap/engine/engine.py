@@ -305,7 +305,7 @@ class Engine:
         from hotswap.engine.state import new_kv_cache
 
         for seq in list(self.sched.running):
-            self.sched._preempt(seq, self.state.prefix)
+            self.sched.preempt(seq, self.state.prefix)
         self.sched.pool.reset()
         self.state = lifecycle.reset_prefix_cache(
             dataclasses.replace(self.state, kv=new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding))
@@ -442,7 +442,7 @@ class Engine:
             self._abort_seqs(started)
         elif policy == "recompute":
             for s in list(self.sched.running):
-                self.sched._preempt(s, self.state.prefix)
+                self.sched.preempt(s, self.state.prefix)
         elif policy == "keep":
             for s in self.sched.running:
                 s.mixed_kv = True

@@ -94,6 +94,17 @@ def run_step(params, pages, tokens, positions, block_tables, kv_lens, sample_idx
     )
 
 
+def placeholder_inputs(b: int, c: int, p: int) -> tuple:
+    """Zero-filled step inputs of bucket shape (B, C, P): what warm-up compiles against.
+
+    Returns (tokens, positions, block_tables, kv_lens, sample_idx, sampling arrays); kv_lens
+    of 0 make every row padding, so a placeholder step writes nothing real.
+    """
+    z = np.zeros
+    arrays = (z((b, c), np.int32), z((b, c), np.int32), z((b, p), np.int32), z(b, np.int32), z(b, np.int32))
+    return (*arrays, SamplingArrays.from_rows([], b))
+
+
 class Runner:
     def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig):
         self.mcfg, self.ecfg = mcfg, ecfg
@@ -109,7 +120,7 @@ class Runner:
         sample_idx = np.zeros(b, np.int32)
         for i, (seq, n) in enumerate(rows):
             start = seq.num_computed
-            ids = seq.all_ids[start : start + n]
+            ids = seq.token_slice(start, n)
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, np.int32)
             tokens[i, :n] = ids
@@ -143,15 +154,8 @@ class Runner:
         shapes = self.buckets.shapes()
         it = tqdm(shapes, desc="hotswap: compiling steps", disable=not progress, leave=False)
         for b, c, p in it:
-            z = np.zeros
-            arrays = (
-                z((b, c), np.int32),
-                z((b, c), np.int32),
-                z((b, p), np.int32),
-                z(b, np.int32),
-                z(b, np.int32),
+            pages, _ = run_step(
+                params, pages, *placeholder_inputs(b, c, p), cfg=self.mcfg, impl=self.ecfg.attention
             )
-            sa = SamplingArrays.from_rows([], b)
-            pages, out = run_step(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)
         jax.block_until_ready(pages)
         return pages

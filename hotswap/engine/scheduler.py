@@ -51,11 +51,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        if self.hold_admission:
-            return bool(self.running) or any(s.admitted_once for s in self.waiting)
-        return bool(self.running) or bool(self.waiting)
-
     def owners(self) -> dict[int, int]:
         count: dict[int, int] = collections.Counter()
         for s in self.running:
@@ -82,7 +77,7 @@ class Scheduler:
         seq.block_table = []
         seq.page_keys = []
 
-    def _preempt(self, seq: Sequence, prefix: PrefixIndex) -> None:
+    def preempt(self, seq: Sequence, prefix: PrefixIndex) -> None:
         """Recompute later: drop KV, keep tokens, back to the front of the queue."""
         self.release(seq, prefix)
         seq.num_computed = 0
@@ -158,11 +153,10 @@ class Scheduler:
         if not self.cfg.enable_prefix_caching or seq.mixed_kv:
             return prefix
         full = min(seq.num_computed // self.ps, len(seq.block_table))
-        ids = seq.all_ids
-        while len(seq.page_keys) < full:
+        while len(seq.page_keys) < full:  # rarely true: once per page_size tokens
             i = len(seq.page_keys)
             parent = seq.page_keys[-1] if seq.page_keys else 0
-            key = page_key(parent, ids[i * self.ps : (i + 1) * self.ps], version)
+            key = page_key(parent, seq.token_slice(i * self.ps, self.ps), version)
             page = seq.block_table[i]
             if prefix.key[page] == 0 and prefix.find(key, version) == 0:
                 prefix = prefix.insert(page, key, version, self._tick())
@@ -185,7 +179,7 @@ class Scheduler:
                 if ok:
                     break
                 victim = max(self.running, key=lambda s: s.arrival)
-                self._preempt(victim, prefix)
+                self.preempt(victim, prefix)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:

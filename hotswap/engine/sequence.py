@@ -52,6 +52,13 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """all_ids[start:start+n] without building all_ids (a decode step reads one token)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        return (self.prompt_ids[start : start + n] + self.output_ids[: max(0, start + n - p)])[:n]
+
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
