@@ -18,7 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import jax
-import numpy as np
 from helpers import count_compiles
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -26,7 +25,6 @@ from hotswap import LLM, SamplingParams
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
 from hotswap.engine import runner, sharding
-from hotswap.engine.sampling import SamplingArrays
 from hotswap.errors import ConfigError
 
 # head_dim 16; every sharded dim (8 heads, 8 kv heads, F=256, V=512) divides by 8.
@@ -73,14 +71,12 @@ def collectives(llm: LLM) -> dict:
     KV write; both are checked.
     """
     e, out = llm.engine, {}
-    for name, (b, c) in {"decode": (4, 1), "prefill": (1, 16)}.items():
-        z = np.zeros
-        ints = (z((b, c), np.int32),) * 2 + (z((b, 4), np.int32), z(b, np.int32), z(b, np.int32))
-        args = (e.state.params, e.state.kv.pages, *ints, SamplingArrays.from_rows([], b))
+    for name, (b, c) in {"decode": (4, 1), "prefill": (2, runner.PREFILL_ROW)}.items():
+        batch, sa = runner.placeholder_inputs(b, c, 4)
+        args = (e.state.params, e.state.kv.pages, batch, sa)
         fwd = runner.forward_jit.lower(*args, cfg=e.mcfg, impl="reference").compile()
         new_kv, _ = runner.forward_jit(*args, cfg=e.mcfg, impl="reference")
-        tokens, positions, tables, kv_lens, _ = ints
-        write = runner.write_jit.lower(e.state.kv.pages, new_kv, tables, positions, kv_lens).compile()
+        write = runner.write_jit.lower(e.state.kv.pages, new_kv, batch.slots).compile()
         for prog, compiled in (("forward", fwd), ("write", write)):
             found = KV_COLLECTIVE.findall(compiled.as_text())
             out[f"{name}/{prog}"] = dict(Counter(f"{op} {shape}" for shape, op in found))
@@ -107,6 +103,7 @@ def main(tmp: Path) -> dict:
         res["tp"][tp] = {"out": generate(llm), "shardings": describe(llm)}
         res["timings"][f"tp{tp}"] = round(time.monotonic() - t, 1)
     llm8 = llm
+    llm8.reset_prefix_cache()  # a prefix hit would read cached pages: another (valid) bucket
     with count_compiles() as n:
         generate(llm8)  # same shapes again: served from the jit cache
     res["recompiles_second_generate"] = n()

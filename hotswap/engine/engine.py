@@ -233,16 +233,13 @@ class Engine:
             return []
         pages = state.kv.pages
         page_version = state.kv.page_version.copy()
-        calls = []
-        if plan.decode:
-            calls.append([(s, 1) for s in plan.decode])
-        calls += [[row] for row in plan.prefill]
+        # One call for the decode batch, one for every prefill chunk packed together.
+        calls = [(True, [(s, 1) for s in plan.decode])] if plan.decode else []
+        calls += [(False, rows) for rows in self.runner.pack(plan.prefill)]
         touched: dict[str, Request] = {}
         try:
-            for rows in calls:
-                pages, out = self.runner.run(
-                    state.params, pages, rows, decode=len(rows) > 1 or rows[0][1] == 1
-                )
+            for decode, rows in calls:
+                pages, out = self.runner.run(state.params, pages, rows, decode=decode)
                 self._replace_pages(pages)
                 for i, (seq, n) in enumerate(rows):
                     ps = self.ecfg.page_size
@@ -376,17 +373,15 @@ class Engine:
         """
         if policy not in POLICIES:
             raise ConfigError(f"unknown update policy {policy!r}; use one of {POLICIES}")
-        params = sources.resolve_source(
+        staged = sources.stage_source(  # outside the lock: serving goes on
             source,
             self.mcfg,
             current=self.state.params,
             partial=partial,
             weights_root=self.weights_root,
             abstract=self.abstract,
+            check_finite=check_finite,
         )
-        staged = lifecycle.stage_params(
-            params, self.abstract, check_finite=check_finite
-        )  # outside the lock: serving goes on
         with self._lock:
             if "weights" in self.state.asleep and self.state.params is not None:
                 raise EngineAsleep(

@@ -16,6 +16,7 @@ import numpy as np
 
 from hotswap import kernels
 from hotswap.config import ModelConfig
+from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.kernels import reference
 
@@ -75,21 +76,12 @@ def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def forward_paged(
-    params: Params,
-    pages: tuple[jax.Array, ...],
-    tokens: jax.Array,
-    positions: jax.Array,
-    block_tables: jax.Array,
-    kv_lens: jax.Array,
-    *,
-    cfg: ModelConfig,
-    impl: str = "reference",
+    params: Params, pages: tuple[jax.Array, ...], batch: Batch, *, cfg: ModelConfig, impl: str = "reference"
 ):
-    """One engine step over a [B, C] block of tokens (decode: C=1; prefill chunk: B=1).
+    """One engine step over `batch` ([B, C] tokens: a decode batch or a packed prefill, batch.py).
 
-    tokens, positions: int32[B, C]; block_tables: int32[B, P]; kv_lens: int32[B] (cache
-    length after this step). Returns (final hidden [B, C, D], new_kv, pages) where
-    new_kv is this step's (K, V) per layer, each [B, C, Hkv, hd].
+    Returns (final hidden [B, C, D], new_kv, pages) where new_kv is this step's (K, V) per
+    layer, each [B, C, Hkv, hd].
 
     impl "reference": attention reads the cache as it was before the step plus the
     step's own K/V, and `pages` come back untouched; the caller writes new_kv
@@ -100,22 +92,37 @@ def forward_paged(
     """
     inv_freq = rope_inv_freq(cfg)
     scale = 1.0 / math.sqrt(cfg.head_dim)
-    b, c = tokens.shape
-    x = params["embed"][tokens]  # [B, C, D]
+    b, c = batch.tokens.shape
+    x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _qkv(lp, cfg, h, positions, inv_freq)
+            q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
             new_kv.append((k, v))
             if impl == "reference":
                 o = reference.paged_attention_with_new(
-                    q, pages[i], k, v, block_tables, positions, kv_lens, scale=scale
+                    q,
+                    pages[i],
+                    k,
+                    v,
+                    batch.block_tables,
+                    batch.positions,
+                    batch.kv_lens,
+                    batch.chunk_starts,
+                    batch.segments,
+                    scale=scale,
                 )
             else:
-                new_pages.append(reference.write_kv(pages[i], k, v, block_tables, positions, kv_lens))
+                new_pages.append(reference.write_kv(pages[i], k, v, batch.slots))
                 o = kernels.attention(
-                    q, new_pages[-1], block_tables, positions, kv_lens, scale=scale, impl=impl
+                    q,
+                    new_pages[-1],
+                    batch.block_tables,
+                    batch.positions,
+                    batch.kv_lens,
+                    scale=scale,
+                    impl=impl,
                 )
             x = x + o.reshape(b, c, cfg.q_size) @ lp["wo"]
             x = _mlp(lp, cfg, x)
@@ -123,12 +130,9 @@ def forward_paged(
     return h, tuple(new_kv), (pages if impl == "reference" else tuple(new_pages))
 
 
-def write_pages(pages, new_kv, block_tables, positions, kv_lens):
+def write_pages(pages, new_kv, slots):
     """Write a step's K/V (per layer, [B, C, Hkv, hd]) into the page buffers (donate `pages`)."""
-    return tuple(
-        reference.write_kv(p, k, v, block_tables, positions, kv_lens)
-        for p, (k, v) in zip(pages, new_kv, strict=True)
-    )
+    return tuple(reference.write_kv(p, k, v, slots) for p, (k, v) in zip(pages, new_kv, strict=True))
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

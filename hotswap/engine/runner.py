@@ -1,9 +1,10 @@
 """The jitted step and the only host->device bridge.
 
-One jitted function serves both step kinds: a [B, C] block of tokens where a
-decode batch is [B, 1] and a prefill chunk is [1, C]. B, C and the number of
-block-table columns P are padded to the buckets listed here, all compiled at
-start-up, so steady-state serving never recompiles. KV page buffers are donated
+One jitted function serves both step kinds: a [B, C] block of tokens (batch.py)
+where a decode batch is [B, 1] and a packed prefill is [Nb, PREFILL_ROW] holding
+every prefill chunk of the step. B, Nb and the number of block-table columns P
+are padded to the buckets listed here, all compiled at start-up, so
+steady-state serving never recompiles. KV page buffers are donated
 so XLA updates them in place; params are an argument, so a swap to params of
 the same shapes, dtypes and shardings reuses every executable.
 """
@@ -14,21 +15,26 @@ import dataclasses
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine import model
+from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.engine.sampling import SamplingArrays, sample
 from hotswap.engine.sequence import Sequence
 
+PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
+
 
 def _pow2_upto(lo: int, hi: int) -> list[int]:
+    """lo, 2lo, 4lo, ... < hi, then hi; a power of two within 1.5x below hi is dropped (hi covers it)."""
     out, v = [], lo
     while v < hi:
         out.append(v)
         v *= 2
+    if out and hi < 1.5 * out[-1]:
+        out.pop()
     return out + [hi]
 
 
@@ -37,24 +43,27 @@ class Buckets:
     """Every shape the step is compiled for."""
 
     batch: tuple[int, ...]  # decode rows B
-    chunk: tuple[int, ...]  # prefill chunk C
+    blocks: tuple[int, ...]  # packed prefill rows (of PREFILL_ROW tokens each)
     pages: tuple[int, ...]  # block-table columns P
+    prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
 
     @staticmethod
     def for_config(ecfg: EngineConfig) -> Buckets:
         pps = ecfg.pages_per_seq
+        pages = tuple(_pow2_upto(min(8, pps), pps))
+        # The reference attention reads only keys cached before each chunk, often none.
+        prefill_pages = pages if ecfg.attention != "reference" else (0, *pages)
         return Buckets(
             batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
-            chunk=tuple(_pow2_upto(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens)),
-            pages=tuple(_pow2_upto(min(8, pps), pps)),
+            blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
+            pages=pages,
+            prefill_pages=prefill_pages,
         )
 
     def shapes(self) -> list[tuple[int, int, int]]:
-        """(B, C, P) for every compiled step."""
-        # Prefill chunks always see the full table: a chunk's own compute dominates,
-        # and it keeps start-up compiles to one per chunk size.
+        """(B, C, P) for every compiled step: decode batches, then packed prefills."""
         return [(b, 1, p) for b in self.batch for p in self.pages] + [
-            (1, c, self.pages[-1]) for c in self.chunk
+            (nb, PREFILL_ROW, p) for nb in self.blocks for p in self.prefill_pages
         ]
 
 
@@ -65,11 +74,9 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, *, cfg, impl):
-    h, new_kv, pages = model.forward_paged(
-        params, pages, tokens, positions, block_tables, kv_lens, cfg=cfg, impl=impl
-    )
-    h_last = jnp.take_along_axis(h, sample_idx[:, None, None], axis=1)[:, 0]  # [B, D]
+def _step(params, pages, batch: Batch, sa, *, cfg, impl):
+    h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, impl=impl)
+    h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         out = sample(model.logits_from_hidden(params, h_last), sa)
     return (new_kv if impl == "reference" else pages), out
@@ -82,27 +89,17 @@ write_jit = jax.jit(model.write_pages, donate_argnums=(0,))
 fused_jit = partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))(_step)
 
 
-def run_step(params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, *, cfg, impl):
+def run_step(params, pages, batch: Batch, sa, *, cfg, impl):
     """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps))."""
     if impl == "reference":
-        new_kv, out = forward_jit(
-            params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, cfg=cfg, impl=impl
-        )
-        return write_jit(pages, new_kv, block_tables, positions, kv_lens), out
-    return fused_jit(
-        params, pages, tokens, positions, block_tables, kv_lens, sample_idx, sa, cfg=cfg, impl=impl
-    )
+        new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
+        return write_jit(pages, new_kv, batch.slots), out
+    return fused_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
 
 
-def placeholder_inputs(b: int, c: int, p: int) -> tuple:
-    """Zero-filled step inputs of bucket shape (B, C, P): what warm-up compiles against.
-
-    Returns (tokens, positions, block_tables, kv_lens, sample_idx, sampling arrays); kv_lens
-    of 0 make every row padding, so a placeholder step writes nothing real.
-    """
-    z = np.zeros
-    arrays = (z((b, c), np.int32), z((b, c), np.int32), z((b, p), np.int32), z(b, np.int32), z(b, np.int32))
-    return (*arrays, SamplingArrays.from_rows([], b))
+def placeholder_inputs(b: int, c: int, p: int) -> tuple[Batch, SamplingArrays]:
+    """All-padding step inputs of bucket shape (B, C, P): what warm-up compiles against."""
+    return Batch.zeros(b, c, p, b), SamplingArrays.from_rows([], b)
 
 
 class Runner:
@@ -111,39 +108,82 @@ class Runner:
         self.buckets = Buckets.for_config(ecfg)
         self.ps = ecfg.page_size
 
-    def prepare_inputs(self, rows: list[tuple[Sequence, int]], b: int, c: int, p: int):
-        """Host numpy -> fixed-shape int32 arrays: the one place engine state meets the device."""
-        tokens = np.zeros((b, c), np.int32)
-        positions = np.zeros((b, c), np.int32)
-        tables = np.zeros((b, p), np.int32)
-        kv_lens = np.zeros(b, np.int32)
-        sample_idx = np.zeros(b, np.int32)
-        for i, (seq, n) in enumerate(rows):
-            start = seq.num_computed
-            ids = seq.token_slice(start, n)
+    def _pages_needed(self, start: int, end: int) -> int:
+        """Table columns attention reads: the reference reads keys before the chunk (the
+        chunk's own come from the step), a kernel reads everything up to the end."""
+        upto = start if self.ecfg.attention == "reference" else end
+        return -(-upto // self.ps)
+
+    def _slots(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        return table[pos // self.ps] * self.ps + pos % self.ps
+
+    def pack(self, rows: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+        """Split prefill chunks into calls that fit the largest packed-prefill bucket."""
+        calls, cur, used, cap = [], [], 0, self.buckets.blocks[-1]
+        for seq, n in rows:
+            need = -(-n // PREFILL_ROW)
+            if cur and used + need > cap:
+                calls.append(cur)
+                cur, used = [], 0
+            cur.append((seq, n))
+            used += need
+        return calls + [cur] if cur else calls
+
+    def decode_batch(self, seqs: list[Sequence]) -> Batch:
+        """[B, 1]: one new token per sequence."""
+        n = len(seqs)
+        b = pick(self.buckets.batch, n)
+        start = np.array([s.num_computed for s in seqs], np.int32)
+        p = pick(self.buckets.pages, max(self._pages_needed(int(x), int(x) + 1) for x in start))
+        bt = Batch.zeros(b, 1, p, b)
+        tables = bt.block_tables
+        for i, s in enumerate(seqs):
+            table = s.block_table
+            bt.tokens[i, 0] = s.token_slice(int(start[i]), 1)[0]
+            bt.slots[i, 0] = table[start[i] // self.ps] * self.ps + start[i] % self.ps
+            k = min(len(table), p)
+            tables[i, :k] = table[:k]
+        bt.positions[:n, 0] = start
+        bt.kv_lens[:n] = start + 1
+        bt.chunk_starts[:n] = start
+        bt.segments[:n] = np.arange(n)
+        bt.sample_idx[:] = np.arange(b)
+        return bt
+
+    def prefill_batch(self, rows: list[tuple[Sequence, int]]) -> Batch:
+        """[Nb, PREFILL_ROW]: each chunk laid out from a fresh row, padded to whole rows."""
+        q = PREFILL_ROW
+        need = [-(-n // q) for _, n in rows]
+        nb = pick(self.buckets.blocks, sum(need))
+        p = pick(
+            self.buckets.prefill_pages,
+            max(self._pages_needed(s.num_computed, s.num_computed + n) for s, n in rows),
+        )
+        bt = Batch.zeros(nb, q, p, nb)
+        tokens, positions, slots = bt.tokens.reshape(-1), bt.positions.reshape(-1), bt.slots.reshape(-1)
+        row = 0
+        for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
+            start, base, table = seq.num_computed, row * q, np.asarray(seq.block_table, np.int32)
             pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, np.int32)
-            tokens[i, :n] = ids
-            positions[i, :n] = pos  # padding continues the run; kv_lens marks it as unreal
-            positions[i, n:] = np.arange(start + n, start + c)
-            tables[i, : len(table)] = table
-            kv_lens[i] = start + n
-            sample_idx[i] = n - 1
-        return tokens, positions, tables, kv_lens, sample_idx
+            tokens[base : base + n] = seq.token_slice(start, n)
+            positions[base : base + k * q] = np.arange(start, start + k * q)  # padding continues the run
+            slots[base : base + n] = self._slots(table, pos)
+            cols = min(len(table), p)
+            bt.block_tables[row : row + k, :cols] = table[:cols]
+            bt.kv_lens[row : row + k] = start + n
+            bt.chunk_starts[row : row + k] = start
+            bt.segments[row : row + k] = r
+            bt.sample_idx[r] = base + n - 1
+            row += k
+        return bt
 
     def run(self, params: Params, pages, rows: list[tuple[Sequence, int]], decode: bool):
-        """One jitted call for `rows` (a decode batch, or a single prefill chunk)."""
+        """One jitted call for `rows`: a decode batch, or prefill chunks packed together."""
+        batch = self.decode_batch([s for s, _ in rows]) if decode else self.prefill_batch(rows)
+        s = batch.sample_idx.shape[0]
+        sa = SamplingArrays.from_rows([(q.params, q.seed, len(q.output_ids)) for q, _ in rows], s)
+        pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, impl=self.ecfg.attention)
         n_rows = len(rows)
-        b = pick(self.buckets.batch, n_rows) if decode else 1
-        c = 1 if decode else pick(self.buckets.chunk, rows[0][1])
-        p = (
-            pick(self.buckets.pages, max(len(s.block_table) for s, _ in rows))
-            if decode
-            else self.buckets.pages[-1]
-        )
-        arrays = self.prepare_inputs(rows, b, c, p)
-        sa = SamplingArrays.from_rows([(s.params, s.seed, len(s.output_ids)) for s, _ in rows], b)
-        pages, out = run_step(params, pages, *arrays, sa, cfg=self.mcfg, impl=self.ecfg.attention)
         tok, lp, ti, tl = jax.device_get(out)  # one host copy per call
         return pages, (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
 

@@ -13,31 +13,18 @@ import jax
 import jax.numpy as jnp
 
 
-def write_kv(
-    pages: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_tables: jax.Array,
-    q_positions: jax.Array,
-    kv_lens: jax.Array,
-) -> jax.Array:
+def write_kv(pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
     """Scatter a [B, C] block's new K/V into its pages.
 
-    pages: [num_pages, page_size, 2*Hkv, hd]; k, v: [B, C, Hkv, hd]; token (b, c) sits
-    at position q_positions[b, c] and is real iff that is < kv_lens[b]; padding
-    tokens are sent to the null page (slot 0), whose contents are never trusted.
-    Run it where nothing else reads `pages` (the engine's separate donated write
-    call): then XLA updates the buffer in place.
+    pages: [num_pages, page_size, 2*Hkv, hd]; k, v: [B, C, Hkv, hd]; slots: int32[B, C] flat
+    slot `page * page_size + offset` of each token, computed on the host (padding tokens go to
+    slot 0, in the null page, whose contents are never trusted). Run it where nothing else
+    reads `pages` (the engine's separate donated write call): then XLA updates in place.
     """
     b, c, hkv, hd = k.shape
-    ps = pages.shape[1]
     kv = jnp.stack([k, v], axis=3).reshape(b * c, 2 * hkv, hd).astype(pages.dtype)  # interleave K/V
-    col = jnp.minimum(q_positions // ps, block_tables.shape[1] - 1)
-    page = jnp.take_along_axis(block_tables, col, axis=1)  # [B, C]
-    real = q_positions < kv_lens[:, None]
-    slots = jnp.where(real, page * ps + q_positions % ps, 0).reshape(-1)
     flat = pages.reshape(-1, 2 * hkv, hd)
-    return flat.at[slots].set(kv).reshape(pages.shape)
+    return flat.at[slots.reshape(-1)].set(kv).reshape(pages.shape)
 
 
 def gather_kv(pages: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -94,40 +81,57 @@ def paged_attention_with_new(
     block_tables: jax.Array,
     q_positions: jax.Array,
     kv_lens: jax.Array,
+    chunk_starts: jax.Array,
+    segments: jax.Array,
     *,
     scale: float,
 ) -> jax.Array:
     """Same result as writing k_new/v_new into `pages` and calling `paged_attention`,
     but reads only the cache as it was *before* this step's write.
 
-    Keys come from two places: cached positions < q_positions[b, 0] from the pages,
-    and this step's own K/V ([B, C, Hkv, hd]) for the chunk. On CPU this keeps XLA
-    from fusing the page write into the page read (which forced a full copy of
-    every layer's buffer per step: 5x slower decode, measured); the write then
+    Rows are either decode rows (C == 1, one sequence each) or blocks of a packed prefill
+    (several rows of one sequence's chunk, and several sequences per call). `segments[b]`
+    names row b's sequence within the call (-1: a padding row); `chunk_starts[b]` is the
+    position where that sequence's chunk starts; `kv_lens[b]` is where it ends.
+
+    Keys come from two places: cached positions < chunk_starts[b] from the row's pages
+    (block_tables need only cover those; P may be 0), and this call's own K/V
+    ([B, C, Hkv, hd], flattened) of the same segment at or before the query position. On
+    CPU this keeps XLA from fusing the page write into the page read (which forced a full
+    copy of every layer's buffer per step: 5x slower decode, measured); the write then
     happens after attention, in place.
     """
     b, c, hq, hd = q.shape
-    k_old, v_old = gather_kv(pages, block_tables)  # [B, L, Hkv, hd]
-    hkv = k_old.shape[2]
-    start = q_positions[:, :1]  # [B, 1] first position of the chunk
+    k_old, v_old = gather_kv(pages, block_tables)  # [B, L, Hkv, hd]; L = P * page_size
+    hkv = k_new.shape[2]
     qg = q.reshape(b, c, hkv, hq // hkv, hd).astype(jnp.float32)
     s_old = jnp.einsum("bckgd,blkd->bkgcl", qg, k_old.astype(jnp.float32)) * scale
-    s_new = jnp.einsum("bckgd,blkd->bkgcl", qg, k_new.astype(jnp.float32)) * scale
+    k_flat = k_new.reshape(b * c, hkv, hd).astype(jnp.float32)
+    v_flat = v_new.reshape(b * c, hkv, hd).astype(jnp.float32)
+    s_new = jnp.einsum("bckgd,tkd->bkgct", qg, k_flat) * scale  # [B, Hkv, G, C, T]
     key_pos = jnp.arange(k_old.shape[1], dtype=jnp.int32)
-    old_ok = key_pos[None, :] < start  # [B, L]
-    new_pos = start + jnp.arange(c, dtype=jnp.int32)[None, :]  # [B, C]
-    new_ok = (new_pos[:, None, :] <= q_positions[:, :, None]) & (new_pos[:, None, :] < kv_lens[:, None, None])
+    old_ok = key_pos[None, :] < chunk_starts[:, None]  # [B, L]
+    t_pos = q_positions.reshape(-1)
+    t_seg = jnp.repeat(segments, c)
+    t_real = t_pos < jnp.repeat(kv_lens, c)  # padding slots sit at or past their row's kv_len
+    new_ok = (
+        (t_seg[None, None, :] == segments[:, None, None])
+        & (t_pos[None, None, :] <= q_positions[:, :, None])
+        & t_real[None, None, :]
+    )  # [B, C, T]
     s_old = jnp.where(old_ok[:, None, None, None, :], s_old, -jnp.inf)
     s_new = jnp.where(new_ok[:, None, None], s_new, -jnp.inf)
     s = jnp.concatenate([s_old, s_new], axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked (padding) rows
     p = jnp.exp(s - m)
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    # Unused page slots may hold anything (NaN included): zero them before p @ V.
     v_old = jnp.where(old_ok[:, :, None, None], v_old.astype(jnp.float32), 0.0)
+    v_flat = jnp.where(t_real[:, None, None], v_flat, 0.0)
     l = k_old.shape[1]
     o = jnp.einsum("bkgcl,blkd->bckgd", p[..., :l], v_old) + jnp.einsum(
-        "bkgcl,blkd->bckgd", p[..., l:], v_new.astype(jnp.float32)
+        "bkgct,tkd->bckgd", p[..., l:], v_flat
     )
     return o.reshape(b, c, hq, hd).astype(q.dtype)
 

@@ -1,0 +1,48 @@
+"""What one jitted step computes: a [B, C] block of tokens and where each one's K/V lives.
+
+Two layouts share this shape:
+- decode: B sequences, C == 1, one new token each;
+- packed prefill: the chunks of several sequences laid end to end, each padded to a
+  multiple of C and cut into rows of C tokens, so every row belongs to one sequence.
+  The matmuls see B*C tokens with little padding (a chunk wastes < C slots), instead
+  of one call per sequence padded to a power of two.
+
+All arrays are host-built int32 (runner.py) and padded to bucket shapes, so the step
+compiles once per bucket. Padding tokens sit at positions >= their row's kv_len, write
+to slot 0 (the null page) and are never sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    tokens: jax.Array  # [B, C] token ids
+    positions: jax.Array  # [B, C] absolute positions
+    slots: jax.Array  # [B, C] flat KV slot (page * page_size + offset) each token writes
+    block_tables: jax.Array  # [B, P] the row's sequence's pages (P covers what attention reads)
+    kv_lens: jax.Array  # [B] the row's sequence length after this step (0: padding row)
+    chunk_starts: jax.Array  # [B] first position of the sequence's chunk in this step
+    segments: jax.Array  # [B] which sequence of this call the row belongs to (-1: padding)
+    sample_idx: jax.Array  # [S] flat index (b * C + c) of the token each sequence samples from
+
+    @staticmethod
+    def zeros(b: int, c: int, p: int, s: int) -> Batch:
+        """All-padding inputs of bucket shape: what warm-up compiles against (writes nothing real)."""
+        z = np.zeros
+        return Batch(
+            tokens=z((b, c), np.int32),
+            positions=z((b, c), np.int32),
+            slots=z((b, c), np.int32),
+            block_tables=z((b, p), np.int32),
+            kv_lens=z(b, np.int32),
+            chunk_starts=z(b, np.int32),
+            segments=np.full(b, -1, np.int32),
+            sample_idx=z(s, np.int32),
+        )
