@@ -220,10 +220,11 @@ def test_engine_step_contains_pallas_call(tiny_dir):
     pages = new_kv_cache(mcfg, ecfg).pages
     shapes = runner.Runner(mcfg, ecfg).buckets.shapes()
     for b, c, p in (shapes[-1], shapes[0]):  # the largest packed prefill and a decode batch, as in warmup
-        args = (params, pages, *runner.placeholder_inputs(b, c, p))
+        args = (params, pages, *runner.placeholder_inputs(b, c, p, "pallas"))
         fused = runner.fused_jit.trace(*args, cfg=mcfg, impl="pallas").jaxpr
         assert "pallas_call" in str(fused)
         assert list(_primitives(fused.jaxpr)).count("pallas_call") == mcfg.num_layers
+        args = (params, pages, *runner.placeholder_inputs(b, c, p, "reference"))
         ref = runner.forward_jit.trace(*args, cfg=mcfg, impl="reference").jaxpr
         assert "pallas_call" not in str(ref)
 

@@ -2,6 +2,8 @@
 
 Two layouts share this shape:
 - decode: B sequences, C == 1, one new token each;
+- a decode batch on the reference attention lists the cached pages it reads flat
+  (page_ids / page_rows / page_cols), so a short row does not pay for the longest;
 - packed prefill: the chunks of several sequences laid end to end, each padded to a
   multiple of C and cut into rows of C tokens, so every row belongs to one sequence.
   The matmuls see B*C tokens with little padding (a chunk wastes < C slots), instead
@@ -27,13 +29,17 @@ class Batch:
     positions: jax.Array  # [B, C] absolute positions
     slots: jax.Array  # [B, C] flat KV slot (page * page_size + offset) each token writes
     block_tables: jax.Array  # [B, P] the row's sequence's pages (P covers what attention reads)
+    # Reference decode reads cached pages from a flat list instead of block_tables (P == 0):
+    page_ids: jax.Array  # [N] every cached page some row reads, end to end
+    page_rows: jax.Array  # [N] the row reading it (B: padding)
+    page_cols: jax.Array  # [N] its index in that row's table (key positions col*ps ...)
     kv_lens: jax.Array  # [B] the row's sequence length after this step (0: padding row)
     chunk_starts: jax.Array  # [B] first position of the sequence's chunk in this step
     segments: jax.Array  # [B] which sequence of this call the row belongs to (-1: padding)
     sample_idx: jax.Array  # [S] flat index (b * C + c) of the token each sequence samples from
 
     @staticmethod
-    def zeros(b: int, c: int, p: int, s: int) -> Batch:
+    def zeros(b: int, c: int, p: int, s: int, n: int = 0) -> Batch:
         """All-padding inputs of bucket shape: what warm-up compiles against (writes nothing real)."""
         z = np.zeros
         return Batch(
@@ -41,6 +47,9 @@ class Batch:
             positions=z((b, c), np.int32),
             slots=z((b, c), np.int32),
             block_tables=z((b, p), np.int32),
+            page_ids=z(n, np.int32),
+            page_rows=np.full(n, b, np.int32),
+            page_cols=z(n, np.int32),
             kv_lens=z(b, np.int32),
             chunk_starts=z(b, np.int32),
             segments=np.full(b, -1, np.int32),

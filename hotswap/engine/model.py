@@ -100,7 +100,19 @@ def forward_paged(
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
             new_kv.append((k, v))
-            if impl == "reference":
+            if impl == "reference" and c == 1:
+                o = reference.decode_attention(
+                    q,
+                    pages[i],
+                    k,
+                    v,
+                    batch.page_ids,
+                    batch.page_rows,
+                    batch.page_cols,
+                    batch.chunk_starts,
+                    scale=scale,
+                )
+            elif impl == "reference":
                 o = reference.paged_attention_with_new(
                     q,
                     pages[i],

@@ -97,8 +97,15 @@ def run_step(params, pages, batch: Batch, sa, *, cfg, impl):
     return fused_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
 
 
-def placeholder_inputs(b: int, c: int, p: int) -> tuple[Batch, SamplingArrays]:
+def flat_decode(impl: str, c: int) -> bool:
+    """The reference decode lists cached pages flat (B*P of them) instead of a [B, P] table."""
+    return impl == "reference" and c == 1
+
+
+def placeholder_inputs(b: int, c: int, p: int, impl: str = "reference") -> tuple[Batch, SamplingArrays]:
     """All-padding step inputs of bucket shape (B, C, P): what warm-up compiles against."""
+    if flat_decode(impl, c):
+        return Batch.zeros(b, c, 0, b, n=b * p), SamplingArrays.from_rows([], b)
     return Batch.zeros(b, c, p, b), SamplingArrays.from_rows([], b)
 
 
@@ -134,15 +141,26 @@ class Runner:
         n = len(seqs)
         b = pick(self.buckets.batch, n)
         start = np.array([s.num_computed for s in seqs], np.int32)
-        p = pick(self.buckets.pages, max(self._pages_needed(int(x), int(x) + 1) for x in start))
-        bt = Batch.zeros(b, 1, p, b)
-        tables = bt.block_tables
+        need = [self._pages_needed(int(x), int(x) + 1) for x in start]
+        if flat_decode(self.ecfg.attention, 1):
+            # P is the *average* pages per row: the flat list holds b * P pages.
+            p = pick(self.buckets.pages, -(-sum(need) // b))
+            bt = Batch.zeros(b, 1, 0, b, n=b * p)
+            at = 0
+            for i, (s, k) in enumerate(zip(seqs, need, strict=True)):
+                bt.page_ids[at : at + k] = s.block_table[:k]
+                bt.page_rows[at : at + k] = i
+                bt.page_cols[at : at + k] = np.arange(k)
+                at += k
+        else:
+            p = pick(self.buckets.pages, max(need))
+            bt = Batch.zeros(b, 1, p, b)
+            for i, (s, k) in enumerate(zip(seqs, need, strict=True)):
+                bt.block_tables[i, :k] = s.block_table[:k]
         for i, s in enumerate(seqs):
             table = s.block_table
             bt.tokens[i, 0] = s.token_slice(int(start[i]), 1)[0]
             bt.slots[i, 0] = table[start[i] // self.ps] * self.ps + start[i] % self.ps
-            k = min(len(table), p)
-            tables[i, :k] = table[:k]
         bt.positions[:n, 0] = start
         bt.kv_lens[:n] = start + 1
         bt.chunk_starts[:n] = start
@@ -193,9 +211,8 @@ class Runner:
 
         shapes = self.buckets.shapes()
         it = tqdm(shapes, desc="hotswap: compiling steps", disable=not progress, leave=False)
+        impl = self.ecfg.attention
         for b, c, p in it:
-            pages, _ = run_step(
-                params, pages, *placeholder_inputs(b, c, p), cfg=self.mcfg, impl=self.ecfg.attention
-            )
+            pages, _ = run_step(params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl)
         jax.block_until_ready(pages)
         return pages

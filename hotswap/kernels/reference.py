@@ -136,6 +136,50 @@ def paged_attention_with_new(
     return o.reshape(b, c, hq, hd).astype(q.dtype)
 
 
+def decode_attention(
+    q: jax.Array,
+    pages: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    page_ids: jax.Array,
+    page_rows: jax.Array,
+    page_cols: jax.Array,
+    chunk_starts: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Decode rows (C == 1) over the cache as it was before the step plus each row's new K/V.
+
+    Reads only the pages rows really use: `page_ids` [N] lists them end to end, with
+    `page_rows` (the row, or B for padding) and `page_cols` (the page's index in the row's
+    table). A [B, P] table padded to the longest row made every row pay for it; on CPU
+    decode attention is bound by these KV reads (serving with mixed lengths read 3x less).
+    Per-row softmax statistics are segment reductions over the pages.
+    q: [B, 1, Hq, hd]; k_new, v_new: [B, 1, Hkv, hd]; chunk_starts: [B] (keys < it are cached).
+    """
+    b, _, hq, hd = q.shape
+    n, ps = page_ids.shape[0], pages.shape[1]
+    hkv = k_new.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, hd).astype(jnp.float32)
+    kv = pages[page_ids].reshape(n, ps, hkv, 2, hd).astype(jnp.float32)
+    k_old, v_old = kv[..., 0, :], kv[..., 1, :]
+    row = jnp.minimum(page_rows, b - 1)
+    s = jnp.einsum("nkgd,nlkd->nlkg", qg[row], k_old) * scale  # [N, ps, Hkv, G]
+    key_pos = page_cols[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]
+    ok = (key_pos < chunk_starts[row][:, None]) & (page_rows < b)[:, None]  # [N, ps]
+    s = jnp.where(ok[:, :, None, None], s, -jnp.inf)
+    s_new = jnp.sum(qg * k_new.reshape(b, hkv, 1, hd).astype(jnp.float32), axis=-1) * scale  # [B, Hkv, G]
+    m = jnp.maximum(jax.ops.segment_max(jnp.max(s, axis=1), page_rows, num_segments=b), s_new)
+    p = jnp.exp(s - m[row][:, None])  # masked keys -> 0
+    p_new = jnp.exp(s_new - m)
+    denom = jax.ops.segment_sum(jnp.sum(p, axis=1), page_rows, num_segments=b) + p_new
+    v_old = jnp.where(ok[:, :, None, None], v_old, 0.0)  # unused slots may hold anything, NaN included
+    o_pages = jnp.einsum("nlkg,nlkd->nkgd", p, v_old)
+    o = jax.ops.segment_sum(o_pages, page_rows, num_segments=b)
+    o = o + p_new[..., None] * v_new.reshape(b, hkv, 1, hd).astype(jnp.float32)
+    return (o / denom[..., None]).reshape(b, 1, hq, hd).astype(q.dtype)
+
+
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float):
     """Plain causal attention for scoring/training. q: [B, L, Hq, hd]; k, v: [B, L, Hkv, hd]."""
     b, l_, hq, hd = q.shape
