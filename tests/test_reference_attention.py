@@ -1,0 +1,128 @@
+"""The CPU attention paths the engine runs, against write-then-read `reference.paged_attention`.
+
+The engine's reference steps never read pages they are writing: a decode batch reads a flat
+list of the pages each row uses (`decode_attention`), and a packed prefill reads the pages
+cached before each chunk plus the step's own K/V (`paged_attention_with_new`). Both are laid
+out by the runner's own host code here, over pages where every slot no row may read is NaN.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.config import EngineConfig
+from hotswap.engine.runner import PREFILL_ROW, Runner
+from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.sequence import Sequence
+from hotswap.kernels import reference
+
+PS, HKV, G, HD, SCALE = 16, 2, 3, 32, 0.3
+
+
+def _seq(i: int, length: int, table: list[int]) -> Sequence:
+    seq = Sequence(i, f"r{i}", 0, list(range(1, length + 1)), SamplingParams(), 0, i)
+    seq.block_table = table
+    return seq
+
+
+def _world(rng, ends: list[int], computed: list[int]):
+    """Pages holding `computed[i]` cached tokens per sequence (NaN everywhere else) and tables
+    reaching `ends[i]` tokens, drawn from a shuffled pool."""
+    need = [-(-e // PS) for e in ends]
+    num_pages = sum(need) + 4
+    pool = rng.permutation(np.arange(1, num_pages)).tolist()
+    pages = np.full((num_pages, PS, 2 * HKV, HD), np.nan, np.float32)
+    seqs = []
+    for i, (k, c) in enumerate(zip(need, computed, strict=True)):
+        table, pool = pool[:k], pool[k:]
+        for pos in range(c):
+            pages[table[pos // PS], pos % PS] = rng.standard_normal((2 * HKV, HD))
+        seq = _seq(i, ends[i], table)
+        seq.num_computed = c
+        seqs.append(seq)
+    return pages, seqs
+
+
+def _oracle(pages, seq, q, k, v, n):
+    """Write the chunk's K/V into a copy of the pages, then plain paged attention for one sequence."""
+    pages = pages.copy()
+    start = seq.num_computed
+    for j in range(n):
+        pos = start + j
+        slot = pages[seq.block_table[pos // PS], pos % PS]
+        slot[0::2], slot[1::2] = k[j], v[j]
+    table = np.asarray(seq.block_table, np.int32)[None]
+    positions = np.arange(start, start + n, dtype=np.int32)[None]
+    out = reference.paged_attention(
+        jnp.asarray(q[None]),
+        jnp.asarray(pages),
+        table,
+        positions,
+        np.array([start + n], np.int32),
+        scale=SCALE,
+    )
+    return np.asarray(out[0])
+
+
+def test_decode_reads_each_rows_pages_only():
+    rng = np.random.default_rng(0)
+    cached = [0, 1, PS - 1, PS, PS + 1, 70, 5]  # 0: a one-token prompt's first sample
+    pages, seqs = _world(rng, [c + 1 for c in cached], cached)
+    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8)
+    batch = Runner(None, ecfg).decode_batch(seqs)
+    b = batch.tokens.shape[0]
+    q = rng.standard_normal((b, 1, HKV * G, HD)).astype(np.float32)
+    k = rng.standard_normal((b, 1, HKV, HD)).astype(np.float32)
+    v = rng.standard_normal((b, 1, HKV, HD)).astype(np.float32)
+    out = reference.decode_attention(
+        q,
+        jnp.asarray(pages),
+        k,
+        v,
+        batch.page_ids,
+        batch.page_rows,
+        batch.page_cols,
+        batch.chunk_starts,
+        scale=SCALE,
+    )
+    out = np.asarray(out)
+    assert np.isfinite(out).all(), "NaN leaked from a page slot no row may read"
+    for i, seq in enumerate(seqs):
+        want = _oracle(pages, seq, q[i], k[i], v[i], 1)
+        np.testing.assert_allclose(out[i], want, atol=1e-5, rtol=0)
+
+
+def test_packed_prefill_keeps_sequences_apart():
+    """Three chunks in one call: fresh, continuing after 21 cached tokens, and one of 1 token;
+    each attends to its own cached keys and its own chunk only."""
+    rng = np.random.default_rng(1)
+    chunks = [(0, 37), (21, 16), (40, 1)]  # (cached, new)
+    pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
+    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_batched_tokens=128)
+    rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
+    batch = Runner(None, ecfg).prefill_batch(rows)
+    nb = batch.tokens.shape[0]
+    assert batch.tokens.shape[1] == PREFILL_ROW and nb >= 3 + 1 + 1
+    q = rng.standard_normal((nb, PREFILL_ROW, HKV * G, HD)).astype(np.float32)
+    k = rng.standard_normal((nb, PREFILL_ROW, HKV, HD)).astype(np.float32)
+    v = rng.standard_normal((nb, PREFILL_ROW, HKV, HD)).astype(np.float32)
+    out = reference.paged_attention_with_new(
+        q,
+        jnp.asarray(pages),
+        k,
+        v,
+        batch.block_tables,
+        batch.positions,
+        batch.kv_lens,
+        batch.chunk_starts,
+        batch.segments,
+        scale=SCALE,
+    )
+    out = np.asarray(out).reshape(nb * PREFILL_ROW, HKV * G, HD)
+    flat = lambda a: a.reshape(nb * PREFILL_ROW, *a.shape[2:])  # noqa: E731
+    for r, (seq, n) in enumerate(rows):
+        first = int(batch.sample_idx[r]) - n + 1  # the chunk's first token in the flat layout
+        sl = slice(first, first + n)
+        want = _oracle(pages, seq, flat(q)[sl], flat(k)[sl], flat(v)[sl], n)
+        np.testing.assert_allclose(out[sl], want, atol=1e-5, rtol=0)
