@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -101,43 +102,93 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _convert(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> np.ndarray:
-    """Validate one HF tensor and return a fresh C-contiguous params-layout copy."""
+def tensor_meta(array: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) without reading the data: a jax array stays on its device."""
+    if isinstance(array, (np.ndarray, jax.Array)):
+        return tuple(array.shape), np.dtype(array.dtype)
     a = np.asarray(array)
-    if a.dtype not in _FLOAT_DTYPES:
-        raise WeightsMismatch(f"{name}: dtype {a.dtype} is not a float type; expected {target}")
-    if tuple(a.shape) != spec.hf_shape:
-        raise WeightsMismatch(f"{name}: expected {spec.hf_shape}, got {tuple(a.shape)}")
+    return tuple(a.shape), a.dtype
+
+
+def _check_meta(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> None:
+    shape, dtype = tensor_meta(array)
+    if dtype not in _FLOAT_DTYPES:
+        raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type; expected {target}")
+    if shape != spec.hf_shape:
+        raise WeightsMismatch(f"{name}: expected {spec.hf_shape}, got {shape}")
+
+
+def non_finite_error(name: str, source: Any, target: np.dtype, *, more: int = 0) -> NonFiniteWeights:
+    """The error for a tensor that is not finite in `target`; says when the cast made it so.
+
+    Reads `source` once more, but only on this failure path.
+    """
+    finite_before = bool(np.isfinite(np.asarray(source)).all())
+    why = f" after conversion to {target} (overflow)" if finite_before else ""
+    also = f" (and {more} more)" if more else ""
+    return NonFiniteWeights(f"{name}: contains NaN or Inf{why}{also}")
+
+
+def _convert(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> np.ndarray:
+    """One checked HF tensor -> a fresh C-contiguous params-layout copy (on the host)."""
+    a = np.asarray(array)
     # A fresh copy: params must not alias a caller's buffer or a memmapped file.
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
         out = np.array(a.T if spec.transpose else a, dtype=target, order="C", copy=True)
     if not np.isfinite(out).all():
-        why = "" if not np.isfinite(a).all() else f" after conversion to {target} (overflow)"
-        raise NonFiniteWeights(f"{name}: contains NaN or Inf{why}")
+        raise non_finite_error(name, a, target)
     return out
 
 
-def _empty_tree(cfg: ModelConfig) -> Params:
+def empty_tree(cfg: ModelConfig) -> Params:
     return {"embed": None, "layers": [{} for _ in range(cfg.num_layers)], "final_norm": None, "lm_head": None}
 
 
-def _copy_tree(params: Params) -> Params:
+def copy_tree(params: Params) -> Params:
     """New containers, same leaves: a partial update never mutates its base."""
     return {**params, "layers": [dict(layer) for layer in params["layers"]]}
 
 
-def _set(tree: Params, path: tuple[str | int, ...], value: Any) -> None:
+def set_leaf(tree: Params, path: tuple[str | int, ...], value: Any) -> None:
     node = tree
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
 
 
-def _get(tree: Params, path: tuple[str | int, ...]) -> Any:
+def get_leaf(tree: Params, path: tuple[str | int, ...]) -> Any:
     node = tree
     for key in path:
         node = node[key]
     return node
+
+
+def check_hf_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dtype, *, partial: bool = False
+) -> dict[str, TensorSpec]:
+    """Names, dtypes and shapes of HF tensors, checked without reading their data.
+
+    Returns the spec of every tensor to load, in checkpoint order. With
+    `partial` any subset is allowed. A tied checkpoint's `lm_head.weight` is
+    checked here (its data against the embedding's) and left out of the result:
+    the head is derived from the embedding.
+    """
+    specs = hf_tensor_specs(cfg)
+    names = set(tensors)
+    tied_head = cfg.tie_word_embeddings and LM_HEAD in names
+    unexpected = sorted(names - specs.keys() - ({LM_HEAD} if tied_head else set()))
+    if unexpected:
+        raise WeightsMismatch(f"unexpected tensor(s) for {cfg.arch}: {_names(unexpected)}")
+    if not partial:
+        missing = [n for n in specs if n not in names]
+        if missing:
+            raise WeightsMismatch(f"missing tensor(s): {_names(missing)}")
+    chosen = {name: spec for name, spec in specs.items() if name in names}
+    for name, spec in chosen.items():
+        _check_meta(name, tensors[name], spec, target)
+    if tied_head:
+        _check_tied_head(cfg, tensors, target)
+    return chosen
 
 
 def params_from_hf(
@@ -153,48 +204,41 @@ def params_from_hf(
     other leaves are taken from the base unchanged, which is how partial weight
     updates are staged. For tied models a new embedding also rebuilds `lm_head`.
     The dtype is `dtype`, else the base's dtype, else `cfg.dtype`.
+
+    This is the host path (model loading, checkpoint creation); weight updates
+    convert on the device instead (`engine/hf_device.py`).
     """
-    specs = hf_tensor_specs(cfg)
     if dtype is None and partial_base is not None:
         target = np.dtype(partial_base["embed"].dtype)
     else:
         target = np_dtype(dtype or cfg.dtype)
-    names = set(tensors)
-    tied_head = cfg.tie_word_embeddings and LM_HEAD in names
-    unexpected = sorted(names - specs.keys() - ({LM_HEAD} if tied_head else set()))
-    if unexpected:
-        raise WeightsMismatch(f"unexpected tensor(s) for {cfg.arch}: {_names(unexpected)}")
-    if partial_base is None:
-        missing = [n for n in specs if n not in names]
-        if missing:
-            raise WeightsMismatch(f"missing tensor(s): {_names(missing)}")
-
-    params = _empty_tree(cfg) if partial_base is None else _copy_tree(partial_base)
-    for name, spec in specs.items():
-        if name in names:
-            _set(params, spec.path, _convert(name, tensors[name], spec, target))
-    if tied_head:
-        _check_tied_head(cfg, tensors, params, target)
-    if cfg.tie_word_embeddings and (partial_base is None or EMBED in names):
+    chosen = check_hf_tensors(cfg, tensors, target, partial=partial_base is not None)
+    params = empty_tree(cfg) if partial_base is None else copy_tree(partial_base)
+    for name, spec in chosen.items():
+        set_leaf(params, spec.path, _convert(name, tensors[name], spec, target))
+    if cfg.tie_word_embeddings and EMBED in chosen:
         params["lm_head"] = np.ascontiguousarray(params["embed"].T)
     return params
 
 
-def _check_tied_head(cfg: ModelConfig, tensors: Mapping[str, Any], params: Params, target: np.dtype) -> None:
+def _check_tied_head(cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dtype) -> None:
     """Accept `lm_head.weight` in a tied checkpoint only when it repeats the embedding.
 
     Some writers store the tied head anyway. Ignoring a *different* head would
     silently serve a head the user did not mean (the stale-tied-head bug), so
     that is an error, as is a head sent without the embedding it is tied to.
+    Equality is judged in the engine's dtype, as the head would be served.
     """
     if EMBED not in tensors:
         raise WeightsMismatch(
             f"{LM_HEAD}: this model ties word embeddings; send {EMBED} (the head is derived from it)"
         )
-    head = _convert(
+    _check_meta(
         LM_HEAD, tensors[LM_HEAD], TensorSpec(("lm_head",), (cfg.vocab_size, cfg.hidden_size), False), target
     )
-    if not np.array_equal(head, params["embed"]):
+    with np.errstate(over="ignore", invalid="ignore"):
+        head, embed = (np.asarray(tensors[n], dtype=target) for n in (LM_HEAD, EMBED))
+    if not np.array_equal(head, embed, equal_nan=True):  # a NaN embedding is reported as NaN, later
         raise WeightsMismatch(
             f"{LM_HEAD}: differs from {EMBED} but config.json sets tie_word_embeddings=true"
         )
@@ -205,7 +249,7 @@ def hf_from_params(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     out = {}
     for name, spec in hf_tensor_specs(cfg).items():
         try:
-            leaf = np.asarray(_get(params, spec.path))
+            leaf = np.asarray(get_leaf(params, spec.path))
         except (KeyError, IndexError, TypeError) as e:
             raise WeightsMismatch(f"params has no leaf {spec.param_name} (for {name})") from e
         expected = tuple(reversed(spec.hf_shape)) if spec.transpose else spec.hf_shape

