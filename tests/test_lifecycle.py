@@ -167,6 +167,9 @@ def _bad_sources(tiny_dir_b, new_params):
     nan = jax.tree.map(lambda x: x, new_params)
     nan["layers"][1]["wo"] = nan["layers"][1]["wo"].copy()
     nan["layers"][1]["wo"][3, 3] = np.nan
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    nan_hf = dict(tensors, **{k_proj: tensors[k_proj].copy()})
+    nan_hf[k_proj][5, 7] = np.inf
     blob = encode_safetensors(tensors)
     buf = io.BytesIO()
     import torch
@@ -178,6 +181,8 @@ def _bad_sources(tiny_dir_b, new_params):
         "missing tensor": (missing, WeightsMismatch, "model.norm.weight"),
         "extra tensor": (extra, WeightsMismatch, "model.layers.9"),
         "NaN": (nan, NonFiniteWeights, "layers.1.wo"),
+        "Inf in an HF tensor": (nan_hf, NonFiniteWeights, r"^model\.layers\.0\.self_attn\.k_proj\.weight: "),
+        "NaN in safetensors bytes": (encode_safetensors(nan_hf), NonFiniteWeights, "k_proj"),
         "truncated safetensors": (blob[: len(blob) // 2], PayloadError, "truncated"),
         "pickle bytes": (pickle.dumps(tensors), PickleRefused, "pickle"),
         "torch.save bytes": (buf.getvalue(), PickleRefused, "torch.save"),
@@ -234,6 +239,23 @@ def test_in_process_update_no_copy_no_recompile(llm, new_params):
     llm.update_weights(loose)
     for a, b in zip(jax.tree.leaves(llm.params), jax.tree.leaves(loose), strict=True):
         assert a.unsafe_buffer_pointer() == b.unsafe_buffer_pointer()
+
+
+def test_directory_update_compiles_once_and_partial_keeps_leaves(llm, tiny_dir, tiny_dir_b, fresh_b):
+    llm.update_weights(str(tiny_dir))  # the first directory update compiles its converters
+    _gen(llm)
+    with count_compiles() as compiles:
+        assert llm.update_weights(str(tiny_dir_b)) == 3
+        out = _gen(llm)
+    assert compiles() == 0
+    assert out.outputs[0].token_ids == fresh_b.outputs[0].token_ids
+    before = llm.params
+    norm = np.array(hf.read_hf_tensors(tiny_dir_b)["model.norm.weight"])
+    assert llm.update_weights({"model.norm.weight": norm * 2}, partial=True) == 4
+    after = llm.params
+    np.testing.assert_array_equal(np.asarray(after["final_norm"]), norm * 2)
+    assert after["layers"][0]["wq"] is before["layers"][0]["wq"]  # kept as is: no copy, no host trip
+    assert after["embed"] is before["embed"] and after["lm_head"] is before["lm_head"]
 
 
 def _live_bytes():

@@ -29,7 +29,7 @@ def abstract_of(params: Params) -> Params:
 def validate_params(params: Params, abstract: Params, *, check_finite: bool = True) -> None:
     """Tree structure, shapes, dtypes, finiteness; raises a typed error naming the tensor.
 
-    The finiteness check reads every weight once (on CPU ~0.1 s for 100M f32
+    The finiteness check reads every weight once (on CPU ~20 ms for 100M f32
     params; on TPU HBM about a millisecond). A trainer that already guards its
     loss may skip it with check_finite=False; nothing else is skipped.
     """
