@@ -4,7 +4,9 @@ This is the only module that knows HF tensor names (DESIGN "Layout"). HF linear
 weights are `[out, in]`; params store `[in, out]` (engine/params.py), so linear
 weights are transposed on the way in and back on the way out. Tied-embedding
 checkpoints carry no `lm_head.weight`; params always hold an untied `[D, V]`
-head, made here as a copy of `embed.T`.
+head, made here as a copy of `embed.T`. Weight updates do the same conversion
+on the engine's devices (engine/hf_device.py), checked here first by name,
+shape and dtype (`check_hf_tensors`).
 
 Every validation error names the HF tensor, because that is the name the user
 sees in their checkpoint or payload.
@@ -102,7 +104,7 @@ def _names(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def tensor_meta(array: Any) -> tuple[tuple[int, ...], np.dtype]:
+def _tensor_meta(array: Any) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, dtype) without reading the data: a jax array stays on its device."""
     if isinstance(array, (np.ndarray, jax.Array)):
         return tuple(array.shape), np.dtype(array.dtype)
@@ -111,7 +113,7 @@ def tensor_meta(array: Any) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _check_meta(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> None:
-    shape, dtype = tensor_meta(array)
+    shape, dtype = _tensor_meta(array)
     if dtype not in _FLOAT_DTYPES:
         raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type; expected {target}")
     if shape != spec.hf_shape:
