@@ -20,7 +20,7 @@ import numpy as np
 
 from hotswap.checkpoint.payload import ChunkStager, decode_payload
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import lifecycle, sources
+from hotswap.engine import host_memory, lifecycle, sources
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
@@ -76,6 +76,8 @@ class Engine:
                 f"num_pages={ecfg.num_pages} cannot hold one max_model_len={ecfg.max_model_len} sequence "
                 f"({ecfg.pages_per_seq} pages of {ecfg.page_size} plus the null page)"
             )
+        if jax.default_backend() == "cpu":
+            host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
         self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer
         self.weights_root = weights_root
         self.kv_sharding = kv_sharding
@@ -482,6 +484,7 @@ class Engine:
                 self.state = new
             finally:
                 self.sched.hold_admission = False
+        host_memory.release_free_memory()  # the freed buffers go back to the OS, not the heap
 
     def wakeup(self, tags: list[str] | None = None) -> None:
         with self._lock:

@@ -45,17 +45,22 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x: [..., H, hd]; positions: [...] int. HF's rotate-half convention."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., 1, hd] for positions [...]: computed once per step, shared by every layer."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, hd]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """x: [..., H, hd]; rope from `rope_tables`. HF's rotate-half convention."""
+    cos, sin = rope
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, inv_freq):
+def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied."""
     q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
     if cfg.qkv_bias:
@@ -67,7 +72,7 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, positions: jax.Array, inv_fre
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return apply_rope(q, rope), apply_rope(k, rope), v
 
 
 def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -90,7 +95,7 @@ def forward_paged(
     measured). Kernel impls write first and read the updated pages (the kernel is
     a custom call, so nothing fuses across it); `pages` come back updated.
     """
-    inv_freq = rope_inv_freq(cfg)
+    rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(cfg.head_dim)
     b, c = batch.tokens.shape
     x = params["embed"][batch.tokens]  # [B, C, D]
@@ -98,7 +103,7 @@ def forward_paged(
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _qkv(lp, cfg, h, batch.positions, inv_freq)
+            q, k, v = _qkv(lp, cfg, h, rope)
             new_kv.append((k, v))
             if impl == "reference" and c == 1:
                 o = reference.decode_attention(
@@ -153,13 +158,13 @@ def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:
 
 def forward_dense(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """Cache-free causal forward for scoring and training. tokens: [B, L] -> logits [B, L, V] f32."""
-    inv_freq = rope_inv_freq(cfg)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    rope = rope_tables(positions, rope_inv_freq(cfg))
     x = params["embed"][tokens]
     for lp in params["layers"]:
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(lp, cfg, h, positions, inv_freq)
+        q, k, v = _qkv(lp, cfg, h, rope)
         o = reference.dense_causal_attention(q, k, v, lengths, scale=scale)
         x = x + o.reshape(*tokens.shape, cfg.q_size) @ lp["wo"]
         x = _mlp(lp, cfg, x)
