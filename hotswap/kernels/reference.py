@@ -152,32 +152,28 @@ def decode_attention(
 
     Reads only the pages rows really use: `page_ids` [N] lists them end to end, with
     `page_rows` (the row, or B for padding) and `page_cols` (the page's index in the row's
-    table). A [B, P] table padded to the longest row made every row pay for it.
+    table). A [B, P] table padded to the longest row made every row pay for it; on CPU,
+    decode attention is bound by these reads (serving with mixed lengths read 3x less).
     q: [B, 1, Hq, hd]; k_new, v_new: [B, 1, Hkv, hd]; chunk_starts: [B] (keys < it are cached).
 
-    On CPU this is bound by memory traffic over the gathered pages, so each gathered page
-    is used in its stored layout `[page_size * 2*Hkv, hd]` (K of head k at row 2k, V at
-    2k+1): every q head is scored against every K *and* V row and the wanted ones picked
-    out after, 8x the FLOPs of the diagonal but no transpose copy of the pages (2.5x faster
-    measured at 1,024 pages). Per-row softmax statistics are small dense reductions over a
-    [B, N] row mask (XLA:CPU runs segment_max/segment_sum as serial scatters).
+    Per-row softmax statistics are small dense reductions over a [B, N] row mask (XLA:CPU
+    runs segment_max/segment_sum as serial scatters). The kv-head axis stays its own axis
+    throughout, so under tensor parallelism every device works on its own heads with no
+    collective (scoring every q head against every K/V row of a page, in the stored layout,
+    saved a transpose copy on one device but all-gathered the pages across devices).
     """
     b, _, hq, hd = q.shape
-    n, ps, two_hkv = page_ids.shape[0], pages.shape[1], pages.shape[2]
-    hkv = two_hkv // 2
-    g = hq // hkv
+    n, ps = page_ids.shape[0], pages.shape[1]
+    hkv = k_new.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, hd).astype(jnp.float32)
     row = jnp.minimum(page_rows, b - 1)
     key_pos = page_cols[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]
     ok = (key_pos < chunk_starts[row][:, None]) & (page_rows < b)[:, None]  # [N, ps]
     # Unused slots may hold anything, NaN included: zero them as they are gathered.
     kv = jnp.where(ok[:, :, None, None], pages[page_ids].astype(jnp.float32), 0.0)
-    kv = kv.reshape(n, ps * two_hkv, hd)
-    qf = q.reshape(b, hq, hd).astype(jnp.float32)
-    s_all = jnp.einsum("nhd,nrd->nhr", qf[row], kv).reshape(n, hkv, g, ps, two_hkv)
-    pick_k = jax.nn.one_hot(2 * jnp.arange(hkv), two_hkv, dtype=jnp.float32)  # [Hkv, 2*Hkv]
-    s = jnp.einsum("nkglj,kj->nkgl", s_all, pick_k) * scale  # [N, Hkv, G, ps]
+    kv = kv.reshape(n, ps, hkv, 2, hd)
+    s = jnp.einsum("nkgd,nlkd->nkgl", qg[row], kv[..., 0, :]) * scale  # [N, Hkv, G, ps]
     s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
-    qg = qf.reshape(b, hkv, g, hd)
     s_new = jnp.sum(qg * k_new.reshape(b, hkv, 1, hd).astype(jnp.float32), axis=-1) * scale  # [B, Hkv, G]
     mine = page_rows[None, :] == jnp.arange(b, dtype=page_rows.dtype)[:, None]  # [B, N]
     m_old = jnp.max(jnp.where(mine[:, :, None, None], jnp.max(s, axis=-1)[None], -jnp.inf), axis=1)
@@ -186,10 +182,8 @@ def decode_attention(
     p_new = jnp.exp(s_new - m)
     mine = mine.astype(jnp.float32)
     denom = (mine @ jnp.sum(p, axis=-1).reshape(n, -1)).reshape(p_new.shape) + p_new
-    pick_v = jax.nn.one_hot(2 * jnp.arange(hkv) + 1, two_hkv, dtype=jnp.float32)
-    p_all = jnp.einsum("nkgl,kj->nkglj", p, pick_v).reshape(n, hq, ps * two_hkv)
-    o_pages = jnp.einsum("nhr,nrd->nhd", p_all, kv)  # [N, Hq, hd]
-    o = (mine @ o_pages.reshape(n, -1)).reshape(b, hkv, g, hd)
+    o_pages = jnp.einsum("nkgl,nlkd->nkgd", p, kv[..., 1, :])  # [N, Hkv, G, hd]
+    o = (mine @ o_pages.reshape(n, -1)).reshape(qg.shape)
     o = o + p_new[..., None] * v_new.reshape(b, hkv, 1, hd).astype(jnp.float32)
     return (o / denom[..., None]).reshape(b, 1, hq, hd).astype(q.dtype)
 
