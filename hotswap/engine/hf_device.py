@@ -1,24 +1,26 @@
 """HF-named tensors -> engine params on the engine's devices: the weight-update path.
 
 A checkpoint update is dominated by the layout change: HF linear weights are
-`[out, in]`, params `[in, out]` (`params.py`). As one strided numpy copy per
-tensor that is about a nanosecond per element on one core (0.4 s of a 0.6 s
-update of a 100M f32 model). Here a tensor goes to its devices in the file's
-layout (a plain copy; on CPU none, jax adopts an aligned host buffer) and a
-small jit per shape transposes and casts it there, writing a fresh array on the
-engine's sharding: XLA's transpose is vectorised and multi-threaded on CPU, and
-runs in HBM on TPU/GPU. Finiteness is one vectorised reduction per tensor, on
-the converted values (a cast can overflow).
+`[out, in]`, params `[in, out]` (`params.py`). As a strided numpy copy that is
+about a nanosecond per element on one core (0.4 s of a 0.6 s update of a 100M
+f32 model). Here each tensor goes to its devices in the file's layout (a plain
+copy; on CPU none, jax adopts the aligned memmapped bytes) and a small jit per
+shape transposes and casts it there into a fresh array on the engine's
+sharding: XLA's transpose is vectorised and multi-threaded on CPU, and runs in
+HBM on TPU/GPU.
 
-On CPU, where device memory is host memory, tensors that need no transpose and
-big ones (the embedding, its tied head) are converted by numpy instead, in row
-slabs that are copied, transposed and checked while in cache. The reason is
-the allocator, not arithmetic: under glibc's default thresholds XLA maps each
-big output on fresh 4 KiB pages, and faulting those in costs more than the
-copy (a 98 MB tied head: 24k faults, ~60 ms from XLA; ~20 ms from numpy,
-whose big buffers get huge pages). With the engine's raised thresholds
-(`host_memory.py`) both cost the same; without them (another libc,
-HOTSWAP_MALLOC_TUNING=0) the numpy route makes a 100M-model update 1.5x faster.
+Finiteness is a vectorised reduction per tensor on the device, over the
+converted values (a cast can overflow). On CPU numpy checks a same-dtype
+source instead, just before its conversion, which then reads it from cache.
+
+Largest tensors go first. On CPU the new weights are malloc'd while the old
+ones still serve; allocated first, the big buffers reuse the holes the
+previous generation left, rather than finding them split by smaller buffers
+and faulting in fresh pages (a 98 MB head: 24k faults, ~40 ms). Converting the
+big untransposed tensors in numpy instead was measured too: faster under
+glibc's default malloc thresholds (numpy backs big buffers with huge pages),
+but under the engine's raised ones (`host_memory.py`) XLA's buffers are reused
+anyway and the kernel's huge-page compaction stalled early updates by 0.3 s.
 
 An output never shares its input's buffer: the input may view a memmapped
 file or a caller's array, either of which can change after the update returns.
@@ -43,11 +45,8 @@ from hotswap.engine.params import Params
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.
 _IN_FLIGHT_BYTES = 1 << 30
-# On CPU, transposes at least this big run in numpy (see the module doc): glibc serves any
-# allocation over 32 MiB (its largest mmap threshold) from freshly mapped pages.
-_HOST_TRANSPOSE_BYTES = 32 << 20
-# Row slab of the host conversion: small enough to stay in L2 while it is read three ways.
-_SLAB_BYTES = 96 << 10
+# Slab of a host finiteness check: its bool temporary stays in L2.
+_SLAB_BYTES = 256 << 10
 
 
 @functools.cache
@@ -87,7 +86,7 @@ def _put(array: Any, sharding) -> jax.Array:
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
 
 
-# ---- the CPU host path ------------------------------------------------------------------
+# ---- finiteness on the host (CPU) ----------------------------------------------------------
 
 
 def _on_cpu(sharding) -> bool:
@@ -95,49 +94,15 @@ def _on_cpu(sharding) -> bool:
     return all(d.platform == "cpu" for d in devices)
 
 
-def _host_path(array: Any, transpose: bool, want: jax.ShapeDtypeStruct) -> bool:
-    """Convert this tensor in numpy? Only a host array bound for CPU devices, and only when
-    numpy is the faster converter there: no transpose, or one too big for XLA's allocator."""
-    if not isinstance(array, np.ndarray) or not _on_cpu(want.sharding):
-        return False
-    return not transpose or array.size * np.dtype(want.dtype).itemsize >= _HOST_TRANSPOSE_BYTES
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """At a 64-byte boundary, which jax's CPU client adopts as a device buffer without a copy."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buf = np.empty(nbytes + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    return buf[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _host_convert(
-    a: np.ndarray, transpose: bool, dtype: np.dtype, *, with_transpose: bool, check: bool
-) -> tuple[np.ndarray, np.ndarray | None, bool]:
-    """HF-layout `a` -> (params-layout copy in `dtype`, its transpose if asked, all finite?).
-
-    One pass over row slabs of `a`: each slab is cast, written to its place in
-    the output (and transposed into the second output: the tied head), and
-    checked, while it is in cache.
-    """
-    rows = a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))  # [R, C]
-    out = _aligned_empty(a.shape[::-1] if transpose else a.shape, dtype)
-    out_rows = out if transpose else out.reshape(rows.shape)
-    out_t = _aligned_empty(a.shape[::-1], dtype) if with_transpose else None
-    step = max(1, _SLAB_BYTES // max(1, rows.shape[1] * dtype.itemsize))
-    finite = True
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught by the check
-        for i in range(0, rows.shape[0], step):
-            slab = rows[i : i + step].astype(dtype, copy=False)  # [r, C]
-            if transpose:
-                out_rows[:, i : i + step] = slab.T
-            else:
-                out_rows[i : i + step] = slab
-            if out_t is not None:
-                out_t[:, i : i + step] = slab.T
-            if check and finite:
-                finite = bool(np.isfinite(slab).all())
-    return out, out_t, finite
+def _host_all_finite(a: np.ndarray, scratch: np.ndarray) -> bool:
+    """`np.isfinite(a).all()` a slab at a time into `scratch`: no bool temporary of the
+    tensor's size, and no allocation at all (a freed generation's big holes stay whole)."""
+    flat = a.reshape(-1)
+    step = scratch.size
+    return all(
+        bool(np.isfinite(flat[i : i + step], out=scratch[: min(step, flat.size - i)]).all())
+        for i in range(0, flat.size, step)
+    )
 
 
 def _check_source_on_host(src: Any, dtype: np.dtype, sharding) -> bool:
@@ -171,44 +136,36 @@ def hf_to_device(
     """
     target = np.dtype(abstract["embed"].dtype)
     chosen = hf.check_hf_tensors(cfg, tensors, target, partial=base is not None)
-    head_want = abstract["lm_head"]
+    head_want, head = abstract["lm_head"], None
     new: dict[str, jax.Array] = {}
     finite: dict[str, Any] = {}  # bools and device scalars
-    head = None
+    scratch = np.empty(_SLAB_BYTES // 4, np.bool_)
     pending, pending_bytes = [], 0
-    for name, spec in chosen.items():
-        want = hf.get_leaf(abstract, spec.path)
+    for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
+        spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
         src, dtype = tensors[name], np.dtype(want.dtype)
-        if _host_path(src, spec.transpose, want):
-            tied = cfg.tie_word_embeddings and name == hf.EMBED and _on_cpu(head_want.sharding)
-            out, out_t, finite[name] = _host_convert(
-                src, spec.transpose, dtype, with_transpose=tied, check=check_finite
-            )
-            new[name] = _put(out, want.sharding)
-            if out_t is not None:
-                head = _put(out_t, head_want.sharding)
-            continue
         if check_finite and _check_source_on_host(src, dtype, want.sharding):
-            finite[name] = bool(np.isfinite(src).all())
+            finite[name] = _host_all_finite(src, scratch)
         x = _put(src, _source_sharding(want.sharding, spec.transpose))
         new[name] = _converter(spec.transpose, dtype, want.sharding)(x)
         if check_finite and name not in finite:
             finite[name] = _finite(new[name])  # on the converted values: a cast can overflow
+        if name == hf.EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
+            head = _converter(True, np.dtype(head_want.dtype), head_want.sharding)(new[name])
         pending.append(new[name])
         pending_bytes += x.nbytes
         if pending_bytes > _IN_FLIGHT_BYTES:
             jax.block_until_ready(pending)
             pending, pending_bytes = [], 0
     if check_finite:
-        bad = [n for n, ok in zip(finite, jax.device_get(list(finite.values())), strict=True) if not ok]
+        flags = dict(zip(finite, jax.device_get(list(finite.values())), strict=True))
+        bad = [n for n in chosen if not flags[n]]  # in checkpoint order
         if bad:
             raise hf.non_finite_error(bad[0], tensors[bad[0]], np.dtype(new[bad[0]].dtype), more=len(bad) - 1)
     params = hf.empty_tree(cfg) if base is None else hf.copy_tree(base)
     for name, spec in chosen.items():
         hf.set_leaf(params, spec.path, new[name])
-    if cfg.tie_word_embeddings and hf.EMBED in chosen:
-        if head is None:  # the embedding is on the device: transpose it there
-            head = _converter(True, np.dtype(head_want.dtype), head_want.sharding)(params["embed"])
+    if head is not None:
         params["lm_head"] = head
     # Returned when ready, so the time of an update is the time of its copies, and an
     # error (say, out of device memory) surfaces here, not in the next step.
