@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hotswap import bench_peers
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="decode / serving / prefix / update benchmarks vs HF transformers")
@@ -26,6 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--serving-requests", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="peer engines, e.g. llama_cpp,vllm or none (default: the installed ones)",
+    )
+    p.add_argument("--peers-dir", default="benchmarks/peers", help="peer drivers and their .venv-* dirs")
     p.add_argument("--out", default="runs/bench")
     p.set_defaults(func=run)
 
@@ -233,6 +241,7 @@ def run(args) -> int:
     if not (model_dir / "config.json").exists():
         create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
     batches = [int(b) for b in args.batches.split(",")]
+    peers = bench_peers.select_peers(args.peers, Path(args.peers_dir))  # before the long runs: fail early
     limits = probe_limits()
     llm = LLM(
         model_dir, max_model_len=1088, max_num_seqs=max(batches), max_num_batched_tokens=512, page_size=16
@@ -270,6 +279,8 @@ def run(args) -> int:
     if hf_model is not None:
         serving["hf_static"] = hf_static_batches(hf_model, plan, cfg.vocab_size)
         serving["ratio_vs_hf"] = serving["throughput_tok_s"] / serving["hf_static"]["throughput_tok_s"]
+    if peers:
+        _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size)
     prefix = prefix_ttft(llm, cfg.vocab_size)
     prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
     updates = weight_updates(llm, model_dir)
@@ -278,6 +289,46 @@ def run(args) -> int:
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return 0
+
+
+def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int) -> None:
+    """Each peer on the same prompts in its own venv; adds its columns to the rows and serving.
+
+    Runs after hotswap and HF so that nothing else competes for the cores. When HF is loaded,
+    every decode sequence's greedy tokens are checked against HF's (`<peer>_hf_agree`): a peer
+    that computes another model would make its speed meaningless.
+    """
+    request = bench_peers.PeerRequest(
+        model_dir=str(model_dir.resolve()),
+        work_dir=str((out / "peers").resolve()),
+        threads=os.cpu_count() or 1,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        max_num_seqs=max(r["batch"] for r in rows),
+        decode=[_prompts(r["batch"], args.prompt_len, vocab) for r in rows],
+        serving_prompts=bench_peers.serving_prompts(plan[0], vocab),
+        serving_outputs=plan[1],
+    )
+    reference = None  # HF's greedy tokens for the largest batch's prompts (the others are its prefixes)
+    if hf_model is not None:
+        reference = bench_peers.hf_reference(hf_model, max(request.decode, key=len), args.new_tokens)
+    for name in peers:
+        try:
+            result = bench_peers.run_peer(name, request, Path(args.peers_dir))
+        except bench_peers.PeerError as e:
+            print(f"peer {name} failed, left out: {e}", flush=True)
+            continue
+        for row, got in zip(rows, result["decode"], strict=True):
+            row[f"{name}_tok_s"] = got["tok_s"]
+            row[f"ratio_vs_{name}"] = row["hotswap_tok_s"] / got["tok_s"]
+            line = f"{name} {result['version']} | batch={row['batch']} | {name}_tok_s={got['tok_s']:.3g}"
+            if reference is not None:
+                row[f"{name}_hf_agree"] = bench_peers.hf_agreement(got["tokens"], reference)
+                line += f" | {name}_hf_agree={row[f'{name}_hf_agree']:.3g} (sequences greedy-equal to HF)"
+            print(line, flush=True)
+        if "serving" in result:
+            serving[name] = result["serving"]
+            serving[f"ratio_vs_{name}"] = serving["throughput_tok_s"] / result["serving"]["throughput_tok_s"]
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -291,6 +342,9 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.plot(xs, [r["hotswap_tok_s"] for r in rows], "o-", label="hotswap")
     if rows and "hf_tok_s" in rows[0]:
         ax.plot(xs, [r["hf_tok_s"] for r in rows], "s-", label="HF transformers")
+    for name, marker in zip(bench_peers.PEERS, "^v", strict=True):
+        if rows and f"{name}_tok_s" in rows[0]:
+            ax.plot(xs, [r[f"{name}_tok_s"] for r in rows], marker + "-", label=name)
     ax.plot(xs, [min(r["mem_limit_tok_s"], r["compute_limit_tok_s"]) for r in rows], "k--", label="limit")
     ax.set(xlabel="batch", ylabel="decode tok/s", xscale="log", yscale="log", title="decode throughput")
     ax.legend()

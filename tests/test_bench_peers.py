@@ -1,0 +1,173 @@
+"""`hotswap bench` peers: the JSON protocol and subprocess runner, with a fake driver in place of
+llama.cpp / vLLM (the real ones live in their own venvs and never run in CI)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.axes import Axes
+
+from hotswap import bench, bench_peers
+from hotswap.bench_peers import PeerError, PeerNotInstalled, PeerRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Speaks the driver half of the protocol; FAKE_PEER picks how it behaves.
+FAKE_DRIVER = """
+import os, sys, time
+from hotswap.bench_peers import emit_result, read_request
+
+req = read_request()
+mode = os.environ.get("FAKE_PEER", "ok")
+print("library chatter on stdout {not json")
+if mode == "fail":
+    sys.exit("driver broke: no libllama.so")
+if mode == "silent":
+    sys.exit(0)
+if mode == "sleep":
+    time.sleep(60)
+emit_result({
+    "peer": "fake",
+    "version": "0",
+    "echo": {"model_dir": req.model_dir, "threads": req.threads, "max_num_seqs": req.max_num_seqs},
+    "decode": [
+        {"batch": len(p), "tok_s": 5.0 * len(p), "tokens": [[7] * req.new_tokens for _ in p]}
+        for p in req.decode
+    ],
+    "serving": {"throughput_tok_s": sum(req.serving_outputs) / 2.0},
+})
+"""
+
+
+def _install_fake(peers_dir: Path, name: str) -> None:
+    """A peer 'venv' whose python is this test's interpreter, and the fake driver."""
+    python = peers_dir / f".venv-{name}" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    (peers_dir / f"{name}_peer.py").write_text(FAKE_DRIVER)
+
+
+def _request(batches=(1, 2), serving_outputs=(3, 4)) -> PeerRequest:
+    return PeerRequest(
+        model_dir="/models/m",
+        work_dir="/tmp/w",
+        threads=3,
+        new_tokens=4,
+        repeats=1,
+        max_num_seqs=max(batches),
+        decode=[[[11] * 8 for _ in range(b)] for b in batches],
+        serving_prompts=[[12] * 5 for _ in serving_outputs],
+        serving_outputs=list(serving_outputs),
+    )
+
+
+def test_every_peer_has_a_setup_script_and_a_driver():
+    for name, script in bench_peers.PEERS.items():
+        assert (ROOT / "benchmarks" / "peers" / script).is_file(), script
+        assert (ROOT / "benchmarks" / "peers" / f"{name}_peer.py").is_file(), name
+
+
+def test_round_trip_through_a_driver_subprocess(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_PEER", "ok")
+    _install_fake(tmp_path, "llama_cpp")
+    result = bench_peers.run_peer("llama_cpp", _request(), tmp_path)
+    assert result["echo"] == {"model_dir": "/models/m", "threads": 3, "max_num_seqs": 2}
+    assert [d["tok_s"] for d in result["decode"]] == [5.0, 10.0]
+    assert result["serving"] == {"throughput_tok_s": 3.5}
+
+
+def test_a_missing_venv_says_how_to_install_it(tmp_path, capsys):
+    with pytest.raises(PeerNotInstalled, match=r"bash .*setup_vllm_cpu\.sh"):
+        bench_peers.run_peer("vllm", _request(), tmp_path)
+    assert bench_peers.select_peers(None, tmp_path) == []  # the default: only what is installed
+    out = capsys.readouterr().out
+    assert "setup_llama_cpp.sh" in out and "setup_vllm_cpu.sh" in out
+    with pytest.raises(PeerNotInstalled, match="setup_llama_cpp.sh"):  # asked for by name: fail early
+        bench_peers.select_peers("llama_cpp", tmp_path)
+    with pytest.raises(PeerError, match="unknown peer 'sglang'"):
+        bench_peers.select_peers("sglang", tmp_path)
+    assert bench_peers.select_peers("none", tmp_path) == []
+
+
+def test_installed_peers_are_the_default(tmp_path):
+    _install_fake(tmp_path, "vllm")
+    assert bench_peers.installed_peers(tmp_path) == ["vllm"]
+    assert bench_peers.select_peers(None, tmp_path) == ["vllm"]
+    assert bench_peers.select_peers("vllm,none", tmp_path) == ["vllm"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [("fail", "driver broke: no libllama.so"), ("silent", "without a result line"), ("sleep", "timed out")],
+)
+def test_a_failing_driver_is_a_peer_error_that_shows_why(tmp_path, monkeypatch, mode, message):
+    monkeypatch.setenv("FAKE_PEER", mode)
+    _install_fake(tmp_path, "llama_cpp")
+    with pytest.raises(PeerError, match=message):
+        bench_peers.run_peer("llama_cpp", _request(), tmp_path, timeout_s=5)
+
+
+def test_request_validation():
+    with pytest.raises(PeerError, match="one output length per prompt"):
+        dataclasses.replace(_request(), serving_outputs=[1])
+    with pytest.raises(PeerError, match="at least 2 tokens"):
+        dataclasses.replace(_request(), new_tokens=1)
+
+
+def test_timing_helpers_match_numpy():
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4]
+    for q in (0, 50, 99, 100):
+        assert bench_peers.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    calls = []
+    assert bench_peers.median_of_repeats(lambda: calls.append(1) or len(calls), 3) == 3  # warm-up dropped
+    summary = bench_peers.serving_summary([10, 30], [0.5, 1.5], 4.0)
+    assert summary["throughput_tok_s"] == 10.0 and summary["ttft_p50_s"] == 1.0
+    assert bench_peers.leading_matches([1, 2, 3], [1, 2, 4]) == 2
+    ref = bench_peers.Reference(tokens=[[1, 2, 3], [4, 5, 6]], margins=[[0.5, 0.5, 0.5], [0.5, 1e-5, 0.5]])
+    assert bench_peers.hf_agreement([[1, 2, 3], [4, 7, 8]], ref) == 1.0  # departs only at a near-tie
+    assert bench_peers.hf_agreement([[1, 9, 3], [4, 7, 8]], ref) == 0.5
+    assert bench_peers.hf_agreement([[1, 2, 3]], ref) == 1.0  # a smaller batch: a prefix of the prompts
+
+
+def test_bench_adds_peer_columns_serving_ratio_and_a_plot_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_PEER", "ok")
+    _install_fake(tmp_path, "llama_cpp")
+    args = argparse.Namespace(new_tokens=4, repeats=1, prompt_len=8, peers_dir=str(tmp_path))
+    rows = [
+        {"batch": b, "hotswap_tok_s": 20.0, "mem_limit_tok_s": 50.0, "compute_limit_tok_s": 90.0}
+        for b in (1, 2)
+    ]
+    serving = {"throughput_tok_s": 7.0}
+    plan = ([6, 9], [3, 4])
+    bench._run_peers(["llama_cpp"], args, tmp_path / "m", tmp_path / "out", rows, serving, plan, None, 32000)
+    assert [r["llama_cpp_tok_s"] for r in rows] == [5.0, 10.0]
+    assert [r["ratio_vs_llama_cpp"] for r in rows] == [4.0, 2.0]
+    assert serving["llama_cpp"] == {"throughput_tok_s": 3.5} and serving["ratio_vs_llama_cpp"] == 2.0
+    labels = []
+    real_plot = Axes.plot
+    monkeypatch.setattr(
+        Axes, "plot", lambda ax, *a, **k: labels.append(k.get("label")) or real_plot(ax, *a, **k)
+    )
+    bench._plot(rows, tmp_path / "throughput.png")
+    assert "llama_cpp" in labels and "vllm" not in labels
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_hf_reference_is_hf_greedy_with_its_margins(tiny_dir):
+    import torch
+    import transformers
+    from helpers import hf_greedy
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    prompts = [[5, 17, 42, 99], [300, 12, 7, 64]]
+    ref = bench_peers.hf_reference(model, prompts, 6)
+    assert ref.tokens == hf_greedy(tiny_dir, prompts, 6)
+    assert np.array(ref.margins).shape == (2, 6) and min(min(m) for m in ref.margins) >= 0
+    assert bench_peers.hf_agreement(ref.tokens, ref) == 1.0
