@@ -27,13 +27,17 @@ from hotswap.engine.sequence import Sequence
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
 
 
-def _pow2_upto(lo: int, hi: int) -> list[int]:
-    """lo, 2lo, 4lo, ... < hi, then hi; a power of two within 1.5x below hi is dropped (hi covers it)."""
+def _pow2_upto(lo: int, hi: int, *, halves: bool = False) -> list[int]:
+    """lo, 2lo, 4lo, ... < hi, then hi; a last step within 1.5x below hi is dropped (hi covers it).
+    With halves, 1.5x steps between the powers of two too (lo, 1.5lo, 2lo, 3lo, ...; 1.25x drop)."""
     out, v = [], lo
     while v < hi:
         out.append(v)
+        if halves and v >= 2 and v * 3 // 2 < hi:
+            out.append(v * 3 // 2)
         v *= 2
-    if out and hi < 1.5 * out[-1]:
+    out = sorted(set(out))
+    if out and hi < (1.25 if halves else 1.5) * out[-1]:
         out.pop()
     return out + [hi]
 
@@ -44,20 +48,22 @@ class Buckets:
 
     batch: tuple[int, ...]  # decode rows B
     blocks: tuple[int, ...]  # packed prefill rows (of PREFILL_ROW tokens each)
-    pages: tuple[int, ...]  # block-table columns P
+    pages: tuple[int, ...]  # block-table columns P of a decode batch
     prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
 
     @staticmethod
     def for_config(ecfg: EngineConfig) -> Buckets:
         pps = ecfg.pages_per_seq
         pages = tuple(_pow2_upto(min(8, pps), pps))
-        # The reference attention reads only keys cached before each chunk, often none.
-        prefill_pages = pages if ecfg.attention != "reference" else (0, *pages)
+        reference = ecfg.attention == "reference"
         return Buckets(
             batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
             blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
-            pages=pages,
-            prefill_pages=prefill_pages,
+            # The reference decode reads B*P pages, P the rows' average: finer steps there cut
+            # the pages read at long contexts by up to a third (its cost is those reads).
+            pages=tuple(_pow2_upto(min(8, pps), pps, halves=True)) if reference else pages,
+            # The reference prefill reads only keys cached before each chunk, often none.
+            prefill_pages=(0, *pages) if reference else pages,
         )
 
     def shapes(self) -> list[tuple[int, int, int]]:
