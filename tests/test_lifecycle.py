@@ -125,6 +125,7 @@ def test_policy_recompute_and_keep_label_tokens(llm, new_params, fresh_b, policy
         k = c.weights_versions.index(2)
         assert 0 < k and set(c.weights_versions[:k]) == {1} and set(c.weights_versions[k:]) == {2}
         assert [s["version"] for s in c.weights_version_spans] == [1, 2]
+        assert c.mixed_weights_kv == (policy == "keep")  # keep: v2 tokens over v1 context
         if policy == "recompute":
             # after the swap every token is what the new weights give for this exact prefix
             prefix = PROMPT[i:] + c.token_ids[:k]

@@ -156,9 +156,13 @@ class ChatCompletionRequest(_Common):
 
 
 def version_fields(comp: CompletionOutput) -> dict[str, Any]:
-    """Per-choice provenance: spans only when the tokens came from more than one version."""
+    """Per-choice provenance: spans only when the tokens came from more than one version, and
+    `mixed_weights_kv` only when some token's context mixed versions (update policy "keep")."""
     spans = comp.weights_version_spans
-    return {"weights_version_spans": spans} if len(spans) > 1 else {}
+    fields: dict[str, Any] = {"weights_version_spans": spans} if len(spans) > 1 else {}
+    if comp.mixed_weights_kv:
+        fields["mixed_weights_kv"] = True
+    return fields
 
 
 def response_version(outs: list[RequestOutput]) -> int:

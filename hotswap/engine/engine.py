@@ -276,6 +276,7 @@ class Engine:
         seq.output_ids.append(t)
         seq.output_logprobs.append(float(lp[i]))
         seq.output_versions.append(version)
+        seq.tokens_over_mixed_kv |= seq.mixed_kv
         if seq.params.logprobs:
             seq.output_top.append(
                 (top_ids[i, : seq.params.logprobs].copy(), top_lps[i, : seq.params.logprobs].copy())
@@ -331,6 +332,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             top_logprobs=top,
+            mixed_weights_kv=seq.tokens_over_mixed_kv,
         )
 
     def build_output(self, req: Request) -> RequestOutput:

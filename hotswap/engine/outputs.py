@@ -20,6 +20,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
     top_logprobs: list[dict[int, float]] | None = None  # when SamplingParams.logprobs > 0
+    # True when some token was computed over KV written partly under older weights: only
+    # after an update with policy "keep" lands mid-request (its tokens are labelled with
+    # the version that sampled them, but their context was not recomputed).
+    mixed_weights_kv: bool = False
 
     @property
     def cumulative_logprob(self) -> float:

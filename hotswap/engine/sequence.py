@@ -45,6 +45,8 @@ class Sequence:
     # Set under the `keep` update policy: this sequence's KV mixes weights
     # versions, so pages it writes must never enter the prefix index.
     mixed_kv: bool = False
+    # Sticky: some output token was computed over KV that mixed weights versions (`keep`).
+    tokens_over_mixed_kv: bool = False
     admitted_once: bool = False
     prompt_keys: tuple[int, list[int]] | None = None  # (version, chain keys of full prompt pages)
 
