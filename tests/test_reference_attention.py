@@ -2,7 +2,7 @@
 
 The engine's reference steps never read pages they are writing: a decode batch reads a flat
 list of the pages each row uses (`decode_attention`), and a packed prefill reads the pages
-cached before each chunk plus the step's own K/V (`paged_attention_with_new`). Both are laid
+cached before each chunk plus the step's own K/V (`prefill_attention`). Both are laid
 out by the runner's own host code here, over pages where every slot no row may read is NaN.
 """
 
@@ -94,25 +94,29 @@ def test_decode_reads_each_rows_pages_only():
 
 
 def test_packed_prefill_keeps_sequences_apart():
-    """Three chunks in one call: fresh, continuing after 21 cached tokens, and one of 1 token;
-    each attends to its own cached keys and its own chunk only."""
+    """Four chunks in one call: fresh, continuing after 21 cached tokens, one of 1 token, and
+    one of 40 tokens (3 rows) over 70 cached; each attends to its own cached keys and its own
+    chunk only."""
     rng = np.random.default_rng(1)
-    chunks = [(0, 37), (21, 16), (40, 1)]  # (cached, new)
+    chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]  # (cached, new)
     pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
-    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_batched_tokens=128)
+    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
     batch = Runner(None, ecfg).prefill_batch(rows)
     nb = batch.tokens.shape[0]
-    assert batch.tokens.shape[1] == PREFILL_ROW and nb >= 3 + 1 + 1
+    assert batch.tokens.shape[1] == PREFILL_ROW and nb >= 3 + 1 + 1 + 3
+    assert int((batch.page_rows < nb).sum()) == 2 + 3 + 5  # each sequence's cached pages listed once
     q = rng.standard_normal((nb, PREFILL_ROW, HKV * G, HD)).astype(np.float32)
     k = rng.standard_normal((nb, PREFILL_ROW, HKV, HD)).astype(np.float32)
     v = rng.standard_normal((nb, PREFILL_ROW, HKV, HD)).astype(np.float32)
-    out = reference.paged_attention_with_new(
+    out = reference.prefill_attention(
         q,
         jnp.asarray(pages),
         k,
         v,
-        batch.block_tables,
+        batch.page_ids,
+        batch.page_rows,
+        batch.page_cols,
         batch.positions,
         batch.kv_lens,
         batch.chunk_starts,

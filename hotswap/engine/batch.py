@@ -2,12 +2,15 @@
 
 Two layouts share this shape:
 - decode: B sequences, C == 1, one new token each;
-- a decode batch on the reference attention lists the cached pages it reads flat
-  (page_ids / page_rows / page_cols), so a short row does not pay for the longest;
 - packed prefill: the chunks of several sequences laid end to end, each padded to a
   multiple of C and cut into rows of C tokens, so every row belongs to one sequence.
   The matmuls see B*C tokens with little padding (a chunk wastes < C slots), instead
   of one call per sequence padded to a power of two.
+
+Kernels read pages through [B, P] block tables. The reference attention instead lists
+the cached pages it reads flat (page_ids / page_rows / page_cols), each sequence's once:
+a short decode row does not pay for the longest, and a prefill chunk's rows share one
+read of their prefix.
 
 All arrays are host-built int32 (runner.py) and padded to bucket shapes, so the step
 compiles once per bucket. Padding tokens sit at positions >= their row's kv_len, write
@@ -29,10 +32,10 @@ class Batch:
     positions: jax.Array  # [B, C] absolute positions
     slots: jax.Array  # [B, C] flat KV slot (page * page_size + offset) each token writes
     block_tables: jax.Array  # [B, P] the row's sequence's pages (P covers what attention reads)
-    # Reference decode reads cached pages from a flat list instead of block_tables (P == 0):
-    page_ids: jax.Array  # [N] every cached page some row reads, end to end
-    page_rows: jax.Array  # [N] the row reading it (B: padding)
-    page_cols: jax.Array  # [N] its index in that row's table (key positions col*ps ...)
+    # The reference attention reads cached pages from a flat list instead of block_tables (P == 0):
+    page_ids: jax.Array  # [N] every cached page the call reads, each sequence's once, end to end
+    page_rows: jax.Array  # [N] the segment (sequence of this call) reading it (B: padding)
+    page_cols: jax.Array  # [N] its index in that sequence's table (key positions col*ps ...)
     kv_lens: jax.Array  # [B] the row's sequence length after this step (0: padding row)
     chunk_starts: jax.Array  # [B] first position of the sequence's chunk in this step
     segments: jax.Array  # [B] which sequence of this call the row belongs to (-1: padding)

@@ -118,12 +118,14 @@ def forward_paged(
                     scale=scale,
                 )
             elif impl == "reference":
-                o = reference.paged_attention_with_new(
+                o = reference.prefill_attention(
                     q,
                     pages[i],
                     k,
                     v,
-                    batch.block_tables,
+                    batch.page_ids,
+                    batch.page_rows,
+                    batch.page_cols,
                     batch.positions,
                     batch.kv_lens,
                     batch.chunk_starts,

@@ -103,21 +103,27 @@ def run_step(params, pages, batch: Batch, sa, *, cfg, impl):
     return fused_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
 
 
-def flat_decode(impl: str, c: int) -> bool:
-    """The reference decode lists cached pages flat (B*P of them) instead of a [B, P] table."""
-    return impl == "reference" and c == 1
+def flat_pages(impl: str, c: int, b: int, p: int) -> int | None:
+    """The reference attention lists the cached pages it reads flat instead of a [B, P] table:
+    B*P of them for a decode batch (P the rows' average), P for a packed prefill (all its
+    sequences together). None: a kernel reads [B, P] tables."""
+    if impl != "reference":
+        return None
+    return b * p if c == 1 else p
 
 
 def placeholder_inputs(b: int, c: int, p: int, impl: str = "reference") -> tuple[Batch, SamplingArrays]:
     """All-padding step inputs of bucket shape (B, C, P): what warm-up compiles against."""
-    if flat_decode(impl, c):
-        return Batch.zeros(b, c, 0, b, n=b * p), SamplingArrays.from_rows([], b)
+    n = flat_pages(impl, c, b, p)
+    if n is not None:
+        return Batch.zeros(b, c, 0, b, n=n), SamplingArrays.from_rows([], b)
     return Batch.zeros(b, c, p, b), SamplingArrays.from_rows([], b)
 
 
 class Runner:
     def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig):
         self.mcfg, self.ecfg = mcfg, ecfg
+        self._flat = ecfg.attention == "reference"  # flat page lists (see flat_pages)
         self.buckets = Buckets.for_config(ecfg)
         self.ps = ecfg.page_size
 
@@ -131,15 +137,19 @@ class Runner:
         return table[pos // self.ps] * self.ps + pos % self.ps
 
     def pack(self, rows: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
-        """Split prefill chunks into calls that fit the largest packed-prefill bucket."""
-        calls, cur, used, cap = [], [], 0, self.buckets.blocks[-1]
+        """Split prefill chunks into calls that fit the largest packed-prefill bucket (rows,
+        and for the reference attention, cached pages listed)."""
+        calls, cur, used, listed = [], [], 0, 0
+        cap, page_cap = self.buckets.blocks[-1], self.buckets.prefill_pages[-1]
         for seq, n in rows:
             need = -(-n // PREFILL_ROW)
-            if cur and used + need > cap:
+            pages = self._pages_needed(seq.num_computed, seq.num_computed + n)
+            if cur and (used + need > cap or (self._flat and listed + pages > page_cap)):
                 calls.append(cur)
-                cur, used = [], 0
+                cur, used, listed = [], 0, 0
             cur.append((seq, n))
             used += need
+            listed += pages
         return calls + [cur] if cur else calls
 
     def decode_batch(self, seqs: list[Sequence]) -> Batch:
@@ -148,7 +158,7 @@ class Runner:
         b = pick(self.buckets.batch, n)
         start = np.array([s.num_computed for s in seqs], np.int32)
         need = [self._pages_needed(int(x), int(x) + 1) for x in start]
-        if flat_decode(self.ecfg.attention, 1):
+        if self.ecfg.attention == "reference":
             # P is the *average* pages per row: the flat list holds b * P pages.
             p = pick(self.buckets.pages, -(-sum(need) // b))
             bt = Batch.zeros(b, 1, 0, b, n=b * p)
@@ -179,11 +189,19 @@ class Runner:
         q = PREFILL_ROW
         need = [-(-n // q) for _, n in rows]
         nb = pick(self.buckets.blocks, sum(need))
-        p = pick(
-            self.buckets.prefill_pages,
-            max(self._pages_needed(s.num_computed, s.num_computed + n) for s, n in rows),
-        )
-        bt = Batch.zeros(nb, q, p, nb)
+        cached = [self._pages_needed(s.num_computed, s.num_computed + n) for s, n in rows]
+        if self._flat:  # every sequence's cached pages once, end to end
+            p = pick(self.buckets.prefill_pages, sum(cached))
+            bt = Batch.zeros(nb, q, 0, nb, n=p)
+            at = 0
+            for r, ((seq, _), k) in enumerate(zip(rows, cached, strict=True)):
+                bt.page_ids[at : at + k] = seq.block_table[:k]
+                bt.page_rows[at : at + k] = r
+                bt.page_cols[at : at + k] = np.arange(k)
+                at += k
+        else:
+            p = pick(self.buckets.prefill_pages, max(cached))
+            bt = Batch.zeros(nb, q, p, nb)
         tokens, positions, slots = bt.tokens.reshape(-1), bt.positions.reshape(-1), bt.slots.reshape(-1)
         row = 0
         for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
@@ -192,7 +210,7 @@ class Runner:
             tokens[base : base + n] = seq.token_slice(start, n)
             positions[base : base + k * q] = np.arange(start, start + k * q)  # padding continues the run
             slots[base : base + n] = self._slots(table, pos)
-            cols = min(len(table), p)
+            cols = min(len(table), bt.block_tables.shape[1])
             bt.block_tables[row : row + k, :cols] = table[:cols]
             bt.kv_lens[row : row + k] = start + n
             bt.chunk_starts[row : row + k] = start
