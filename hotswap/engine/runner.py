@@ -2,8 +2,9 @@
 
 One jitted function serves both step kinds: a [B, C] block of tokens (batch.py)
 where a decode batch is [B, 1] and a packed prefill is [Nb, PREFILL_ROW] holding
-every prefill chunk of the step. B, Nb and the number of block-table columns P
-are padded to the buckets listed here, all compiled at start-up, so
+every prefill chunk of the step. B, Nb and P (block-table columns for a kernel;
+for the reference attention, the flat list's pages: B*P in a decode batch, P in a
+prefill, see `flat_pages`) are padded to the buckets listed here, all compiled at start-up, so
 steady-state serving never recompiles. KV page buffers are donated
 so XLA updates them in place; params are an argument, so a swap to params of
 the same shapes, dtypes and shardings reuses every executable.
