@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from hotswap.errors import HotswapError
+
 
 def default_model_dir() -> Path:
     """The embedded default model (the `tiny` preset), created once under a cache dir."""
@@ -54,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise
 
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except HotswapError as e:  # bad input (a path, a config, a peer name): one line, not a traceback
+        print(f"hotswap {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

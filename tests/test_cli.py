@@ -37,3 +37,14 @@ def test_unknown_command_fails():
     with pytest.raises(SystemExit) as e:
         cli.main(["frobnicate"])
     assert e.value.code == 2
+
+
+def test_bad_input_is_one_error_line_not_a_traceback(tmp_path, capsys):
+    """A typed error from a command (here an unknown peer, caught before any benchmark runs)
+    exits 2 with the error's message on stderr."""
+    model = tmp_path / "m"
+    cli.main(["create-model", "--preset", "tiny", "--out", str(model)])
+    capsys.readouterr()
+    assert cli.main(["bench", str(model), "--peers", "sglang", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hotswap bench: error: unknown peer 'sglang'") and "Traceback" not in err

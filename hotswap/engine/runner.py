@@ -131,11 +131,23 @@ class Runner:
     def _pages_needed(self, start: int, end: int) -> int:
         """Table columns attention reads: the reference reads keys before the chunk (the
         chunk's own come from the step), a kernel reads everything up to the end."""
-        upto = start if self.ecfg.attention == "reference" else end
+        upto = start if self._flat else end
         return -(-upto // self.ps)
 
-    def _slots(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        return table[pos // self.ps] * self.ps + pos % self.ps
+    def _slots(self, table, pos):
+        """Flat KV slot (page * page_size + offset) of positions `pos` in a sequence's table."""
+        return np.asarray(table)[pos // self.ps] * self.ps + pos % self.ps
+
+    @staticmethod
+    def _list_pages(bt: Batch, reads: list[tuple[Sequence, int]]) -> None:
+        """Fill the flat page list: for each (sequence, k), its first k pages, tagged with the
+        sequence's index in `reads` (its row in a decode batch, its segment in a prefill)."""
+        at = 0
+        for r, (seq, k) in enumerate(reads):
+            bt.page_ids[at : at + k] = seq.block_table[:k]
+            bt.page_rows[at : at + k] = r
+            bt.page_cols[at : at + k] = np.arange(k)
+            at += k
 
     def pack(self, rows: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
         """Split prefill chunks into calls that fit the largest packed-prefill bucket (rows,
@@ -159,25 +171,19 @@ class Runner:
         b = pick(self.buckets.batch, n)
         start = np.array([s.num_computed for s in seqs], np.int32)
         need = [self._pages_needed(int(x), int(x) + 1) for x in start]
-        if self.ecfg.attention == "reference":
+        if self._flat:
             # P is the *average* pages per row: the flat list holds b * P pages.
             p = pick(self.buckets.pages, -(-sum(need) // b))
             bt = Batch.zeros(b, 1, 0, b, n=b * p)
-            at = 0
-            for i, (s, k) in enumerate(zip(seqs, need, strict=True)):
-                bt.page_ids[at : at + k] = s.block_table[:k]
-                bt.page_rows[at : at + k] = i
-                bt.page_cols[at : at + k] = np.arange(k)
-                at += k
+            self._list_pages(bt, list(zip(seqs, need, strict=True)))
         else:
             p = pick(self.buckets.pages, max(need))
             bt = Batch.zeros(b, 1, p, b)
             for i, (s, k) in enumerate(zip(seqs, need, strict=True)):
                 bt.block_tables[i, :k] = s.block_table[:k]
         for i, s in enumerate(seqs):
-            table = s.block_table
             bt.tokens[i, 0] = s.token_slice(int(start[i]), 1)[0]
-            bt.slots[i, 0] = table[start[i] // self.ps] * self.ps + start[i] % self.ps
+            bt.slots[i, 0] = self._slots(s.block_table, start[i])
         bt.positions[:n, 0] = start
         bt.kv_lens[:n] = start + 1
         bt.chunk_starts[:n] = start
@@ -194,12 +200,7 @@ class Runner:
         if self._flat:  # every sequence's cached pages once, end to end
             p = pick(self.buckets.prefill_pages, sum(cached))
             bt = Batch.zeros(nb, q, 0, nb, n=p)
-            at = 0
-            for r, ((seq, _), k) in enumerate(zip(rows, cached, strict=True)):
-                bt.page_ids[at : at + k] = seq.block_table[:k]
-                bt.page_rows[at : at + k] = r
-                bt.page_cols[at : at + k] = np.arange(k)
-                at += k
+            self._list_pages(bt, [(seq, k) for (seq, _), k in zip(rows, cached, strict=True)])
         else:
             p = pick(self.buckets.prefill_pages, max(cached))
             bt = Batch.zeros(nb, q, p, nb)
