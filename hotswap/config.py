@@ -176,6 +176,9 @@ class ModelConfig:
         return cls.from_hf(data, dtype=dtype)
 
 
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs, named as in vLLM so users feel at home."""
@@ -186,7 +189,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
-    attention: str = "reference"  # "reference" | "pallas"
+    # "auto": the C++ kernel on the CPU backend when it builds and the KV cache is on one
+    # device, else "reference" (jnp); "pallas" is the TPU kernel. Engine resolves "auto".
+    attention: str = "auto"
     max_waiting: int = 1024  # backpressure: QueueFull beyond this
     drain_timeout_s: float = 60.0
 
@@ -196,8 +201,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_pages < 2:
             raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
-        if self.attention not in ("reference", "pallas"):
-            raise ConfigError(f"attention={self.attention!r}; use 'reference' or 'pallas'")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
 
     @property
     def pages_per_seq(self) -> int:

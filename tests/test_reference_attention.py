@@ -1,5 +1,8 @@
 """The CPU attention paths the engine runs, against write-then-read `reference.paged_attention`.
 
+The C++ kernel (attention="cpu", the CPU default) has the same read-then-write semantics
+and is checked against the same oracle, over the same NaN-filled pages, in f32 and bf16.
+
 The engine's reference steps never read pages they are writing: a decode batch reads a flat
 list of the pages each row uses (`decode_attention`), and a packed prefill reads the pages
 cached before each chunk plus the step's own K/V (`prefill_attention`). Both are laid
@@ -8,8 +11,12 @@ out by the runner's own host code here, over pages where every slot no row may r
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hotswap.config import EngineConfig
 from hotswap.engine.runner import PREFILL_ROW, Runner
@@ -69,7 +76,9 @@ def test_decode_reads_each_rows_pages_only():
     rng = np.random.default_rng(0)
     cached = [0, 1, PS - 1, PS, PS + 1, 70, 5]  # 0: a one-token prompt's first sample
     pages, seqs = _world(rng, [c + 1 for c in cached], cached)
-    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8)
+    ecfg = EngineConfig(
+        page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8, attention="reference"
+    )
     batch = Runner(None, ecfg).decode_batch(seqs)
     b = batch.tokens.shape[0]
     q = rng.standard_normal((b, 1, HKV * G, HD)).astype(np.float32)
@@ -100,7 +109,13 @@ def test_packed_prefill_keeps_sequences_apart():
     rng = np.random.default_rng(1)
     chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]  # (cached, new)
     pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
-    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
+    ecfg = EngineConfig(
+        page_size=PS,
+        num_pages=len(pages),
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        attention="reference",
+    )
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
     batch = Runner(None, ecfg).prefill_batch(rows)
     nb = batch.tokens.shape[0]
@@ -130,3 +145,75 @@ def test_packed_prefill_keeps_sequences_apart():
         sl = slice(first, first + n)
         want = _oracle(pages, seq, flat(q)[sl], flat(k)[sl], flat(v)[sl], n)
         np.testing.assert_allclose(out[sl], want, atol=1e-5, rtol=0)
+
+
+def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32):
+    """The C++ kernel over a batch the runner lays out for attention="cpu" (block tables)."""
+    from hotswap.kernels import cpu_attention
+
+    runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"))
+    batch = runner.decode_batch([s for s, _ in rows]) if decode else runner.prefill_batch(rows)
+    b, c = batch.tokens.shape
+    assert batch.block_tables.shape[1] == ecfg.pages_per_seq  # one full-width table per shape
+    q, k, v = (rng.standard_normal((b, c, h, HD)).astype(np.float32) for h in (HKV * G, HKV, HKV))
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    out = cpu_attention.paged_attention(
+        cast(q),
+        cast(pages),
+        cast(k),
+        cast(v),
+        batch.block_tables,
+        batch.positions,
+        batch.chunk_starts,
+        batch.kv_lens,
+        scale=SCALE,
+    )
+    flat = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)).reshape(b * c, *a.shape[2:])  # noqa: E731
+    return batch, flat(out), flat(q), flat(k), flat(v)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_cpu_kernel_decode(dtype):
+    rng = np.random.default_rng(2)
+    cached = [0, 1, PS - 1, PS, PS + 1, 70, 5]
+    pages, seqs = _world(rng, [c + 1 for c in cached], cached)
+    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8)
+    batch, out, q, k, v = _cpu_step([(s, 1) for s in seqs], pages, ecfg, rng, decode=True, dtype=dtype)
+    assert np.isfinite(out).all(), "NaN leaked from a page slot no row may read"
+    assert not out[len(seqs) :].any(), "padding rows must come back as zeros"
+    pages32 = np.asarray(jnp.asarray(pages, dtype).astype(jnp.float32))
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    for i, seq in enumerate(seqs):
+        want = _oracle(pages32, seq, q[i : i + 1], k[i : i + 1], v[i : i + 1], 1)
+        np.testing.assert_allclose(out[i : i + 1], want, atol=tol, rtol=0)
+
+
+def test_cpu_kernel_packed_prefill():
+    rng = np.random.default_rng(3)
+    chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]
+    pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
+    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
+    rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
+    batch, out, q, k, v = _cpu_step(rows, pages, ecfg, rng, decode=False)
+    assert np.isfinite(out).all()
+    real = np.zeros(len(out), bool)
+    for r, (seq, n) in enumerate(rows):
+        first = int(batch.sample_idx[r]) - n + 1
+        sl = slice(first, first + n)
+        real[sl] = True
+        np.testing.assert_allclose(out[sl], _oracle(pages, seq, q[sl], k[sl], v[sl], n), atol=1e-5, rtol=0)
+    assert not out[~real].any(), "padding slots must come back as zeros"
+
+
+def test_cpu_kernel_rejects_a_page_outside_the_cache():
+    from hotswap.kernels import cpu_attention
+
+    pages = np.zeros((4, PS, 2 * HKV, HD), np.float32)
+    q = np.zeros((1, 1, HKV * G, HD), np.float32)
+    kv = np.zeros((1, 1, HKV, HD), np.float32)
+    table = np.array([[9, 0]], np.int32)  # page 9 of 4
+    with pytest.raises(Exception, match="outside the cache"):
+        out = cpu_attention.paged_attention(
+            q, pages, kv, kv, table, np.array([[5]]), np.array([5]), np.array([6]), scale=SCALE
+        )
+        jax.block_until_ready(out)

@@ -16,6 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
+from hotswap.config import ATTENTION_IMPLS
+
 log = logging.getLogger("hotswap.api")
 
 
@@ -40,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--attention", default="reference", choices=["reference", "pallas"])
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLS))
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a 'drain' update waits")

@@ -36,6 +36,7 @@ from hotswap.errors import (
     QueueFull,
     RequestError,
 )
+from hotswap.kernels import resolve_attention
 
 POLICIES = ("drain", "abort", "recompute", "keep", "reject")
 Sink = Callable[[RequestOutput], None]
@@ -78,6 +79,7 @@ class Engine:
             )
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
+        ecfg = dataclasses.replace(ecfg, attention=resolve_attention(ecfg.attention, kv_sharding))
         self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer
         self.weights_root = weights_root
         self.kv_sharding = kv_sharding

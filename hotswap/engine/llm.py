@@ -41,7 +41,7 @@ class LLM:
         max_num_batched_tokens: int = 256,
         enable_prefix_caching: bool = True,
         dtype: str | None = None,
-        attention: str = "reference",
+        attention: str = "auto",
         warmup: bool = True,
         seed: int = 0,
         weights_root: str | None = None,

@@ -18,7 +18,7 @@ from hotswap import kernels
 from hotswap.config import ModelConfig
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
-from hotswap.kernels import reference
+from hotswap.kernels import READ_THEN_WRITE, cpu_attention, reference
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -88,11 +88,11 @@ def forward_paged(
     Returns (final hidden [B, C, D], new_kv, pages) where new_kv is this step's (K, V) per
     layer, each [B, C, Hkv, hd].
 
-    impl "reference": attention reads the cache as it was before the step plus the
-    step's own K/V, and `pages` come back untouched; the caller writes new_kv
-    with `write_pages` in a separate donated call. Fusing write and read in one
-    XLA CPU program made it copy every layer's buffer each step (5x slower decode,
-    measured). Kernel impls write first and read the updated pages (the kernel is
+    impl "reference" and "cpu" (kernels.READ_THEN_WRITE): attention reads the cache as it
+    was before the step plus the step's own K/V, and `pages` come back untouched; the
+    caller writes new_kv with `write_pages` in a separate donated call. Fusing write and
+    read in one XLA CPU program made it copy every layer's buffer each step (5x slower
+    decode, measured). "pallas" writes first and reads the updated pages (the kernel is
     a custom call, so nothing fuses across it); `pages` come back updated.
     """
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
@@ -132,6 +132,18 @@ def forward_paged(
                     batch.segments,
                     scale=scale,
                 )
+            elif impl == "cpu":
+                o = cpu_attention.paged_attention(
+                    q,
+                    pages[i],
+                    k,
+                    v,
+                    batch.block_tables,
+                    batch.positions,
+                    batch.chunk_starts,
+                    batch.kv_lens,
+                    scale=scale,
+                )
             else:
                 new_pages.append(reference.write_kv(pages[i], k, v, batch.slots))
                 o = kernels.attention(
@@ -146,7 +158,7 @@ def forward_paged(
             x = x + o.reshape(b, c, cfg.q_size) @ lp["wo"]
             x = _mlp(lp, cfg, x)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return h, tuple(new_kv), (pages if impl == "reference" else tuple(new_pages))
+    return h, tuple(new_kv), (pages if impl in READ_THEN_WRITE else tuple(new_pages))
 
 
 def write_pages(pages, new_kv, slots):

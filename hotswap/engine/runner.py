@@ -24,6 +24,7 @@ from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.engine.sampling import SamplingArrays, sample
 from hotswap.engine.sequence import Sequence
+from hotswap.kernels import READ_THEN_WRITE
 
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
 
@@ -57,6 +58,15 @@ class Buckets:
         pps = ecfg.pages_per_seq
         pages = tuple(_pow2_upto(min(8, pps), pps))
         reference = ecfg.attention == "reference"
+        if ecfg.attention == "cpu":
+            # The C++ kernel reads only the pages before each chunk, whatever P the table has:
+            # one full-width table, so warm-up compiles one shape per batch bucket, not per P.
+            return Buckets(
+                batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
+                blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
+                pages=(pps,),
+                prefill_pages=(pps,),
+            )
         return Buckets(
             batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
             blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
@@ -86,7 +96,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, impl):
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         out = sample(model.logits_from_hidden(params, h_last), sa)
-    return (new_kv if impl == "reference" else pages), out
+    return (new_kv if impl in READ_THEN_WRITE else pages), out
 
 
 # reference: read-only forward, then a separate in-place write of the step's K/V.
@@ -98,7 +108,7 @@ fused_jit = partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,
 
 def run_step(params, pages, batch: Batch, sa, *, cfg, impl):
     """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps))."""
-    if impl == "reference":
+    if impl in READ_THEN_WRITE:
         new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
         return write_jit(pages, new_kv, batch.slots), out
     return fused_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
@@ -125,13 +135,14 @@ class Runner:
     def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig):
         self.mcfg, self.ecfg = mcfg, ecfg
         self._flat = ecfg.attention == "reference"  # flat page lists (see flat_pages)
+        self._cache_only = ecfg.attention in READ_THEN_WRITE  # the step's own K/V come separately
         self.buckets = Buckets.for_config(ecfg)
         self.ps = ecfg.page_size
 
     def _pages_needed(self, start: int, end: int) -> int:
-        """Table columns attention reads: the reference reads keys before the chunk (the
-        chunk's own come from the step), a kernel reads everything up to the end."""
-        upto = start if self._flat else end
+        """Table columns attention reads: the read-then-write impls read keys before the chunk
+        (the chunk's own come from the step), the Pallas kernel reads everything up to the end."""
+        upto = start if self._cache_only else end
         return -(-upto // self.ps)
 
     def _slots(self, table, pos):

@@ -6,9 +6,14 @@ implementation has the signature of `reference.paged_attention`.
 
 from __future__ import annotations
 
+import jax
+
 from hotswap.kernels import reference
 
-IMPLS = ("reference", "pallas")
+IMPLS = ("reference", "cpu", "pallas")
+# Impls that read the cache as it was before the step plus the step's own K/V (pages come
+# back untouched; the engine writes the step's K/V in a separate donated call).
+READ_THEN_WRITE = ("reference", "cpu")
 
 
 def attention(q, pages, block_tables, q_positions, kv_lens, *, scale: float, impl: str = "reference"):
@@ -22,3 +27,18 @@ def attention(q, pages, block_tables, q_positions, kv_lens, *, scale: float, imp
             q, pages, block_tables, q_positions, kv_lens, scale=scale
         )
     raise ValueError(f"unknown attention impl {impl!r}; use one of {IMPLS}")
+
+
+def resolve_attention(impl: str, kv_sharding=None) -> str:
+    """The impl "auto" stands for here: the C++ kernel on the CPU backend when it builds and
+    the KV cache sits on one device, else the jnp reference. The C++ kernel is an opaque
+    custom call, so GSPMD could not keep a head-sharded cache local around it."""
+    if impl != "auto":
+        return impl
+    one_device = kv_sharding is None or len(kv_sharding.device_set) == 1
+    if jax.default_backend() == "cpu" and one_device:
+        from hotswap.kernels import cpu_attention
+
+        if cpu_attention.available():
+            return "cpu"
+    return "reference"
