@@ -33,18 +33,18 @@ def _seq(i: int, length: int, table: list[int]) -> Sequence:
     return seq
 
 
-def _world(rng, ends: list[int], computed: list[int]):
+def _world(rng, ends: list[int], computed: list[int], hd: int = HD, ps: int = PS):
     """Pages holding `computed[i]` cached tokens per sequence (NaN everywhere else) and tables
     reaching `ends[i]` tokens, drawn from a shuffled pool."""
-    need = [-(-e // PS) for e in ends]
+    need = [-(-e // ps) for e in ends]
     num_pages = sum(need) + 4
     pool = rng.permutation(np.arange(1, num_pages)).tolist()
-    pages = np.full((num_pages, PS, 2 * HKV, HD), np.nan, np.float32)
+    pages = np.full((num_pages, ps, 2 * HKV, hd), np.nan, np.float32)
     seqs = []
     for i, (k, c) in enumerate(zip(need, computed, strict=True)):
         table, pool = pool[:k], pool[k:]
         for pos in range(c):
-            pages[table[pos // PS], pos % PS] = rng.standard_normal((2 * HKV, HD))
+            pages[table[pos // ps], pos % ps] = rng.standard_normal((2 * HKV, hd))
         seq = _seq(i, ends[i], table)
         seq.num_computed = c
         seqs.append(seq)
@@ -54,10 +54,10 @@ def _world(rng, ends: list[int], computed: list[int]):
 def _oracle(pages, seq, q, k, v, n):
     """Write the chunk's K/V into a copy of the pages, then plain paged attention for one sequence."""
     pages = pages.copy()
-    start = seq.num_computed
+    start, ps = seq.num_computed, pages.shape[1]
     for j in range(n):
         pos = start + j
-        slot = pages[seq.block_table[pos // PS], pos % PS]
+        slot = pages[seq.block_table[pos // ps], pos % ps]
         slot[0::2], slot[1::2] = k[j], v[j]
     table = np.asarray(seq.block_table, np.int32)[None]
     positions = np.arange(start, start + n, dtype=np.int32)[None]
@@ -155,7 +155,8 @@ def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32):
     batch = runner.decode_batch([s for s, _ in rows]) if decode else runner.prefill_batch(rows)
     b, c = batch.tokens.shape
     assert batch.block_tables.shape[1] == ecfg.pages_per_seq  # one full-width table per shape
-    q, k, v = (rng.standard_normal((b, c, h, HD)).astype(np.float32) for h in (HKV * G, HKV, HKV))
+    hd = pages.shape[-1]
+    q, k, v = (rng.standard_normal((b, c, h, hd)).astype(np.float32) for h in (HKV * G, HKV, HKV))
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     out = cpu_attention.paged_attention(
         cast(q),
@@ -172,12 +173,18 @@ def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32):
     return batch, flat(out), flat(q), flat(k), flat(v)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-def test_cpu_kernel_decode(dtype):
+# head_dim 64 and 128 take the AVX-512 path where the CPU has it, others the plain loops;
+# a 32-slot page folds its keys 16 at a time there.
+SHAPES = [(np.float32, 32, PS), (np.float32, 64, PS), (np.float32, 128, PS), (np.float32, 64, 32)]
+SHAPES += [(jnp.bfloat16, 32, PS), (jnp.bfloat16, 64, PS)]
+
+
+@pytest.mark.parametrize("dtype,hd,ps", SHAPES)
+def test_cpu_kernel_decode(dtype, hd, ps):
     rng = np.random.default_rng(2)
-    cached = [0, 1, PS - 1, PS, PS + 1, 70, 5]
-    pages, seqs = _world(rng, [c + 1 for c in cached], cached)
-    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8)
+    cached = [0, 1, ps - 1, ps, ps + 1, 70, 5]
+    pages, seqs = _world(rng, [c + 1 for c in cached], cached, hd, ps)
+    ecfg = EngineConfig(page_size=ps, num_pages=len(pages), max_model_len=128, max_num_seqs=8)
     batch, out, q, k, v = _cpu_step([(s, 1) for s in seqs], pages, ecfg, rng, decode=True, dtype=dtype)
     assert np.isfinite(out).all(), "NaN leaked from a page slot no row may read"
     assert not out[len(seqs) :].any(), "padding rows must come back as zeros"
@@ -188,11 +195,12 @@ def test_cpu_kernel_decode(dtype):
         np.testing.assert_allclose(out[i : i + 1], want, atol=tol, rtol=0)
 
 
-def test_cpu_kernel_packed_prefill():
+@pytest.mark.parametrize("hd,ps", [(32, PS), (64, PS), (64, 32)])
+def test_cpu_kernel_packed_prefill(hd, ps):
     rng = np.random.default_rng(3)
     chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]
-    pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
-    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
+    pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks], hd, ps)
+    ecfg = EngineConfig(page_size=ps, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
     batch, out, q, k, v = _cpu_step(rows, pages, ecfg, rng, decode=False)
     assert np.isfinite(out).all()

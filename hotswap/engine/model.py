@@ -18,7 +18,7 @@ from hotswap import kernels
 from hotswap.config import ModelConfig
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
-from hotswap.kernels import READ_THEN_WRITE, cpu_attention, reference
+from hotswap.kernels import READ_THEN_WRITE, cpu_attention, cpu_matmul, reference
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -60,9 +60,9 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope):
+def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=jnp.matmul):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied."""
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     lead = h.shape[:-1]
@@ -75,9 +75,9 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope):
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=jnp.matmul) -> jax.Array:
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    return x + mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
 
 
 def forward_paged(
@@ -98,12 +98,13 @@ def forward_paged(
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(cfg.head_dim)
     b, c = batch.tokens.shape
+    mm = cpu_matmul.matmul if impl == "cpu" else jnp.matmul  # 1-2 row decode steps: threaded GEMV
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _qkv(lp, cfg, h, rope)
+            q, k, v = _qkv(lp, cfg, h, rope, mm)
             new_kv.append((k, v))
             if impl == "reference" and c == 1:
                 o = reference.decode_attention(
@@ -155,8 +156,8 @@ def forward_paged(
                     scale=scale,
                     impl=impl,
                 )
-            x = x + o.reshape(b, c, cfg.q_size) @ lp["wo"]
-            x = _mlp(lp, cfg, x)
+            x = x + mm(o.reshape(b, c, cfg.q_size), lp["wo"])
+            x = _mlp(lp, cfg, x, mm)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return h, tuple(new_kv), (pages if impl in READ_THEN_WRITE else tuple(new_pages))
 

@@ -37,8 +37,8 @@ def resolve_attention(impl: str, kv_sharding=None) -> str:
         return impl
     one_device = kv_sharding is None or len(kv_sharding.device_set) == 1
     if jax.default_backend() == "cpu" and one_device:
-        from hotswap.kernels import cpu_attention
+        from hotswap.kernels import cpu_build
 
-        if cpu_attention.available():
+        if cpu_build.available():
             return "cpu"
     return "reference"
