@@ -60,9 +60,10 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=jnp.matmul):
-    """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied."""
-    q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
+def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=cpu_matmul.xla_matmuls):
+    """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
+    `mm(x, [w, ...])` is the matmul routine (cpu_matmul: one threaded call for few rows)."""
+    q, k, v = mm(h, [lp["wq"], lp["wk"], lp["wv"]])
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     lead = h.shape[:-1]
@@ -75,9 +76,10 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=jnp.matmul):
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=jnp.matmul) -> jax.Array:
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=cpu_matmul.xla_matmuls) -> jax.Array:
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
+    gate, up = mm(h, [lp["w_gate"], lp["w_up"]])
+    return x + mm(jax.nn.silu(gate) * up, [lp["w_down"]])[0]
 
 
 def forward_paged(
@@ -98,7 +100,7 @@ def forward_paged(
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(cfg.head_dim)
     b, c = batch.tokens.shape
-    mm = cpu_matmul.matmul if impl == "cpu" else jnp.matmul  # 1-2 row decode steps: threaded GEMV
+    mm = cpu_matmul.matmuls if impl == "cpu" else cpu_matmul.xla_matmuls  # 1-2 rows: threaded GEMV
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
     for i, lp in enumerate(params["layers"]):
@@ -156,7 +158,7 @@ def forward_paged(
                     scale=scale,
                     impl=impl,
                 )
-            x = x + mm(o.reshape(b, c, cfg.q_size), lp["wo"])
+            x = x + mm(o.reshape(b, c, cfg.q_size), [lp["wo"]])[0]
             x = _mlp(lp, cfg, x, mm)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return h, tuple(new_kv), (pages if impl in READ_THEN_WRITE else tuple(new_pages))

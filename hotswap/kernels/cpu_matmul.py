@@ -2,11 +2,15 @@
 
 XLA:CPU runs a matrix-vector product single-threaded, so a batch-1 decode step read its
 weights at one core's bandwidth. The C++ kernel splits the weight rows over XLA's
-intra-op threads: on bench-100m's 12 layers, 8.9 ms -> 7.4 ms per step (33 -> 40 GB/s).
-From four rows on XLA's own dot was as fast or faster, so only 1-2 rows use it.
+intra-op threads: bench-100m's batch-1 forward step went from 12.0 to 9.3 ms.
+Taking a layer's q/k/v (or gate/up) weights in one call, to share one parallel region,
+measured no faster (9.6 ms), so each weight is its own call. From four rows on XLA's own
+dot was as fast or faster, so only 1-2 rows use it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +20,22 @@ from hotswap.kernels import cpu_build
 MAX_ROWS = 2
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [K, N]: the C++ kernel for f32 with at most MAX_ROWS rows, else XLA's dot."""
+def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
+    """[x @ w for w in ws] (x [..., K], each w [K, N_i]): the C++ kernel for f32 with at most
+    MAX_ROWS rows, else XLA's dots."""
     rows = x.size // x.shape[-1]
-    if rows > MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        return x @ w
+    if rows > MAX_ROWS or x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
+        return [x @ w for w in ws]
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))
-    return out(x.reshape(rows, -1), w).reshape(*x.shape[:-1], w.shape[1])
+    out = []
+    for w in ws:
+        y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(
+            x.reshape(rows, -1), w
+        )
+        out.append(y.reshape(*x.shape[:-1], w.shape[1]))
+    return out
+
+
+def xla_matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
+    """The same contract on XLA's dots: what every other backend and impl uses."""
+    return [x @ w for w in ws]
