@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from hotswap.errors import ConfigError
 from hotswap.kernels import reference
 
 IMPLS = ("reference", "cpu", "pallas")
@@ -33,10 +34,17 @@ def resolve_attention(impl: str, kv_sharding=None) -> str:
     """The impl "auto" stands for here: the C++ kernel on the CPU backend when it builds and
     the KV cache sits on one device, else the jnp reference. The C++ kernel is an opaque
     custom call, so GSPMD could not keep a head-sharded cache local around it."""
+    one_device = kv_sharding is None or len(kv_sharding.device_set) == 1
+    on_cpu = jax.default_backend() == "cpu"
+    if impl == "cpu" and not (on_cpu and one_device):
+        raise ConfigError(
+            "attention='cpu' runs on the CPU backend with the KV cache on one device; "
+            f"here the backend is {jax.default_backend()!r} and the cache spans "
+            f"{1 if kv_sharding is None else len(kv_sharding.device_set)} device(s): use 'auto'"
+        )
     if impl != "auto":
         return impl
-    one_device = kv_sharding is None or len(kv_sharding.device_set) == 1
-    if jax.default_backend() == "cpu" and one_device:
+    if on_cpu and one_device:
         from hotswap.kernels import cpu_build
 
         if cpu_build.available():

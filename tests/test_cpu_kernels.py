@@ -1,0 +1,81 @@
+"""The C++ CPU kernels' small matmul against numpy, and how the engine picks its attention.
+(The C++ attention is checked in test_reference_attention.py, beside the jnp paths.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hotswap import kernels
+from hotswap.errors import ConfigError
+from hotswap.kernels import cpu_build, cpu_matmul
+
+
+@pytest.mark.parametrize("lead,k,n", [((1,), 768, 2304), ((2,), 131, 77), ((1, 1), 5, 3), ((2, 1), 1000, 64)])
+def test_matches_numpy(lead, k, n):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w2 = rng.standard_normal((k, 2 * n + 1)).astype(np.float32)
+    got, got2 = jax.jit(cpu_matmul.matmuls)(x, [w, w2])
+    assert got.shape == (*lead, n) and got2.shape == (*lead, 2 * n + 1)
+    for y, ww in ((got, w), (got2, w2)):
+        np.testing.assert_allclose(
+            np.asarray(y), x.astype(np.float64) @ ww, rtol=1e-4, atol=1e-4 * np.sqrt(k)
+        )
+
+
+def test_routes_only_few_f32_rows_to_the_kernel():
+    """Three or more rows, or another dtype, stay on XLA's dot (no custom call in the program)."""
+    w = jnp.ones((64, 32), jnp.float32)
+
+    def custom_calls(x, w):
+        return jax.jit(cpu_matmul.matmuls).lower(x, [w, w]).as_text().count("custom_call")
+
+    assert custom_calls(jnp.ones((2, 64), jnp.float32), w) == 2
+    assert custom_calls(jnp.ones((3, 64), jnp.float32), w) == 0
+    assert custom_calls(jnp.ones((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16)) == 0
+
+
+class _Spans:
+    """A stand-in KV sharding over `n` devices (only its device set is read)."""
+
+    def __init__(self, n: int):
+        self.device_set = set(range(n))
+
+
+def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only():
+    assert cpu_build.available()  # CI has a C++ compiler: the kernels must build there
+    assert kernels.resolve_attention("auto") == "cpu"
+    assert kernels.resolve_attention("auto", _Spans(1)) == "cpu"
+    # An opaque custom call would make GSPMD gather a head-sharded cache: the jnp path instead.
+    assert kernels.resolve_attention("auto", _Spans(2)) == "reference"
+    assert kernels.resolve_attention("reference") == "reference"
+    with pytest.raises(ConfigError, match="one device"):
+        kernels.resolve_attention("cpu", _Spans(2))
+
+
+def test_without_a_compiler_auto_falls_back_to_the_jnp_reference(tmp_path):
+    """A machine where the kernels cannot build still serves: "auto" means "reference" there,
+    and asking for "cpu" names the failed build."""
+    code = (
+        "from hotswap import kernels\n"
+        "from hotswap.kernels import cpu_build\n"
+        "print(kernels.resolve_attention('auto'))\n"
+        "try:\n"
+        "    cpu_build.register('paged_attention', 'HotswapPagedAttention')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    env = {**os.environ, "CXX": "/bin/false", "HOTSWAP_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "reference"
+    assert lines[1].startswith("ConfigError building a CPU kernel failed")
