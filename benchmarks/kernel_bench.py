@@ -2,7 +2,7 @@
 
     python benchmarks/kernel_bench.py [--interpret] [--dtype float32|bfloat16] [--shapes decode,prefill]
 
-Runs unchanged on TPU / GPU / CPU. Shapes use the bench-100m attention dims (4 kv heads, 12 q
+Runs unchanged on TPU / GPU / CPU; on CPU it also times the C++ kernel (`attention="cpu"`). Shapes use the bench-100m attention dims (4 kv heads, 12 q
 heads, head_dim 64, page 16): decode batches 1/8/32 at context 512/2048 and one 256-token prefill
 chunk over a 1024-token context. Block tables are random permutations of the page pool (as a
 long-running server's are). The roofline fraction is the KV bytes the call must read
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.kernels import ragged_paged_attention, reference
+from hotswap.kernels import cpu_attention, cpu_build, ragged_paged_attention, reference
 
 HKV, HQ, HD, PS = 4, 12, 64, 16  # bench-100m attention dims
 DECODE = [(b, ctx) for ctx in (512, 2048) for b in (1, 8, 32)]
@@ -69,6 +69,15 @@ def make_inputs(rng, b: int, c: int, ctx: int, dtype):
     )
 
 
+def cpu_paged_attention(q, pages, tables, pos, lens, *, scale):
+    """The C++ CPU kernel behind `reference.paged_attention`'s signature: the last C tokens of
+    each row stand for the step's own K/V (zeros here: their values do not change the time)."""
+    kv_new = jnp.zeros((*q.shape[:2], HKV, HD), q.dtype)
+    return cpu_attention.paged_attention(
+        q, pages, kv_new, kv_new, tables, pos, lens - q.shape[1], lens, scale=scale
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -95,6 +104,8 @@ def main() -> None:
             )
         ),
     }
+    if backend == "cpu" and cpu_build.available():
+        impls["cpu"] = jax.jit(partial(cpu_paged_attention, scale=scale))
     bw = probe_bandwidth()
     shapes = []
     if "decode" in args.shapes:
