@@ -18,7 +18,7 @@ from hotswap import kernels
 from hotswap.config import ModelConfig
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
-from hotswap.kernels import READ_THEN_WRITE, cpu_attention, cpu_matmul, reference
+from hotswap.kernels import cpu_attention, cpu_matmul, reference
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -82,6 +82,59 @@ def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=cpu_matmul.xla_matmuls) ->
     return x + mm(jax.nn.silu(gate) * up, [lp["w_down"]])[0]
 
 
+def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
+    """One layer's attention for the step: returns (output [B, C, Hq, hd], the layer's pages
+    after the step). The read-then-write impls leave the pages as they were (the engine
+    writes k/v after the step); "pallas" writes first and reads the written pages."""
+    if impl == "cpu":
+        o = cpu_attention.paged_attention(
+            q,
+            layer_pages,
+            k,
+            v,
+            batch.block_tables,
+            batch.positions,
+            batch.chunk_starts,
+            batch.kv_lens,
+            scale=scale,
+        )
+        return o, layer_pages
+    if impl == "reference" and q.shape[1] == 1:
+        o = reference.decode_attention(
+            q,
+            layer_pages,
+            k,
+            v,
+            batch.page_ids,
+            batch.page_rows,
+            batch.page_cols,
+            batch.chunk_starts,
+            scale=scale,
+        )
+        return o, layer_pages
+    if impl == "reference":
+        o = reference.prefill_attention(
+            q,
+            layer_pages,
+            k,
+            v,
+            batch.page_ids,
+            batch.page_rows,
+            batch.page_cols,
+            batch.positions,
+            batch.kv_lens,
+            batch.chunk_starts,
+            batch.segments,
+            scale=scale,
+        )
+        return o, layer_pages
+    written = reference.write_kv(layer_pages, k, v, batch.slots)
+    o = kernels.attention(
+        q, written, batch.block_tables, batch.positions, batch.kv_lens, scale=scale, impl=impl
+    )
+    return o, written
+
+
 def forward_paged(
     params: Params, pages: tuple[jax.Array, ...], batch: Batch, *, cfg: ModelConfig, impl: str = "reference"
 ):
@@ -108,60 +161,12 @@ def forward_paged(
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
             q, k, v = _qkv(lp, cfg, h, rope, mm)
             new_kv.append((k, v))
-            if impl == "reference" and c == 1:
-                o = reference.decode_attention(
-                    q,
-                    pages[i],
-                    k,
-                    v,
-                    batch.page_ids,
-                    batch.page_rows,
-                    batch.page_cols,
-                    batch.chunk_starts,
-                    scale=scale,
-                )
-            elif impl == "reference":
-                o = reference.prefill_attention(
-                    q,
-                    pages[i],
-                    k,
-                    v,
-                    batch.page_ids,
-                    batch.page_rows,
-                    batch.page_cols,
-                    batch.positions,
-                    batch.kv_lens,
-                    batch.chunk_starts,
-                    batch.segments,
-                    scale=scale,
-                )
-            elif impl == "cpu":
-                o = cpu_attention.paged_attention(
-                    q,
-                    pages[i],
-                    k,
-                    v,
-                    batch.block_tables,
-                    batch.positions,
-                    batch.chunk_starts,
-                    batch.kv_lens,
-                    scale=scale,
-                )
-            else:
-                new_pages.append(reference.write_kv(pages[i], k, v, batch.slots))
-                o = kernels.attention(
-                    q,
-                    new_pages[-1],
-                    batch.block_tables,
-                    batch.positions,
-                    batch.kv_lens,
-                    scale=scale,
-                    impl=impl,
-                )
+            o, layer_pages = _attend(impl, q, k, v, pages[i], batch, scale)
+            new_pages.append(layer_pages)
             x = x + mm(o.reshape(b, c, cfg.q_size), [lp["wo"]])[0]
             x = _mlp(lp, cfg, x, mm)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return h, tuple(new_kv), (pages if impl in READ_THEN_WRITE else tuple(new_pages))
+    return h, tuple(new_kv), tuple(new_pages)
 
 
 def write_pages(pages, new_kv, slots):
