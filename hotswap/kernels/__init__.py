@@ -1,7 +1,10 @@
 """Attention kernels. `kernels/` imports nothing from `engine/`.
 
-`attention(..., impl=)` is the one entry point the model calls; every
-implementation has the signature of `reference.paged_attention`.
+`attention(..., impl=)` is the write-then-read entry point (the Pallas kernel, and
+`reference.paged_attention` as its oracle). The engine's CPU paths read the cache as it
+was before the step plus the step's own K/V: `reference.decode_attention` /
+`prefill_attention` (jnp) and `cpu_attention.paged_attention` (C++), which
+`resolve_attention` picks between.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import jax
 from hotswap.errors import ConfigError
 from hotswap.kernels import reference
 
-IMPLS = ("reference", "cpu", "pallas")
+IMPLS = ("reference", "pallas")  # attention()'s
 # Impls that read the cache as it was before the step plus the step's own K/V (pages come
 # back untouched; the engine writes the step's K/V in a separate donated call).
 READ_THEN_WRITE = ("reference", "cpu")
