@@ -215,7 +215,12 @@ def test_engine_step_contains_pallas_call(tiny_dir):
 
     mcfg, params = load_hf_dir(tiny_dir)
     ecfg = EngineConfig(
-        page_size=16, num_pages=17, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32
+        page_size=16,
+        num_pages=17,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        attention="pallas",
     )
     pages = new_kv_cache(mcfg, ecfg).pages
     shapes = runner.Runner(mcfg, ecfg).buckets.shapes()

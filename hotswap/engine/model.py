@@ -60,10 +60,10 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=cpu_matmul.xla_matmuls):
+def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=jnp.matmul):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
-    `mm(x, [w, ...])` is the matmul routine (cpu_matmul: one threaded call for few rows)."""
-    q, k, v = mm(h, [lp["wq"], lp["wk"], lp["wv"]])
+    `mm` is the matmul routine (cpu_matmul.matmul: a threaded GEMV for few rows on CPU)."""
+    q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     lead = h.shape[:-1]
@@ -76,10 +76,9 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=cpu_matmul.xla_matmu
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=cpu_matmul.xla_matmuls) -> jax.Array:
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=jnp.matmul) -> jax.Array:
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = mm(h, [lp["w_gate"], lp["w_up"]])
-    return x + mm(jax.nn.silu(gate) * up, [lp["w_down"]])[0]
+    return x + mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
 
 
 def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
@@ -153,7 +152,7 @@ def forward_paged(
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(cfg.head_dim)
     b, c = batch.tokens.shape
-    mm = cpu_matmul.matmuls if impl == "cpu" else cpu_matmul.xla_matmuls  # 1-2 rows: threaded GEMV
+    mm = cpu_matmul.matmul if impl == "cpu" else jnp.matmul  # 1-2 rows: threaded GEMV
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
     for i, lp in enumerate(params["layers"]):
@@ -163,7 +162,7 @@ def forward_paged(
             new_kv.append((k, v))
             o, layer_pages = _attend(impl, q, k, v, pages[i], batch, scale)
             new_pages.append(layer_pages)
-            x = x + mm(o.reshape(b, c, cfg.q_size), [lp["wo"]])[0]
+            x = x + mm(o.reshape(b, c, cfg.q_size), lp["wo"])
             x = _mlp(lp, cfg, x, mm)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return h, tuple(new_kv), tuple(new_pages)

@@ -57,24 +57,22 @@ class Buckets:
     def for_config(ecfg: EngineConfig) -> Buckets:
         pps = ecfg.pages_per_seq
         pages = tuple(_pow2_upto(min(8, pps), pps))
-        reference = ecfg.attention == "reference"
+        prefill_pages = pages
         if ecfg.attention == "cpu":
             # The C++ kernel reads only the pages before each chunk, whatever P the table has:
             # one full-width table, so warm-up compiles one shape per batch bucket, not per P.
-            return Buckets(
-                batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
-                blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
-                pages=(pps,),
-                prefill_pages=(pps,),
-            )
+            pages = prefill_pages = (pps,)
+        elif ecfg.attention == "reference":
+            # The reference decode reads B*P pages, P the rows' average: finer steps there cut
+            # the pages read at long contexts by up to a third (its cost is those reads).
+            pages = tuple(_pow2_upto(min(8, pps), pps, halves=True))
+            # The reference prefill reads only keys cached before each chunk, often none.
+            prefill_pages = (0, *prefill_pages)
         return Buckets(
             batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
             blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
-            # The reference decode reads B*P pages, P the rows' average: finer steps there cut
-            # the pages read at long contexts by up to a third (its cost is those reads).
-            pages=tuple(_pow2_upto(min(8, pps), pps, halves=True)) if reference else pages,
-            # The reference prefill reads only keys cached before each chunk, often none.
-            prefill_pages=(0, *pages) if reference else pages,
+            pages=pages,
+            prefill_pages=prefill_pages,
         )
 
     def shapes(self) -> list[tuple[int, int, int]]:
@@ -133,6 +131,8 @@ def placeholder_inputs(b: int, c: int, p: int, impl: str = "reference") -> tuple
 
 class Runner:
     def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig):
+        if ecfg.attention not in (*READ_THEN_WRITE, "pallas"):  # "auto" is the Engine's to resolve
+            raise ValueError(f"Runner needs a resolved attention impl, got {ecfg.attention!r}")
         self.mcfg, self.ecfg = mcfg, ecfg
         self._flat = ecfg.attention == "reference"  # flat page lists (see flat_pages)
         self._cache_only = ecfg.attention in READ_THEN_WRITE  # the step's own K/V come separately

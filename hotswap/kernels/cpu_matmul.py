@@ -10,8 +10,6 @@ dot was as fast or faster, so only 1-2 rows use it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 
@@ -20,22 +18,13 @@ from hotswap.kernels import cpu_build
 MAX_ROWS = 2
 
 
-def matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
-    """[x @ w for w in ws] (x [..., K], each w [K, N_i]): the C++ kernel for f32 with at most
-    MAX_ROWS rows, else XLA's dots."""
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N]: the C++ kernel for f32 with at most MAX_ROWS rows, else XLA's dot."""
     rows = x.size // x.shape[-1]
-    if rows > MAX_ROWS or x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
-        return [x @ w for w in ws]
+    if rows > MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        return x @ w
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
-    out = []
-    for w in ws:
-        y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(
-            x.reshape(rows, -1), w
-        )
-        out.append(y.reshape(*x.shape[:-1], w.shape[1]))
-    return out
-
-
-def xla_matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
-    """The same contract on XLA's dots: what every other backend and impl uses."""
-    return [x @ w for w in ws]
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(
+        x.reshape(rows, -1), w
+    )
+    return y.reshape(*x.shape[:-1], w.shape[1])
