@@ -93,7 +93,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, impl):
     h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, impl=impl)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
-        out = sample(model.logits_from_hidden(params, h_last), sa)
+        out = sample(model.logits_from_hidden(params, h_last, model.matmul_for(impl)), sa)
     return (new_kv if impl in READ_THEN_WRITE else pages), out
 
 
