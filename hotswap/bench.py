@@ -92,6 +92,10 @@ class GemvProbe:
             times.append(time.perf_counter() - t)
         return self.mats[0].nbytes / statistics.median(times)
 
+    def close(self) -> None:
+        """Free the matrices (512 MiB)."""
+        self.mats.clear()
+
     def __call__(self) -> dict:
         """{"gemv_bytes_per_s": the faster reader, "gemv_bytes_per_s_<reader>": each}."""
         got = {f"gemv_bytes_per_s_{name}": self._read(f) for name, f in self.readers.items()}
@@ -162,12 +166,8 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int, repeats: int) ->
             return time.perf_counter() - t
 
     once()
-    times = []
-    for _ in range(repeats):
-        if before_each is not None:
-            before_each()
-        times.append(once())
-    return len(prompts) * (new_tokens - 1) / statistics.median(times)
+    dt = statistics.median(once() for _ in range(repeats))
+    return len(prompts) * (new_tokens - 1) / dt
 
 
 def serving_workload(llm, n: int, vocab: int, seed: int = 1) -> dict:
@@ -328,7 +328,7 @@ def run(args) -> int:
         # This machine's bandwidth drifts by 30% over minutes: the limit for each batch size is
         # probed between its own timed repeats (median), not once at the start.
         probes = []
-        ours = hotswap_decode(llm, prompts, args.new_tokens, args.repeats, lambda: probes.append(gemv()))
+        ours = hotswap_decode(llm, prompts, args.new_tokens, args.repeats, lambda p=probes: p.append(gemv()))
         bw = statistics.median(p["gemv_bytes_per_s"] for p in probes)
         row = {"batch": b, "hotswap_tok_s": ours, "gemv_bytes_per_s": bw}
         row["mem_limit_tok_s"] = bw / weight_bytes * b
@@ -342,7 +342,7 @@ def run(args) -> int:
             " | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
             flush=True,
         )
-    del gemv  # 512 MiB
+    gemv.close()
     serving = serving_workload(llm, args.serving_requests, cfg.vocab_size)
     plan = serving.pop("_plan")
     if hf_model is not None:

@@ -20,6 +20,8 @@ def test_gemv_probe_streams_from_dram_and_reports_each_reader():
 def test_decode_timing_runs_the_probe_before_each_timed_repeat(tiny_dir):
     llm = LLM(tiny_dir, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=16)
     calls = []
-    tok_s = bench.hotswap_decode(llm, [[5, 6, 7], [8, 9]], new_tokens=4, repeats=3, before_each=lambda: calls.append(1))
+    tok_s = bench.hotswap_decode(
+        llm, [[5, 6, 7], [8, 9]], new_tokens=4, repeats=3, before_each=lambda: calls.append(1)
+    )
     assert len(calls) == 3
     assert tok_s > 0
