@@ -17,7 +17,19 @@ from hotswap.errors import ConfigError
 from hotswap.kernels import cpu_build, cpu_matmul
 
 
-@pytest.mark.parametrize("lead,k,n", [((1,), 768, 2304), ((2,), 131, 77), ((1, 1), 5, 3), ((2, 1), 1000, 64)])
+@pytest.mark.parametrize(
+    "lead,k,n",
+    [
+        ((1,), 768, 2304),  # GEMV: 1-2 rows
+        ((2,), 131, 77),
+        ((1, 1), 5, 3),
+        ((2, 1), 1000, 64),
+        ((3,), 131, 77),  # tiled (AVX-512): 3-32 rows, one narrow chunk split over K, 13 tail columns
+        ((16,), 768, 2048),  # a column chunk per thread
+        ((4, 8), 200, 4160),  # 32 rows; L2-sized column chunks of a wide matrix, like the lm head
+        ((7,), 9, 64),  # K too short to split
+    ],
+)
 def test_matches_numpy(lead, k, n):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((*lead, k)).astype(np.float32)
@@ -31,16 +43,20 @@ def test_matches_numpy(lead, k, n):
         )
 
 
-def test_routes_only_few_f32_rows_to_the_kernel():
-    """Three or more rows, or another dtype, stay on XLA's dot (no custom call in the program)."""
+def test_routes_only_decode_sized_f32_matmuls_to_the_kernel():
+    """More rows than max_rows() (a prefill), or another dtype, stay on XLA's dot (no custom
+    call in the program)."""
     w = jnp.ones((64, 32), jnp.float32)
 
     def custom_calls(x, w):
         two = jax.jit(lambda x, w: (cpu_matmul.matmul(x, w), cpu_matmul.matmul(x, w)))
         return two.lower(x, w).as_text().count("custom_call")
 
+    top = cpu_matmul.max_rows()
+    assert top == (32 if "avx512f" in open("/proc/cpuinfo").read() else 2)
     assert custom_calls(jnp.ones((2, 64), jnp.float32), w) == 2
-    assert custom_calls(jnp.ones((3, 64), jnp.float32), w) == 0
+    assert custom_calls(jnp.ones((top, 64), jnp.float32), w) == 2
+    assert custom_calls(jnp.ones((top + 1, 64), jnp.float32), w) == 0
     assert custom_calls(jnp.ones((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16)) == 0
 
 

@@ -61,9 +61,8 @@ def _build(cxx: str, source: Path, out: Path) -> None:
 
 
 @functools.cache
-def register(name: str, symbol: str) -> str:
-    """Build `cpu/<name>.cc` if needed and register its handler `symbol` as an FFI target on
-    the CPU platform; returns the target name. Raises ConfigError when it cannot build."""
+def library(name: str) -> ctypes.CDLL:
+    """Build `cpu/<name>.cc` if needed and load it. Raises ConfigError when it cannot build."""
     cxx = _compiler()
     if cxx is None:
         raise ConfigError("hotswap's CPU kernels need a C++ compiler (set CXX, or install g++)")
@@ -71,7 +70,14 @@ def register(name: str, symbol: str) -> str:
     path = _library_path(source, cxx)
     if not path.exists():
         _build(cxx, source, path)
-    lib = ctypes.cdll.LoadLibrary(str(path))
+    return ctypes.cdll.LoadLibrary(str(path))
+
+
+@functools.cache
+def register(name: str, symbol: str) -> str:
+    """Register the handler `symbol` of `cpu/<name>.cc` (built if needed) as an FFI target on
+    the CPU platform; returns the target name. Raises ConfigError when it cannot build."""
+    lib = library(name)
     target = f"hotswap_{name}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return target

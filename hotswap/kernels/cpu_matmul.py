@@ -1,27 +1,39 @@
-"""Matmuls for decode steps of one or two rows on XLA:CPU (`cpu/small_matmul.cc`).
+"""Matmuls for decode steps of up to 32 rows on XLA:CPU (`cpu/small_matmul.cc`).
 
-XLA:CPU runs a matrix-vector product single-threaded, so a batch-1 decode step read its
-weights at one core's bandwidth. The C++ kernel splits the weight rows over XLA's
-intra-op threads: bench-100m's batch-1 forward step went from 12.0 to 9.3 ms.
-Taking a layer's q/k/v (or gate/up) weights in one call, to share one parallel region,
-measured no faster (9.6 ms), so each weight is its own call. From four rows on XLA's own
-dot was as fast or faster, so only 1-2 rows use it.
+XLA:CPU handles the few rows of a decode step poorly: a matrix-vector product runs on one
+core (so batch 1 read its weights at one core's bandwidth), and its dot for 3-32 rows
+reached 180-260 GFLOP/s of the cores' 450. The C++ kernel splits the weight rows over
+XLA's intra-op threads for 1-2 rows (bench-100m's batch-1 step: 12.0 -> 9.3 ms) and uses
+an AVX-512 register-tiled product for 3-32 rows (1.1-1.2x XLA's dot over a chain of
+bench-100m's matmuls at 8-32 rows). Taking a layer's q/k/v (or gate/up) weights in one
+call, to share one parallel region, measured no faster (9.6 vs 9.3 ms at batch 1), so each
+weight is its own call. More rows (prefill) stay on XLA's dot, as do CPUs without AVX-512
+from 3 rows on (`max_rows()`).
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from hotswap.kernels import cpu_build
 
-MAX_ROWS = 2
+
+@functools.cache
+def max_rows() -> int:
+    """The most rows the kernel takes on this CPU: 32 with AVX-512, else 2 (GEMV only)."""
+    fn = cpu_build.library("small_matmul").HotswapSmallMatmulMaxRows
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [K, N]: the C++ kernel for f32 with at most MAX_ROWS rows, else XLA's dot."""
+    """x [..., K] @ w [K, N]: the C++ kernel for f32 with at most max_rows() rows, else XLA's dot."""
     rows = x.size // x.shape[-1]
-    if rows > MAX_ROWS or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or rows > max_rows():
         return x @ w
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(

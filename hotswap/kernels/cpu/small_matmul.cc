@@ -1,14 +1,19 @@
 // y[M, N] = x[M, K] @ w[K, N] in f32 for the few rows of a decode step, on XLA's intra-op
 // threads (hotswap/kernels/cpu_matmul.py).
 //
-// Why: XLA:CPU emits a matrix-vector product as single-threaded loops, so a batch-1 decode
-// step read its weights at one core's bandwidth (about 31 GB/s here, where the two cores
-// reach 47 GB/s on the 98 MB head, which XLA hands to Eigen). Decode is bound by reading
-// the weights, so this kernel splits the output columns over the threads and streams each
-// weight row segment once per tile of rows.
+// Why: decode multiplies a handful of rows by every weight matrix, and XLA:CPU does that
+// poorly at both ends of the range served here:
+//   - 1-2 rows: XLA emits a matrix-vector product as single-threaded loops, so a batch-1
+//     step read its weights at one core's bandwidth. `Gemv` splits the weight rows over
+//     the threads: bench-100m's batch-1 step went from 12.0 to 9.3 ms.
+//   - 3-32 rows: XLA's dot (YNNPACK) reached 180-260 GFLOP/s over bench-100m's layer
+//     weights, far from both the 450 GFLOP/s the cores do and the memory limit. `Tiled`
+//     keeps a 6 x 64 block of y in 24 AVX-512 registers and reads w in place (no
+//     packing: the engine's weights are the trainer's arrays, zero copy), 1.1-1.2x XLA
+//     over a chain of bench-100m's matmuls at 8, 16 and 32 rows.
 //
-// Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine uses it
-// for one or two rows only (from four rows on, XLA's own dot was as fast or faster).
+// Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
+// at most HotswapSmallMatmulMaxRows() rows.
 
 #include <algorithm>
 #include <atomic>
@@ -18,6 +23,10 @@
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -56,16 +65,8 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("hotswap small matmul: need x [M, K] and w [K, N]");
-  }
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
+// 1-2 rows: each thread streams a contiguous run of whole weight rows.
+void Gemv(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   // Split the rows of w (K) over the threads and sum the partial products: splitting the
   // columns (N) instead read strided row segments and reached 36 GB/s, not 40.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
@@ -88,6 +89,137 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     const float* pc = pp + c * M * N;
     for (int64_t i = 0; i < M * N; ++i) yp[i] += pc[i];
   }
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kNR = 64;  // columns of a register tile: 4 zmm
+constexpr int kMR = 6;       // rows of a register tile: 6 x 4 = 24 accumulators of 32
+// Bytes of w per k-block: the next block is prefetched into L2 while this one is computed.
+// 64-256 KB measured within noise of each other; 128 KB was never the slowest.
+constexpr int64_t kSlabBytes = 128 << 10;
+// Bytes of y accumulated by one work item: its [M, columns] tile stays in L2.
+constexpr int64_t kTileBytes = 256 << 10;
+
+// Prefetches a run of weight row segments into L2, a few lines per call, spread over the
+// compute of the block before it.
+struct Prefetch {
+  const float* row;
+  int64_t stride, lines_per_row, rows_left, line = 0, per_step = 0;
+  inline void Step() {
+    for (int64_t i = 0; i < per_step && rows_left > 0; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + line * 16), _MM_HINT_T1);
+      if (++line == lines_per_row) line = 0, row += stride, --rows_left;
+    }
+  }
+};
+
+// c[0:MR, 0:64] (+)= x[0:MR, 0:kn] @ w[0:kn, 0:64] (row strides ldx, ldw, ldc): w is read
+// once per row tile, x broadcast from L1, y held in registers for the whole block.
+template <int MR>
+void Tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t kn,
+          float* __restrict c, int64_t ldc, bool first, Prefetch& pf) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * j);
+  Prefetch p = pf;  // a local copy lives in registers, not in a store-to-load chain
+  for (int64_t k = 0; k < kn; ++k, w += ldw, ++x) {
+    p.Step();
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32),
+                 w3 = _mm512_loadu_ps(w + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * ldx]);
+      acc[r][0] = _mm512_fmadd_ps(b, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(b, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(b, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(b, w3, acc[r][3]);
+    }
+  }
+  pf = p;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+}
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, Prefetch&);
+constexpr TileFn kTiles[] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>};
+
+// One work item: c[M, 0:n1-n0] (row stride ldc) = x[:, k0:k1] @ w[k0:k1, n0:n1], n1 - n0 a
+// multiple of 64. Walks k in blocks, prefetching the next block's row segments (contiguous
+// runs, which the memory system streams best) while computing this one.
+void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, int64_t n0,
+          int64_t n1, float* c, int64_t ldc) {
+  const int64_t width = n1 - n0, panels = width / kNR, lines = width / 16;
+  const int64_t passes = (M + kMR - 1) / kMR;  // row tiles as even as possible: 16 = 6 + 5 + 5
+  const int64_t kb = std::max<int64_t>(8, kSlabBytes / (4 * width));
+  for (int64_t kk = k0; kk < k1; kk += kb) {
+    const int64_t kn = std::min(kb, k1 - kk);
+    Prefetch pf{w + (kk + kn) * N + n0, N, lines, std::min(kb, k1 - kk - kn)};
+    pf.per_step = (pf.rows_left * lines + panels * passes * kn - 1) / (panels * passes * kn);
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t t = 0; t < passes; ++t) {
+        const int64_t r0 = M * t / passes, mr = M * (t + 1) / passes - r0;
+        kTiles[mr](x + r0 * K + kk, K, w + kk * N + n0 + p * kNR, N, kn, c + r0 * ldc + p * kNR, ldc, kk == k0, pf);
+      }
+  }
+}
+
+// 3-32 rows. Work items are column chunks (each thread its own >= 1,024 columns, or L2-sized
+// chunks of a wide matrix such as the lm head); a matrix too narrow for that is split over
+// K as well and the partial products summed.
+void Tiled(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+  const int64_t n64 = N / kNR * kNR;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  int64_t nc = std::max<int64_t>(kNR, std::min<int64_t>(n64, kTileBytes / (4 * M) / kNR * kNR));
+  if (n64 / threads >= 1024) nc = std::min<int64_t>(nc, (n64 / threads + kNR - 1) / kNR * kNR);
+  const int64_t chunks = n64 > 0 ? (n64 + nc - 1) / nc : 0;
+  const int64_t ksplit =
+      chunks >= threads || chunks == 0 ? 1 : std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1));
+  const int64_t items = chunks * ksplit;
+  auto partial = std::shared_ptr<float[]>(ksplit > 1 ? new float[(ksplit - 1) * M * N] : nullptr);
+  float* pp = partial.get();
+  auto work = std::make_shared<Work>();
+  auto task = [=](Work& s) {
+    for (int64_t i; (i = s.next.fetch_add(1)) < items;) {
+      const int64_t ch = i / ksplit, part = i % ksplit;
+      const int64_t n0 = ch * nc, n1 = std::min(n0 + nc, n64);
+      float* c = part == 0 ? yp : pp + (part - 1) * M * N;
+      Item(xp, M, K, wp, N, K * part / ksplit, K * (part + 1) / ksplit, n0, n1, c + n0, N);
+      s.done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads, items) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work, partial, task] { task(*work); });
+  task(*work);
+  for (int64_t r = 0; r < M; ++r)  // columns past the last multiple of 64
+    for (int64_t n = n64; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += xp[r * K + k] * wp[k * N + n];
+      yp[r * N + n] = acc;
+    }
+  while (work->done.load() < items) std::this_thread::yield();
+  for (int64_t part = 1; part < ksplit; ++part) {
+    const float* pc = pp + (part - 1) * M * N;
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = 0; n < n64; ++n) yp[r * N + n] += pc[r * N + n];
+  }
+}
+constexpr int64_t kMaxRows = 32;  // from 64 rows (prefill) on, XLA's dot is compute-efficient
+#else
+constexpr int64_t kMaxRows = 2;  // without AVX-512 only the GEMV path is faster than XLA
+#endif
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("hotswap small matmul: need x [M, K] and w [K, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+#if defined(__AVX512F__)
+  if (M > 2) {
+    Tiled(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
+    return ffi::Error::Success();
+  }
+#endif
+  Gemv(pool, x.typed_data(), w.typed_data(), y->typed_data(), M, K, N);
   return ffi::Error::Success();
 }
 
@@ -99,3 +231,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapSmallMatmul, SmallMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The most rows the engine should send here (cpu_matmul.max_rows()); more go to XLA's dot.
+extern "C" int64_t HotswapSmallMatmulMaxRows() { return kMaxRows; }
