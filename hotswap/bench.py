@@ -349,7 +349,23 @@ def run(args) -> int:
         serving["hf_static"] = hf_static_batches(hf_model, plan, cfg.vocab_size)
         serving["ratio_vs_hf"] = serving["throughput_tok_s"] / serving["hf_static"]["throughput_tok_s"]
     if peers:
-        _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size)
+
+        def ours_now() -> dict:
+            """hotswap again, right next to a peer's run (see _run_peers)."""
+            return {
+                "decode": [
+                    hotswap_decode(
+                        llm,
+                        _prompts(r["batch"], args.prompt_len, cfg.vocab_size),
+                        args.new_tokens,
+                        args.repeats,
+                    )
+                    for r in rows
+                ],
+                "serving": serving_workload(llm, args.serving_requests, cfg.vocab_size)["throughput_tok_s"],
+            }
+
+        _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size, ours_now)
     prefix = prefix_ttft(llm, cfg.vocab_size)
     prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
     updates = weight_updates(llm, model_dir)
@@ -360,12 +376,18 @@ def run(args) -> int:
     return 0
 
 
-def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int) -> None:
+def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int, ours_now=None) -> None:
     """Each peer on the same prompts in its own venv; adds its columns to the rows and serving.
 
     Runs after hotswap and HF so that nothing else competes for the cores. When HF is loaded,
     every decode sequence's greedy tokens are checked against HF's (`<peer>_hf_agree`): a peer
     that computes another model would make its speed meaningless.
+
+    With `ours_now` (a function measuring hotswap's decode rows and serving again), each peer
+    runs between two fresh hotswap measurements (A-B-A), and the ratios to that peer use
+    their mean (`hotswap_tok_s_around_<peer>`): this machine's speed drifts by 20-40% over
+    minutes, and a peer that ran ten minutes after hotswap's first measurement would
+    otherwise be compared across that drift.
     """
     request = bench_peers.PeerRequest(
         model_dir=str(model_dir.resolve()),
@@ -382,22 +404,32 @@ def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab
     if hf_model is not None:
         reference = bench_peers.hf_reference(hf_model, max(request.decode, key=len), args.new_tokens)
     for name in peers:
+        before = ours_now() if ours_now else None
         try:
             result = bench_peers.run_peer(name, request, Path(args.peers_dir))
         except bench_peers.PeerError as e:
             print(f"peer {name} failed, left out: {e}", flush=True)
             continue
-        for row, got in zip(rows, result["decode"], strict=True):
+        after = ours_now() if ours_now else None
+        for i, (row, got) in enumerate(zip(rows, result["decode"], strict=True)):
+            ours = row["hotswap_tok_s"]
+            if before is not None:
+                row[f"hotswap_tok_s_around_{name}"] = [before["decode"][i], after["decode"][i]]
+                ours = statistics.mean(row[f"hotswap_tok_s_around_{name}"])
             row[f"{name}_tok_s"] = got["tok_s"]
-            row[f"ratio_vs_{name}"] = row["hotswap_tok_s"] / got["tok_s"]
+            row[f"ratio_vs_{name}"] = ours / got["tok_s"]
             line = f"{name} {result['version']} | batch={row['batch']} | {name}_tok_s={got['tok_s']:.3g}"
             if reference is not None:
                 row[f"{name}_hf_agree"] = bench_peers.hf_agreement(got["tokens"], reference)
                 line += f" | {name}_hf_agree={row[f'{name}_hf_agree']:.3g} (sequences greedy-equal to HF)"
             print(line, flush=True)
         if "serving" in result:
+            ours = serving["throughput_tok_s"]
+            if before is not None:
+                serving[f"throughput_tok_s_around_{name}"] = [before["serving"], after["serving"]]
+                ours = statistics.mean(serving[f"throughput_tok_s_around_{name}"])
             serving[name] = result["serving"]
-            serving[f"ratio_vs_{name}"] = serving["throughput_tok_s"] / result["serving"]["throughput_tok_s"]
+            serving[f"ratio_vs_{name}"] = ours / result["serving"]["throughput_tok_s"]
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -160,6 +160,33 @@ def test_bench_adds_peer_columns_serving_ratio_and_a_plot_line(tmp_path, monkeyp
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
+def test_peer_ratios_use_hotswap_measured_just_before_and_after_the_peer(tmp_path, monkeypatch):
+    """A-B-A: the machine drifts, so a peer is compared with hotswap measured around it."""
+    monkeypatch.setenv("FAKE_PEER", "ok")
+    _install_fake(tmp_path, "llama_cpp")
+    args = argparse.Namespace(new_tokens=4, repeats=1, prompt_len=8, peers_dir=str(tmp_path))
+    rows = [{"batch": b, "hotswap_tok_s": 20.0} for b in (1, 2)]
+    serving = {"throughput_tok_s": 7.0}
+    again = iter([{"decode": [30.0, 40.0], "serving": 9.0}, {"decode": [10.0, 20.0], "serving": 5.0}])
+    bench._run_peers(
+        ["llama_cpp"],
+        args,
+        tmp_path / "m",
+        tmp_path / "out",
+        rows,
+        serving,
+        ([6, 9], [3, 4]),
+        None,
+        32000,
+        lambda: next(again),
+    )
+    assert [r["hotswap_tok_s_around_llama_cpp"] for r in rows] == [[30.0, 10.0], [40.0, 20.0]]
+    assert [r["ratio_vs_llama_cpp"] for r in rows] == [20.0 / 5.0, 30.0 / 10.0]
+    assert rows[0]["hotswap_tok_s"] == 20.0  # the first measurement (beside its limit) stays
+    assert serving["throughput_tok_s_around_llama_cpp"] == [9.0, 5.0]
+    assert serving["ratio_vs_llama_cpp"] == 7.0 / 3.5
+
+
 def test_hf_reference_is_hf_greedy_with_its_margins(tiny_dir):
     import torch
     import transformers
