@@ -147,8 +147,10 @@ def test_packed_prefill_keeps_sequences_apart():
         np.testing.assert_allclose(out[sl], want, atol=1e-5, rtol=0)
 
 
-def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32):
-    """The C++ kernel over a batch the runner lays out for attention="cpu" (block tables)."""
+def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32, page_dtype=None):
+    """The C++ kernel over a batch the runner lays out for attention="cpu" (block tables), as
+    the engine calls it: it also writes the step's K/V into its aliased page output, which
+    must equal the reference's write (`reference.write_kv`), bit for bit."""
     from hotswap.kernels import cpu_attention
 
     runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"))
@@ -158,9 +160,10 @@ def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32):
     hd = pages.shape[-1]
     q, k, v = (rng.standard_normal((b, c, h, hd)).astype(np.float32) for h in (HKV * G, HKV, HKV))
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-    out = cpu_attention.paged_attention(
+    pages_in = jnp.asarray(pages, page_dtype or dtype)
+    out, written = cpu_attention.paged_attention(
         cast(q),
-        cast(pages),
+        pages_in,
         cast(k),
         cast(v),
         batch.block_tables,
@@ -168,7 +171,11 @@ def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32):
         batch.chunk_starts,
         batch.kv_lens,
         scale=SCALE,
+        slots=batch.slots,
     )
+    want = reference.write_kv(pages_in, cast(k), cast(v), jnp.asarray(batch.slots))
+    same = (np.asarray(written) == np.asarray(want)) | (np.isnan(np.asarray(want, np.float32)))
+    assert same.all(), "the kernel's K/V write differs from reference.write_kv"
     flat = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)).reshape(b * c, *a.shape[2:])  # noqa: E731
     return batch, flat(out), flat(q), flat(k), flat(v)
 
@@ -211,6 +218,37 @@ def test_cpu_kernel_packed_prefill(hd, ps):
         real[sl] = True
         np.testing.assert_allclose(out[sl], _oracle(pages, seq, q[sl], k[sl], v[sl], n), atol=1e-5, rtol=0)
     assert not out[~real].any(), "padding slots must come back as zeros"
+
+
+def test_cpu_kernel_writes_f32_activations_into_bf16_pages_as_xla_converts():
+    """Rounding to the page dtype in the kernel's write is XLA's convert (nearest even)."""
+    rng = np.random.default_rng(4)
+    cached = [3, 17, 40]
+    pages, seqs = _world(rng, [c + 1 for c in cached], cached)
+    ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=4)
+    _cpu_step([(s, 1) for s in seqs], pages, ecfg, rng, decode=True, page_dtype=jnp.bfloat16)
+
+
+def test_cpu_kernel_rejects_a_slot_outside_the_cache():
+    from hotswap.kernels import cpu_attention
+
+    pages = np.zeros((4, PS, 2 * HKV, HD), np.float32)
+    q = np.zeros((1, 1, HKV * G, HD), np.float32)
+    kv = np.zeros((1, 1, HKV, HD), np.float32)
+    with pytest.raises(Exception, match="slot lies outside the cache"):
+        out = cpu_attention.paged_attention(
+            q,
+            pages,
+            kv,
+            kv,
+            np.array([[1, 0]], np.int32),
+            np.array([[5]]),
+            np.array([5]),
+            np.array([6]),
+            scale=SCALE,
+            slots=np.array([[4 * PS]], np.int32),
+        )
+        jax.block_until_ready(out)
 
 
 def test_cpu_kernel_rejects_a_page_outside_the_cache():

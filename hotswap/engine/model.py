@@ -83,10 +83,11 @@ def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=jnp.matmul) -> jax.Array:
 
 def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
     """One layer's attention for the step: returns (output [B, C, Hq, hd], the layer's pages
-    after the step). The read-then-write impls leave the pages as they were (the engine
-    writes k/v after the step); "pallas" writes first and reads the written pages."""
+    after the step). The jnp reference leaves the pages as they were (the engine writes k/v
+    after the step); the C++ kernel reads, then writes k/v into its aliased page buffer;
+    "pallas" writes first and reads the written pages."""
     if impl == "cpu":
-        o = cpu_attention.paged_attention(
+        return cpu_attention.paged_attention(
             q,
             layer_pages,
             k,
@@ -96,8 +97,8 @@ def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
             batch.chunk_starts,
             batch.kv_lens,
             scale=scale,
+            slots=batch.slots,
         )
-        return o, layer_pages
     if impl == "reference" and q.shape[1] == 1:
         o = reference.decode_attention(
             q,
@@ -148,12 +149,14 @@ def forward_paged(
     Returns (final hidden [B, C, D], new_kv, pages) where new_kv is this step's (K, V) per
     layer, each [B, C, Hkv, hd].
 
-    impl "reference" and "cpu" (kernels.READ_THEN_WRITE): attention reads the cache as it
-    was before the step plus the step's own K/V, and `pages` come back untouched; the
-    caller writes new_kv with `write_pages` in a separate donated call. Fusing write and
-    read in one XLA CPU program made it copy every layer's buffer each step (5x slower
-    decode, measured). "pallas" writes first and reads the updated pages (the kernel is
-    a custom call, so nothing fuses across it); `pages` come back updated.
+    impl "reference" (kernels.READ_THEN_WRITE): attention reads the cache as it was before
+    the step plus the step's own K/V, and `pages` come back untouched; the caller writes
+    new_kv with `write_pages` in a separate donated call. Fusing XLA's scatter with the
+    reads in one CPU program made it copy every layer's buffer each step (5x slower
+    decode, measured). "cpu" reads the same way, then writes the step's K/V itself into
+    the page buffer it aliases to its output; "pallas" writes first and reads the
+    updated pages (both custom calls, so nothing fuses across them). Both return the
+    updated `pages`.
     """
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(cfg.head_dim)

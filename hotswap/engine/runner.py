@@ -24,7 +24,7 @@ from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.engine.sampling import SamplingArrays, sample
 from hotswap.engine.sequence import Sequence
-from hotswap.kernels import READ_THEN_WRITE
+from hotswap.kernels import READ_THEN_WRITE, READS_BEFORE_STEP
 
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
 
@@ -100,7 +100,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, impl):
 # reference: read-only forward, then a separate in-place write of the step's K/V.
 forward_jit = partial(jax.jit, static_argnames=("cfg", "impl"))(_step)
 write_jit = jax.jit(model.write_pages, donate_argnums=(0,))
-# kernels: write and read inside one program, pages donated.
+# kernels (C++ and Pallas): write and read inside one program, pages donated.
 fused_jit = partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))(_step)
 
 
@@ -131,11 +131,11 @@ def placeholder_inputs(b: int, c: int, p: int, impl: str = "reference") -> tuple
 
 class Runner:
     def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig):
-        if ecfg.attention not in (*READ_THEN_WRITE, "pallas"):  # "auto" is the Engine's to resolve
+        if ecfg.attention not in (*READS_BEFORE_STEP, "pallas"):  # "auto" is the Engine's to resolve
             raise ValueError(f"Runner needs a resolved attention impl, got {ecfg.attention!r}")
         self.mcfg, self.ecfg = mcfg, ecfg
         self._flat = ecfg.attention == "reference"  # flat page lists (see flat_pages)
-        self._cache_only = ecfg.attention in READ_THEN_WRITE  # the step's own K/V come separately
+        self._cache_only = ecfg.attention in READS_BEFORE_STEP  # the step's own K/V come separately
         self.buckets = Buckets.for_config(ecfg)
         self.ps = ecfg.page_size
 

@@ -15,9 +15,11 @@ from hotswap.errors import ConfigError
 from hotswap.kernels import reference
 
 IMPLS = ("reference", "pallas")  # attention()'s
-# Impls that read the cache as it was before the step plus the step's own K/V (pages come
-# back untouched; the engine writes the step's K/V in a separate donated call).
-READ_THEN_WRITE = ("reference", "cpu")
+# Impls that read the cache as it was before the step plus the step's own K/V.
+READS_BEFORE_STEP = ("reference", "cpu")
+# Of those, the ones whose pages come back untouched: the engine writes the step's K/V in a
+# separate donated call. (The C++ kernel writes them itself, into its aliased page output.)
+READ_THEN_WRITE = ("reference",)
 
 
 def attention(q, pages, block_tables, q_positions, kv_lens, *, scale: float, impl: str = "reference"):

@@ -4,7 +4,9 @@ The jnp reference gathers every page a row reads into a new buffer and then runs
 tiny dots; on XLA:CPU that was most of a decode step. The C++ kernel reads the keys in
 place through the block table with an online softmax, on XLA's intra-op threads. It has
 the semantics of `reference.decode_attention` / `prefill_attention` (the cache as it was
-before the step, plus the step's own K/V), so the engine keeps its read-then-write steps.
+before the step, plus the step's own K/V), and then writes the step's K/V itself into the
+page buffer it aliases to its output: one custom call per layer, and no separate donated
+write call per step (batch 32: +4% tok/s in a same-process A/B).
 
 The kernel is built on first use (`cpu_build.py`); the engine's `attention="auto"` uses
 it on the CPU backend when it builds, else the jnp reference.
@@ -32,7 +34,8 @@ def paged_attention(
     kv_lens: jax.Array,
     *,
     scale: float,
-) -> jax.Array:
+    slots: jax.Array | None = None,
+):
     """Attention of a [B, C] step over the cache before the step plus the step's own K/V.
 
     q: [B, C, Hq, hd]; pages: [num_pages, page_size, 2*Hkv, hd] (read only); k_new, v_new:
@@ -41,18 +44,20 @@ def paged_attention(
     chunk_starts[b] and its tokens sit end to end in the flattened [B*C] step (several rows
     of one sequence in a packed prefill; one token per row in decode). Queries at or past
     kv_lens[b] are padding and come back as zeros.
+
+    With `slots` (int32 [B, C], flat page * page_size + offset), the same call then writes
+    the step's K/V into `pages` in place and returns (out, pages): the page operand is
+    aliased to the second output, so a step that donates its pages pays no copy and no
+    separate write call. Without, it returns out.
     """
-    target = cpu_build.register("paged_attention", "HotswapPagedAttention")
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return call(
-        q,
-        pages,
-        k_new.astype(q.dtype),
-        v_new.astype(q.dtype),
-        i32(block_tables),
-        i32(q_positions),
-        i32(chunk_starts),
-        i32(kv_lens),
-        scale=np.float32(scale),
-    )
+    args = [q, pages, k_new.astype(q.dtype), v_new.astype(q.dtype)]
+    args += [i32(block_tables), i32(q_positions), i32(chunk_starts), i32(kv_lens)]
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if slots is None:
+        target = cpu_build.register("paged_attention", "HotswapPagedAttention")
+        return jax.ffi.ffi_call(target, out)(*args, scale=np.float32(scale))
+    target = cpu_build.register("paged_attention", "HotswapPagedAttentionWrite")
+    pages_out = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
+    call = jax.ffi.ffi_call(target, (out, pages_out), input_output_aliases={1: 1})
+    return call(*args, i32(slots), scale=np.float32(scale))

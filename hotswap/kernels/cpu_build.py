@@ -77,9 +77,8 @@ def library(name: str) -> ctypes.CDLL:
 def register(name: str, symbol: str) -> str:
     """Register the handler `symbol` of `cpu/<name>.cc` (built if needed) as an FFI target on
     the CPU platform; returns the target name. Raises ConfigError when it cannot build."""
-    lib = library(name)
-    target = f"hotswap_{name}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    target = f"hotswap_{symbol}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library(name), symbol)), platform="cpu")
     return target
 
 

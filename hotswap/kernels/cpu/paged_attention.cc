@@ -359,6 +359,71 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   return ffi::Error::InvalidArgument("hotswap paged attention: activations and pages must be f32 or bf16");
 }
 
+
+// The step's K/V into their slots (flat page * page_size + offset; padding tokens name slot 0
+// in the null page), converted to the page dtype with round-to-nearest-even as XLA's convert
+// does. Runs after every row's attention has read the pages: read-then-write, as the jnp
+// reference steps are.
+template <typename A, typename K>
+bool WriteKV(const Shape& s, const A* k_new, const A* v_new, const int32_t* slots, K* pages) {
+  const int64_t tokens = s.b * s.c, record = 2 * s.hkv * s.hd;
+  float tmp[512];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= s.num_pages * s.ps) return false;
+    for (int64_t h = 0; h < s.hkv; ++h) {
+      const int64_t src = (t * s.hkv + h) * s.hd;
+      for (int part = 0; part < 2; ++part) {
+        const A* from = (part == 0 ? k_new : v_new) + src;
+        K* to = pages + slot * record + (2 * h + part) * s.hd;
+        if constexpr (std::is_same_v<A, K>) {
+          std::memcpy(to, from, s.hd * sizeof(K));
+        } else {
+          store(to, as_f32(from, tmp, static_cast<int>(s.hd)), static_cast<int>(s.hd));
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// Attention as PagedAttention, then the step's K/V written into the same page buffer, which
+// XLA aliases to the output (input_output_aliases, pages donated by the step): one custom
+// call instead of a forward call plus a separate donated write call per step.
+ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer pages, ffi::AnyBuffer k_new,
+                               ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> block_tables,
+                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> slots,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pages_out, float scale) {
+  if (pages_out->untyped_data() != pages.untyped_data()) {
+    return ffi::Error::InvalidArgument("hotswap paged attention: the page output must alias the page input");
+  }
+  auto qd = q.dimensions(), pd = pages.dimensions();
+  if (qd.size() != 4 || pd.size() != 4 || slots.element_count() != qd[0] * qd[1] || pd[2] < 2 ||
+      pd[2] > 2 * 256 || pd[3] > 256) {
+    return ffi::Error::InvalidArgument(
+        "hotswap paged attention: slots must hold one entry per query token, and head_dim be at most 256");
+  }
+  ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out, scale);
+  if (err.failure()) return err;
+  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], block_tables.dimensions()[1], scale};
+  const auto at = q.element_type(), kt = pages.element_type();
+  const void* kn = k_new.untyped_data();
+  const void* vn = v_new.untyped_data();
+  void* pg = pages_out->untyped_data();
+  bool ok = false;
+  if (at == ffi::DataType::F32 && kt == ffi::DataType::F32)
+    ok = WriteKV(s, static_cast<const float*>(kn), static_cast<const float*>(vn), slots.typed_data(), static_cast<float*>(pg));
+  if (at == ffi::DataType::F32 && kt == ffi::DataType::BF16)
+    ok = WriteKV(s, static_cast<const float*>(kn), static_cast<const float*>(vn), slots.typed_data(), static_cast<uint16_t*>(pg));
+  if (at == ffi::DataType::BF16 && kt == ffi::DataType::F32)
+    ok = WriteKV(s, static_cast<const uint16_t*>(kn), static_cast<const uint16_t*>(vn), slots.typed_data(), static_cast<float*>(pg));
+  if (at == ffi::DataType::BF16 && kt == ffi::DataType::BF16)
+    ok = WriteKV(s, static_cast<const uint16_t*>(kn), static_cast<const uint16_t*>(vn), slots.typed_data(), static_cast<uint16_t*>(pg));
+  if (!ok) return ffi::Error::InvalidArgument("hotswap paged attention: a KV slot lies outside the cache");
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttention, PagedAttention,
@@ -373,4 +438,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // chunk_starts
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // pages (aliased to pages_out)
+                                  .Arg<ffi::AnyBuffer>()         // k_new
+                                  .Arg<ffi::AnyBuffer>()         // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // chunk_starts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::AnyBuffer>()         // pages_out
                                   .Attr<float>("scale"));
