@@ -28,6 +28,8 @@ from hotswap.kernels import cpu_build, cpu_matmul
         ((16,), 768, 2048),  # a column chunk per thread
         ((4, 8), 200, 4160),  # 32 rows; L2-sized column chunks of a wide matrix, like the lm head
         ((7,), 9, 64),  # K too short to split
+        ((5,), 0, 70),  # empty K: zeros
+        ((1,), 0, 70),
     ],
 )
 def test_matches_numpy(lead, k, n):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def max_rows() -> int:
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N]: the C++ kernel for f32 with at most max_rows() rows, else XLA's dot."""
-    rows = x.size // x.shape[-1]
+    rows = math.prod(x.shape[:-1])
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or rows > max_rows():
         return x @ w
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")

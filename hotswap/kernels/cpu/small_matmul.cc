@@ -165,6 +165,10 @@ void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64
 // chunks of a wide matrix such as the lm head); a matrix too narrow for that is split over
 // K as well and the partial products summed.
 void Tiled(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+  if (K == 0) {  // no k-block would write y
+    std::fill(yp, yp + M * N, 0.0f);
+    return;
+  }
   const int64_t n64 = N / kNR * kNR;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t nc = std::max<int64_t>(kNR, std::min<int64_t>(n64, kTileBytes / (4 * M) / kNR * kNR));
