@@ -176,3 +176,39 @@ def test_no_recompilation_after_warmup(llm):
                 use_tqdm=False,
             )
     assert compiles() == 0
+
+
+def test_a_step_that_fails_after_donating_the_cache_loses_no_request(tiny_dir, prompts, hf_ref, monkeypatch):
+    """The C++ attention writes into its donated page buffers, so a step that fails on the
+    device leaves the cache unusable. The engine rebuilds it, recomputes every running
+    sequence and serves on: every request still finishes with HF's greedy tokens."""
+    from hotswap.engine import runner
+
+    llm = LLM(tiny_dir, page_size=16, max_num_seqs=8)
+    assert llm.engine.ecfg.attention == "cpu"  # the default on this backend
+    eng = llm.engine
+    rids = [eng.add_request(None, p, GREEDY) for p in prompts[:6]]
+    for _ in range(3):
+        eng.step()
+    real = runner.run_step
+    given = []
+
+    def fails_after_donating(params, pages, batch, sa, **kw):
+        given.append(pages)
+        real(params, pages, batch, sa, **kw)  # the old pages are donated, and now gone
+        raise RuntimeError("injected device failure")
+
+    monkeypatch.setattr(runner, "run_step", fails_after_donating)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.step()
+    monkeypatch.setattr(runner, "run_step", real)
+    assert given and given[0][0].is_deleted()  # the failed step had consumed the cache
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert set(done) == set(rids)
+    for i, r in enumerate(rids):
+        assert done[r] == hf_ref[i], f"request {i} after recovery"
+    eng.check_invariants()
