@@ -98,3 +98,16 @@ def test_without_a_compiler_auto_falls_back_to_the_jnp_reference(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == "reference"
     assert lines[1].startswith("ConfigError building a CPU kernel failed")
+
+
+def test_a_shared_header_is_part_of_every_kernels_build_key(tmp_path, monkeypatch):
+    """The kernels include cpu/parallel.h: editing it must rebuild them, not reuse a stale .so."""
+    src = tmp_path / "cpu"
+    src.mkdir()
+    for f in cpu_build.SOURCES.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(cpu_build, "SOURCES", src)
+    cxx = cpu_build._compiler()
+    before = cpu_build._library_path(src / "small_matmul.cc", cxx)
+    (src / "parallel.h").write_text((src / "parallel.h").read_text() + "\n// edited\n")
+    assert cpu_build._library_path(src / "small_matmul.cc", cxx) != before

@@ -2,8 +2,8 @@
 
 Each source is compiled on first use with the system C++ compiler against the FFI headers
 that ship with jaxlib (`jax.ffi.include_dir()`), with `-march=native` as llama.cpp builds
-by default, and cached by a hash of source, flags, compiler and jaxlib version under
-`$HOTSWAP_CACHE_DIR` (default `~/.cache/hotswap`): about 3 s once per machine.
+by default, and cached by a hash of source, shared headers, flags, compiler and jaxlib
+version under `$HOTSWAP_CACHE_DIR` (default `~/.cache/hotswap`): about 3 s once per machine.
 """
 
 from __future__ import annotations
@@ -36,9 +36,16 @@ def _compiler() -> str | None:
 
 def _library_path(source: Path, cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    headers = [h.read_bytes() for h in sorted(SOURCES.glob("*.h"))]  # shared by every kernel
     key = hashlib.sha256(
         b"\0".join(
-            [source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), jax.__version__.encode()]
+            [
+                source.read_bytes(),
+                *headers,
+                " ".join(FLAGS).encode(),
+                version.encode(),
+                jax.__version__.encode(),
+            ]
         )
     ).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"

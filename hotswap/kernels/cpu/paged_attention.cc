@@ -28,10 +28,12 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -290,16 +292,6 @@ bool RowHeads(const Shape& s, int64_t b, int64_t h0, int64_t h1, const A* q, con
   return ok;
 }
 
-// Work items are claimed from a shared counter by the calling thread and by helpers on
-// XLA's intra-op pool. The caller never waits for a helper that has not started (it may
-// never get a thread while the caller holds one): it waits only for items already claimed.
-// The state lives on the heap so a helper that starts after the call returned finds the
-// counter exhausted and touches nothing else.
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-  std::atomic<bool> ok{true};
-};
-
 template <typename A, typename K>
 ffi::Error Run(ffi::ThreadPool pool, const Shape& s, const void* q, const void* pages,
                const void* k_new, const void* v_new, const int32_t* bt, const int32_t* pos,
@@ -308,28 +300,33 @@ ffi::Error Run(ffi::ThreadPool pool, const Shape& s, const void* q, const void* 
   // heads split so that a batch-1 step still uses every thread.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t chunks = std::clamp<int64_t>((2 * threads + s.b - 1) / s.b, 1, s.hkv);
-  const int64_t items = s.b * chunks;
-  auto work = std::make_shared<Work>();
-  auto task = [=](Work& w) {
-    for (int64_t it; (it = w.next.fetch_add(1)) < items;) {
-      const int64_t b = it / chunks, c = it % chunks;
-      const bool ok = RowHeads<A, K>(s, b, s.hkv * c / chunks, s.hkv * (c + 1) / chunks, static_cast<const A*>(q),
-                                     static_cast<const K*>(pages), static_cast<const A*>(k_new),
-                                     static_cast<const A*>(v_new), bt, pos, cs, kl, static_cast<A*>(out));
-      if (!ok) w.ok = false;
-      w.done.fetch_add(1);
+  std::atomic<bool> ok{true};
+  hotswap::ParallelFor(pool, s.b * chunks, [&](int64_t it) {
+    const int64_t b = it / chunks, c = it % chunks;
+    if (!RowHeads<A, K>(s, b, s.hkv * c / chunks, s.hkv * (c + 1) / chunks, static_cast<const A*>(q),
+                        static_cast<const K*>(pages), static_cast<const A*>(k_new), static_cast<const A*>(v_new),
+                        bt, pos, cs, kl, static_cast<A*>(out))) {
+      ok = false;
     }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work, task] { task(*work); });
-  task(*work);
-  while (work->done.load() < items) std::this_thread::yield();
-  if (!work->ok) {
+  });
+  if (!ok) {
     return ffi::Error::InvalidArgument(
         "hotswap paged attention: a block table names a page outside the cache, or a chunk "
         "does not fit its row's table or the step");
   }
   return ffi::Error::Success();
+}
+
+// Calls f(A{}, K{}) with the C++ types of the activation and page dtypes (float for f32,
+// uint16_t for bf16); nullopt when either is another dtype.
+template <typename F>
+auto WithDtypes(ffi::DataType at, ffi::DataType kt, F&& f) -> std::optional<decltype(f(float{}, float{}))> {
+  using D = ffi::DataType;
+  if (at == D::F32 && kt == D::F32) return f(float{}, float{});
+  if (at == D::F32 && kt == D::BF16) return f(float{}, uint16_t{});
+  if (at == D::BF16 && kt == D::F32) return f(uint16_t{}, float{});
+  if (at == D::BF16 && kt == D::BF16) return f(uint16_t{}, uint16_t{});
+  return std::nullopt;
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer pages, ffi::AnyBuffer k_new,
@@ -344,18 +341,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   if (pd[3] != s.hd || s.hkv == 0 || s.hq % s.hkv != 0 || td[0] != s.b) {
     return ffi::Error::InvalidArgument("hotswap paged attention: q, pages and tables disagree on shape");
   }
-  const auto at = q.element_type(), kt = pages.element_type();
   const void* args[] = {q.untyped_data(), pages.untyped_data(), k_new.untyped_data(), v_new.untyped_data()};
   const int32_t* ints[] = {block_tables.typed_data(), positions.typed_data(), chunk_starts.typed_data(),
                            kv_lens.typed_data()};
   void* o = out->untyped_data();
-#define HOTSWAP_RUN(A, K) \
-  Run<A, K>(pool, s, args[0], args[1], args[2], args[3], ints[0], ints[1], ints[2], ints[3], o)
-  if (at == ffi::DataType::F32 && kt == ffi::DataType::F32) return HOTSWAP_RUN(float, float);
-  if (at == ffi::DataType::F32 && kt == ffi::DataType::BF16) return HOTSWAP_RUN(float, uint16_t);
-  if (at == ffi::DataType::BF16 && kt == ffi::DataType::F32) return HOTSWAP_RUN(uint16_t, float);
-  if (at == ffi::DataType::BF16 && kt == ffi::DataType::BF16) return HOTSWAP_RUN(uint16_t, uint16_t);
-#undef HOTSWAP_RUN
+  auto run = WithDtypes(q.element_type(), pages.element_type(), [&](auto a, auto k) {
+    return Run<decltype(a), decltype(k)>(pool, s, args[0], args[1], args[2], args[3], ints[0], ints[1], ints[2],
+                                         ints[3], o);
+  });
+  if (run) return *run;
   return ffi::Error::InvalidArgument("hotswap paged attention: activations and pages must be f32 or bf16");
 }
 
@@ -367,7 +361,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
 template <typename A, typename K>
 bool WriteKV(const Shape& s, const A* k_new, const A* v_new, const int32_t* slots, K* pages) {
   const int64_t tokens = s.b * s.c, record = 2 * s.hkv * s.hd;
-  float tmp[512];
+  std::vector<float> tmp(s.hd);
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0 || slot >= s.num_pages * s.ps) return false;
@@ -379,7 +373,7 @@ bool WriteKV(const Shape& s, const A* k_new, const A* v_new, const int32_t* slot
         if constexpr (std::is_same_v<A, K>) {
           std::memcpy(to, from, s.hd * sizeof(K));
         } else {
-          store(to, as_f32(from, tmp, static_cast<int>(s.hd)), static_cast<int>(s.hd));
+          store(to, as_f32(from, tmp.data(), static_cast<int>(s.hd)), static_cast<int>(s.hd));
         }
       }
     }
@@ -398,28 +392,20 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   if (pages_out->untyped_data() != pages.untyped_data()) {
     return ffi::Error::InvalidArgument("hotswap paged attention: the page output must alias the page input");
   }
-  auto qd = q.dimensions(), pd = pages.dimensions();
-  if (qd.size() != 4 || pd.size() != 4 || slots.element_count() != qd[0] * qd[1] || pd[2] < 2 ||
-      pd[2] > 2 * 256 || pd[3] > 256) {
-    return ffi::Error::InvalidArgument(
-        "hotswap paged attention: slots must hold one entry per query token, and head_dim be at most 256");
+  auto qd = q.dimensions();
+  if (qd.size() != 4 || static_cast<int64_t>(slots.element_count()) != qd[0] * qd[1]) {
+    return ffi::Error::InvalidArgument("hotswap paged attention: slots must hold one entry per query token");
   }
   ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out, scale);
-  if (err.failure()) return err;
+  if (err.failure()) return err;  // shapes and dtypes are checked there
+  auto pd = pages.dimensions();
   Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], block_tables.dimensions()[1], scale};
-  const auto at = q.element_type(), kt = pages.element_type();
-  const void* kn = k_new.untyped_data();
-  const void* vn = v_new.untyped_data();
-  void* pg = pages_out->untyped_data();
-  bool ok = false;
-  if (at == ffi::DataType::F32 && kt == ffi::DataType::F32)
-    ok = WriteKV(s, static_cast<const float*>(kn), static_cast<const float*>(vn), slots.typed_data(), static_cast<float*>(pg));
-  if (at == ffi::DataType::F32 && kt == ffi::DataType::BF16)
-    ok = WriteKV(s, static_cast<const float*>(kn), static_cast<const float*>(vn), slots.typed_data(), static_cast<uint16_t*>(pg));
-  if (at == ffi::DataType::BF16 && kt == ffi::DataType::F32)
-    ok = WriteKV(s, static_cast<const uint16_t*>(kn), static_cast<const uint16_t*>(vn), slots.typed_data(), static_cast<float*>(pg));
-  if (at == ffi::DataType::BF16 && kt == ffi::DataType::BF16)
-    ok = WriteKV(s, static_cast<const uint16_t*>(kn), static_cast<const uint16_t*>(vn), slots.typed_data(), static_cast<uint16_t*>(pg));
+  const bool ok = *WithDtypes(q.element_type(), pages.element_type(), [&](auto a, auto k) {
+    using A = decltype(a);
+    using K = decltype(k);
+    return WriteKV(s, static_cast<const A*>(k_new.untyped_data()), static_cast<const A*>(v_new.untyped_data()),
+                   slots.typed_data(), static_cast<K*>(pages_out->untyped_data()));
+  });
   if (!ok) return ffi::Error::InvalidArgument("hotswap paged attention: a KV slot lies outside the cache");
   return ffi::Error::Success();
 }

@@ -22,6 +22,7 @@
 #include <memory>
 #include <thread>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -59,31 +60,17 @@ void KSlice(const float* __restrict x, const float* __restrict w, float* __restr
   }
 }
 
-// Same claiming scheme as paged_attention.cc: the caller works too and waits only for
-// parts already claimed; the state is on the heap for helpers that start late.
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-};
-
 // 1-2 rows: each thread streams a contiguous run of whole weight rows.
 void Gemv(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   // Split the rows of w (K) over the threads and sum the partial products: splitting the
   // columns (N) instead read strided row segments and reached 36 GB/s, not 40.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t parts = std::min<int64_t>(2 * threads, std::max<int64_t>(K / 64, 1));
-  auto work = std::make_shared<Work>();
-  auto partial = std::shared_ptr<float[]>(new float[parts * M * N]);
+  std::unique_ptr<float[]> partial(new float[parts * M * N]);
   float* pp = partial.get();
-  auto task = [=](Work& s) {
-    for (int64_t c; (c = s.next.fetch_add(1)) < parts;) {
-      KSlice(xp, wp, pp + c * M * N, M, K, N, K * c / parts, K * (c + 1) / parts);
-      s.done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, parts) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work, partial, task] { task(*work); });
-  task(*work);
-  while (work->done.load() < parts) std::this_thread::yield();
+  hotswap::ParallelFor(pool, parts, [&](int64_t c) {
+    KSlice(xp, wp, pp + c * M * N, M, K, N, K * c / parts, K * (c + 1) / parts);
+  });
   std::memcpy(yp, pp, M * N * sizeof(float));
   for (int64_t c = 1; c < parts; ++c) {
     const float* pc = pp + c * M * N;
@@ -176,29 +163,21 @@ void Tiled(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp, i
   const int64_t chunks = n64 > 0 ? (n64 + nc - 1) / nc : 0;
   const int64_t ksplit =
       chunks >= threads || chunks == 0 ? 1 : std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1));
-  const int64_t items = chunks * ksplit;
-  auto partial = std::shared_ptr<float[]>(ksplit > 1 ? new float[(ksplit - 1) * M * N] : nullptr);
+  std::unique_ptr<float[]> partial(ksplit > 1 ? new float[(ksplit - 1) * M * N] : nullptr);
   float* pp = partial.get();
-  auto work = std::make_shared<Work>();
-  auto task = [=](Work& s) {
-    for (int64_t i; (i = s.next.fetch_add(1)) < items;) {
-      const int64_t ch = i / ksplit, part = i % ksplit;
-      const int64_t n0 = ch * nc, n1 = std::min(n0 + nc, n64);
-      float* c = part == 0 ? yp : pp + (part - 1) * M * N;
-      Item(xp, M, K, wp, N, K * part / ksplit, K * (part + 1) / ksplit, n0, n1, c + n0, N);
-      s.done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, items) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work, partial, task] { task(*work); });
-  task(*work);
-  for (int64_t r = 0; r < M; ++r)  // columns past the last multiple of 64
+  // Columns past the last multiple of 64 go first, on this thread, before it joins in.
+  for (int64_t r = 0; r < M; ++r)
     for (int64_t n = n64; n < N; ++n) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; ++k) acc += xp[r * K + k] * wp[k * N + n];
       yp[r * N + n] = acc;
     }
-  while (work->done.load() < items) std::this_thread::yield();
+  hotswap::ParallelFor(pool, chunks * ksplit, [&](int64_t i) {
+    const int64_t ch = i / ksplit, part = i % ksplit;
+    const int64_t n0 = ch * nc, n1 = std::min(n0 + nc, n64);
+    float* c = part == 0 ? yp : pp + (part - 1) * M * N;
+    Item(xp, M, K, wp, N, K * part / ksplit, K * (part + 1) / ksplit, n0, n1, c + n0, N);
+  });
   for (int64_t part = 1; part < ksplit; ++part) {
     const float* pc = pp + (part - 1) * M * N;
     for (int64_t r = 0; r < M; ++r)
