@@ -25,7 +25,9 @@ from hotswap.kernels import cpu_build, cpu_matmul
         ((1, 1), 5, 3),
         ((2, 1), 1000, 64),
         ((3,), 131, 77),  # tiled (AVX-512): 3-32 rows, one narrow chunk split over K, 13 tail columns
-        ((16,), 768, 2048),  # a column chunk per thread
+        ((16,), 768, 2048),  # 9-16 rows (strips of 16 columns): a column chunk per thread
+        ((9,), 131, 77),  # strips: one narrow chunk split over K, 13 tail columns
+        ((2, 6), 100, 4160),  # strips: 1,024-column chunks and a last one of 64
         ((4, 8), 200, 4160),  # 32 rows; L2-sized column chunks of a wide matrix, like the lm head
         ((7,), 9, 64),  # K too short to split
         ((5,), 0, 70),  # empty K: zeros

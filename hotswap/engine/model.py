@@ -49,7 +49,10 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
     """cos, sin [..., 1, hd] for positions [...]: computed once per step, shared by every layer."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, hd]
-    return jnp.cos(emb), jnp.sin(emb)
+    # The barrier keeps the tables one array each: otherwise XLA fuses cos and sin into every
+    # layer's q and k rotation and evaluates them per head, 24 times a step (bench-100m,
+    # batch 32: 0.9 ms of a 27 ms step on CPU; +2% decode measured).
+    return jax.lax.optimization_barrier((jnp.cos(emb), jnp.sin(emb)))
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:

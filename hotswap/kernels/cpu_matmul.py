@@ -5,7 +5,8 @@ core (so batch 1 read its weights at one core's bandwidth), and its dot for 3-32
 reached 180-260 GFLOP/s of the cores' 450. The C++ kernel splits the weight rows over
 XLA's intra-op threads for 1-2 rows (bench-100m's batch-1 step: 12.0 -> 9.3 ms) and uses
 an AVX-512 register-tiled product for 3-32 rows (1.1-1.2x XLA's dot over a chain of
-bench-100m's matmuls at 8-32 rows). Taking a layer's q/k/v (or gate/up) weights in one
+bench-100m's matmuls at 8 and 32 rows; at 9-16 rows a product that multiplies each weight
+vector into every row at once, 1.3x XLA's dot at 16 rows). Taking a layer's q/k/v (or gate/up) weights in one
 call, to share one parallel region, measured no faster (9.6 vs 9.3 ms at batch 1), so each
 weight is its own call. More rows (prefill) stay on XLA's dot, as do CPUs without AVX-512
 from 3 rows on (`max_rows()`).
