@@ -113,3 +113,28 @@ def test_a_shared_header_is_part_of_every_kernels_build_key(tmp_path, monkeypatc
     before = cpu_build._library_path(src / "small_matmul.cc", cxx)
     (src / "parallel.h").write_text((src / "parallel.h").read_text() + "\n// edited\n")
     assert cpu_build._library_path(src / "small_matmul.cc", cxx) != before
+
+
+@pytest.mark.parametrize("r,v", [(1, 32000), (32, 1000), (3, 17), (4, 1)])
+def test_row_stats_match_the_jnp_sampler(r, v):
+    """Argmax (first index of a tie) and logsumexp as `sampling.argmax_logsumexp`; an all
+    -inf row gives index 0 and -inf, a row with NaN index V - 1 and NaN."""
+    from hotswap.engine.sampling import argmax_logsumexp
+    from hotswap.kernels import cpu_sampling
+
+    rng = np.random.default_rng(r * v)
+    x = (rng.standard_normal((r, v)) * 5).astype(np.float32)
+    x[0, -1] = x[0, 0] = x[0].max()  # a tie: the first index wins
+    if r > 2:
+        x[1] = -np.inf
+        x[2, v // 2] = np.nan
+    idx, lse = jax.jit(cpu_sampling.argmax_logsumexp)(x)
+    ref_idx, ref_lse = jax.jit(argmax_logsumexp)(x)
+    idx, lse, ref_idx, ref_lse = map(np.asarray, (idx, lse, ref_idx, ref_lse))
+    ok = np.isfinite(ref_lse)
+    assert idx[0] == 0
+    np.testing.assert_array_equal(idx[ok], ref_idx[ok])
+    np.testing.assert_allclose(lse[ok], ref_lse[ok], rtol=1e-6, atol=1e-6)
+    if r > 2:
+        assert (idx[1], lse[1]) == (0, -np.inf)
+        assert idx[2] == v - 1 and np.isnan(lse[2])

@@ -22,9 +22,9 @@ from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine import model
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
-from hotswap.engine.sampling import SamplingArrays, sample
+from hotswap.engine.sampling import SamplingArrays, argmax_logsumexp, sample
 from hotswap.engine.sequence import Sequence
-from hotswap.kernels import READ_THEN_WRITE, READS_BEFORE_STEP
+from hotswap.kernels import READ_THEN_WRITE, READS_BEFORE_STEP, cpu_sampling
 
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
 
@@ -93,7 +93,8 @@ def _step(params, pages, batch: Batch, sa, *, cfg, impl):
     h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, impl=impl)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
-        out = sample(model.logits_from_hidden(params, h_last, model.matmul_for(impl)), sa)
+        logits = model.logits_from_hidden(params, h_last, model.matmul_for(impl))
+        out = sample(logits, sa, cpu_sampling.argmax_logsumexp if impl == "cpu" else argmax_logsumexp)
     return (new_kv if impl in READ_THEN_WRITE else pages), out
 
 

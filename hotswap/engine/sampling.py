@@ -133,12 +133,19 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arr
     return top - lse[:, None], ids
 
 
-def sample(logits: jax.Array, sa: SamplingArrays) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K])."""
+def argmax_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's argmax (`argmax`) and logsumexp: what `sample` needs of every row."""
+    return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
+
+
+def sample(
+    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
+    `row_stats`: `argmax_logsumexp` or a kernel with its results (`cpu_sampling`)."""
     # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
     # and re-reading it cost about 3 ms of a 35 ms batch-32 step on bench-100m's 32k vocab).
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    greedy = argmax(logits)
+    greedy, lse = row_stats(logits)
     # Skip the sort entirely when every row is greedy (the common benchmark case).
     tokens = jax.lax.cond(
         jnp.any(sa.temperature > 0),

@@ -95,6 +95,7 @@ def available() -> bool:
     try:
         register("paged_attention", "HotswapPagedAttention")
         register("small_matmul", "HotswapSmallMatmul")
+        register("row_stats", "HotswapRowStats")
     except (ConfigError, OSError):
         return False
     return True

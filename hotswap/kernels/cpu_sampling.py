@@ -1,0 +1,27 @@
+"""Each logits row's argmax and logsumexp on XLA:CPU: a C++ FFI call (`cpu/row_stats.cc`).
+
+Every sampled token needs both: the greedy token is the argmax, and a token's log-prob is
+its logit minus the logsumexp. XLA:CPU computes the jnp forms (`sampling.argmax`,
+`jax.nn.logsumexp`) in about 0.9 ms of a 27 ms batch-32 step on bench-100m's 32k
+vocabulary; the kernel reads each row twice from cache, 16 lanes at a time, on XLA's
+intra-op threads. Same results: the first index of the max, V - 1 and NaN for a row with
+NaN, -inf for an all -inf row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hotswap.kernels import cpu_build
+
+
+def argmax_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits f32 [R, V] -> (argmax int32 [R], logsumexp f32 [R])."""
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"need f32 logits [R, V], got {logits.dtype} {logits.shape}")
+    target = cpu_build.register("row_stats", "HotswapRowStats")
+    r = logits.shape[0]
+    return jax.ffi.ffi_call(
+        target, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32))
+    )(logits)
