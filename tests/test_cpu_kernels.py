@@ -138,3 +138,17 @@ def test_row_stats_match_the_jnp_sampler(r, v):
     if r > 2:
         assert (idx[1], lse[1]) == (0, -np.inf)
         assert idx[2] == v - 1 and np.isnan(lse[2])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 32])
+def test_weights_sharing_x_go_in_one_call(rows):
+    """`matmuls` (a layer's q/k/v or gate/up) makes one custom call for all its weights, and
+    each result equals numpy's: GEMV, tiled and strip row counts, a narrow weight split over
+    K, tail columns, and different widths side by side."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 300)).astype(np.float32)
+    ws = [rng.standard_normal((300, n)).astype(np.float32) for n in (1088, 256, 77)]
+    fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
+    assert fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul") == 1
+    for y, w in zip(fn(x, *ws), ws, strict=True):
+        np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300))

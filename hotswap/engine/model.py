@@ -63,10 +63,15 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=jnp.matmul):
+def jnp_matmuls(x: jax.Array, ws) -> list[jax.Array]:
+    """[x @ w for w in ws]: the matmul routine's interface (`matmuls_for`)."""
+    return [x @ w for w in ws]
+
+
+def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
-    `mm` is the matmul routine (`matmul_for`)."""
-    q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
+    `mms` is the matmul routine (`matmuls_for`)."""
+    q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     lead = h.shape[:-1]
@@ -79,9 +84,10 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mm=jnp.matmul):
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mm=jnp.matmul) -> jax.Array:
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls) -> jax.Array:
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
+    gate, up = mms(h, (lp["w_gate"], lp["w_up"]))
+    return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0]
 
 
 def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
@@ -138,10 +144,11 @@ def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
     return o, written
 
 
-def matmul_for(impl: str):
-    """The matmul a step uses: with the C++ attention (the CPU backend), hotswap's C++ matmul
-    for decode-sized row counts (`cpu_matmul.matmul` falls back to XLA's dot otherwise)."""
-    return cpu_matmul.matmul if impl == "cpu" else jnp.matmul
+def matmuls_for(impl: str):
+    """The matmul routine a step uses, `(x, [w, ...]) -> [x @ w, ...]`: with the C++ attention
+    (the CPU backend), hotswap's C++ matmul for decode-sized row counts, one call for the
+    weights that share x (`cpu_matmul.matmuls` falls back to XLA's dot otherwise)."""
+    return cpu_matmul.matmuls if impl == "cpu" else jnp_matmuls
 
 
 def forward_paged(
@@ -164,18 +171,18 @@ def forward_paged(
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     scale = 1.0 / math.sqrt(cfg.head_dim)
     b, c = batch.tokens.shape
-    mm = matmul_for(impl)
+    mms = matmuls_for(impl)
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = _qkv(lp, cfg, h, rope, mm)
+            q, k, v = _qkv(lp, cfg, h, rope, mms)
             new_kv.append((k, v))
             o, layer_pages = _attend(impl, q, k, v, pages[i], batch, scale)
             new_pages.append(layer_pages)
-            x = x + mm(o.reshape(b, c, cfg.q_size), lp["wo"])
-            x = _mlp(lp, cfg, x, mm)
+            x = x + mms(o.reshape(b, c, cfg.q_size), (lp["wo"],))[0]
+            x = _mlp(lp, cfg, x, mms)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return h, tuple(new_kv), tuple(new_pages)
 
@@ -185,11 +192,11 @@ def write_pages(pages, new_kv, slots):
     return tuple(reference.write_kv(p, k, v, slots) for p, (k, v) in zip(pages, new_kv, strict=True))
 
 
-def logits_from_hidden(params: Params, h: jax.Array, mm=jnp.matmul) -> jax.Array:
-    """h [..., D] -> f32 logits [..., V]. `mm` as in `_qkv`: the [D, V] head is a quarter of
+def logits_from_hidden(params: Params, h: jax.Array, mms=jnp_matmuls) -> jax.Array:
+    """h [..., D] -> f32 logits [..., V]. `mms` as in `_qkv`: the [D, V] head is a quarter of
     bench-100m's weight bytes, and the threaded GEMV reads it about 15% faster than XLA's dot
-    at batch 1 (1.9 -> 1.6 ms a step, measured); at 3-32 rows the two are level."""
-    return mm(h, params["lm_head"]).astype(jnp.float32)
+    at batch 1 (1.9 -> 1.6 ms a step, measured)."""
+    return mms(h, (params["lm_head"],))[0].astype(jnp.float32)
 
 
 def forward_dense(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig) -> jax.Array:

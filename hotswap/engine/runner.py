@@ -93,7 +93,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, impl):
     h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, impl=impl)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
-        logits = model.logits_from_hidden(params, h_last, model.matmul_for(impl))
+        logits = model.logits_from_hidden(params, h_last, model.matmuls_for(impl))
         out = sample(logits, sa, cpu_sampling.argmax_logsumexp if impl == "cpu" else argmax_logsumexp)
     return (new_kv if impl in READ_THEN_WRITE else pages), out
 

@@ -6,9 +6,8 @@ reached 180-260 GFLOP/s of the cores' 450. The C++ kernel splits the weight rows
 XLA's intra-op threads for 1-2 rows (bench-100m's batch-1 step: 12.0 -> 9.3 ms) and uses
 an AVX-512 register-tiled product for 3-32 rows (1.1-1.2x XLA's dot over a chain of
 bench-100m's matmuls at 8 and 32 rows; at 9-16 rows a product that multiplies each weight
-vector into every row at once, 1.3x XLA's dot at 16 rows). Taking a layer's q/k/v (or gate/up) weights in one
-call, to share one parallel region, measured no faster (9.6 vs 9.3 ms at batch 1), so each
-weight is its own call. More rows (prefill) stay on XLA's dot, as do CPUs without AVX-512
+vector into every row at once, 1.3x XLA's dot at 16 rows). A layer's q/k/v (or gate/up)
+weights go in one call (`matmuls`). More rows (prefill) stay on XLA's dot, as do CPUs without AVX-512
 from 3 rows on (`max_rows()`).
 """
 
@@ -32,13 +31,23 @@ def max_rows() -> int:
     return int(fn())
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w [K, N]: the C++ kernel for f32 with at most max_rows() rows, else XLA's dot."""
+def matmuls(x: jax.Array, ws) -> list[jax.Array]:
+    """[x @ w for w in ws] (x [..., K], each w [K, N]): one C++ call for all the f32 weights
+    when x has at most max_rows() rows, else XLA's dot for each. Weights that share x (a
+    layer's q/k/v, or gate/up) in one call share one parallel region: at batch 1 each call's
+    start (waking the helper thread, a cold first block) cost as much as reading k or v."""
     rows = math.prod(x.shape[:-1])
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or rows > max_rows():
-        return x @ w
+    ws = list(ws)
+    f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
+    if not f32 or rows > max_rows():
+        return [x @ w for w in ws]
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(
-        x.reshape(rows, -1), w
+    ys = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32) for w in ws])(
+        x.reshape(rows, -1), *ws
     )
-    return y.reshape(*x.shape[:-1], w.shape[1])
+    return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N]: `matmuls` with one weight."""
+    return matmuls(x, [w])[0]
