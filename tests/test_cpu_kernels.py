@@ -152,3 +152,24 @@ def test_weights_sharing_x_go_in_one_call(rows):
     assert fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul") == 1
     for y, w in zip(fn(x, *ws), ws, strict=True):
         np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300))
+
+
+def test_all_finite_flags_each_array():
+    """The C++ NaN/Inf check behind `update_weights`: one flag per array, f32 and bf16, a bad
+    value anywhere (first element, a 1 MB piece boundary, the tail past the vector width)."""
+    from hotswap.kernels import cpu_finite
+
+    rng = np.random.default_rng(0)
+    big = 1 << 18  # f32 elements in one 1 MB piece
+    shapes = [(3, 5), (2, big + 7), (big + 100,), (1,), (0, 4)]
+    clean = [jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    clean += [x.astype(jnp.bfloat16) for x in clean[:3]]
+    assert cpu_finite.usable(clean)
+    assert np.asarray(jax.jit(cpu_finite.all_finite)(clean)).all()
+    bad = list(clean)
+    bad[0] = bad[0].at[0, 0].set(jnp.nan)
+    bad[1] = bad[1].at[1, 0].set(jnp.inf)  # element big + 7: the second piece
+    bad[2] = bad[2].at[-1].set(-jnp.inf)
+    bad[6] = bad[6].at[1, big + 6].set(jnp.nan)
+    got = np.asarray(jax.jit(cpu_finite.all_finite)(bad))
+    np.testing.assert_array_equal(got, [False, False, False, True, True, True, False, True])

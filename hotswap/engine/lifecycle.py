@@ -17,6 +17,7 @@ from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine.params import Params, path_name
 from hotswap.engine.state import EngineState, KVCache, PrefixIndex, new_kv_cache
 from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict, NonFiniteWeights, WeightsMismatch
+from hotswap.kernels import cpu_finite
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
@@ -80,13 +81,23 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([all_finite(x) for x in leaves])
 
 
+_all_finite_cpu = jax.jit(cpu_finite.all_finite)
+
+
+def _leaves_finite(leaves: list[jax.Array]) -> np.ndarray:
+    # On one CPU device the C++ check reads the 0.4 GB of bench-100m in about 8 ms on two
+    # threads, where XLA's reductions took 14 ms: under the 10 ms a same-sharding update has.
+    check = _all_finite_cpu if cpu_finite.usable(leaves) else _all_finite
+    return np.asarray(check(leaves))
+
+
 def _check_finite(named: dict) -> None:
     names = list(named)
     dev = [n for n in names if isinstance(named[n], jax.Array)]
     host = [n for n in names if not isinstance(named[n], jax.Array)]
     bad = [n for n in host if not np.isfinite(np.asarray(named[n])).all()]
     if dev:
-        ok = np.asarray(_all_finite([named[n] for n in dev]))
+        ok = _leaves_finite([named[n] for n in dev])
         bad += [n for n, good in zip(dev, ok, strict=True) if not good]
     if bad:
         raise NonFiniteWeights(

@@ -96,6 +96,7 @@ def available() -> bool:
         register("paged_attention", "HotswapPagedAttention")
         register("small_matmul", "HotswapSmallMatmul")
         register("row_stats", "HotswapRowStats")
+        register("all_finite", "HotswapAllFinite")
     except (ConfigError, OSError):
         return False
     return True
