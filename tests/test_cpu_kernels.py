@@ -151,7 +151,9 @@ def test_weights_sharing_x_go_in_one_call(rows):
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
     assert fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul") == 1
     for y, w in zip(fn(x, *ws), ws, strict=True):
-        np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300))
+        np.testing.assert_allclose(
+            np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
+        )
 
 
 def test_all_finite_flags_each_array():
