@@ -145,7 +145,9 @@ def run(args: argparse.Namespace) -> dict:
 
             version = llm.weights_version
 
-        optimizer = optax.adam(args.lr)
+        # Global-norm clipping as TRL's GRPO trainer does (max_grad_norm=1.0): without it one
+        # large step late in the run can undo what the policy learned (seen at step ~390).
+        optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
         # Committed like the params, or the second step (fed the first step's outputs) would recompile.
         opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), optimizer.init(params))
         train_step = grpo.make_train_step(cfg, optimizer)
