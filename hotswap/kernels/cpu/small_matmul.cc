@@ -138,7 +138,7 @@ void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64
 // a k's MR values sit together). w is read from memory once per step, each line used at
 // once, so there is no reuse through L1 to lose (the 6 x 64 tile re-read each panel three
 // times at 16 rows, and at row strides of 4 KB multiples those re-reads miss L1). Over a
-// chain of bench-100m's matmuls at 16 rows: 1.15-1.18x the 6 x 64 tile. At 8 rows and
+// chain of bench-100m's matmuls at 16 rows: 1.11-1.18x the 6 x 64 tile. At 8 rows and
 // fewer, or over 16 (two passes), it is level or slower, so those keep the tile above.
 constexpr int64_t kStrip = 16;
 // Columns of one work item: its y block accumulates in a contiguous local buffer (y's own
@@ -235,8 +235,8 @@ void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
 
 // y_i = x[M, K] @ w_i[K, N_i] for every product, all their work items in one parallel region:
 // a layer's q/k/v (or gate/up) weights share x, and one region instead of one per weight
-// saves each call's start (waking the helper thread, a cold first block). Over bench-100m's
-// batch-1 chain of matmuls, the same bytes in fewer calls ran 12% faster.
+// saves each call's start (waking the helper thread, the end-of-call wait for the slowest
+// item). Against a call per weight, same-process A/B: batch 1 +2-4%, batch 16 +5%.
 void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std::vector<Product>& ps) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   for (Product& p : ps)
