@@ -5,6 +5,10 @@
 was before the step plus the step's own K/V: `reference.decode_attention` /
 `prefill_attention` (jnp) and `cpu_attention.paged_attention` (C++), which
 `resolve_attention` picks between.
+
+Beside the attention, the CPU backend's other C++ calls (`cpu/`, built by `cpu_build`):
+`cpu_matmul` (decode-sized matmuls), `cpu_sampling` (each logits row's argmax and
+logsumexp) and `cpu_finite` (the NaN/Inf check of new weights).
 """
 
 from __future__ import annotations
