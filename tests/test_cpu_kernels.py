@@ -175,3 +175,19 @@ def test_all_finite_flags_each_array():
     bad[6] = bad[6].at[1, big + 6].set(jnp.nan)
     got = np.asarray(jax.jit(cpu_finite.all_finite)(bad))
     np.testing.assert_array_equal(got, [False, False, False, True, True, True, False, True])
+
+
+def test_kernels_refuse_inputs_they_cannot_take():
+    """Shapes or dtypes a kernel was not built for are a clear error, not a wrong answer:
+    a weight whose K differs from x's, and an integer array given to the finiteness check."""
+    from hotswap.kernels import cpu_finite
+
+    x = jnp.ones((4, 8), jnp.float32)
+    target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
+    bad_k = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((4, 3), jnp.float32)])
+    with pytest.raises(Exception, match="need w \\[K, N\\] and y \\[M, N\\]"):
+        jax.block_until_ready(jax.jit(bad_k)(x, jnp.ones((9, 3), jnp.float32)))
+    ints = [jnp.ones((3,), jnp.int32)]
+    assert not cpu_finite.usable(ints)  # update_weights takes XLA's check for these
+    with pytest.raises(Exception, match="f32 or bf16"):
+        jax.block_until_ready(jax.jit(cpu_finite.all_finite)(ints))

@@ -182,6 +182,8 @@ def _bad_sources(tiny_dir_b, new_params):
         "missing tensor": (missing, WeightsMismatch, "model.norm.weight"),
         "extra tensor": (extra, WeightsMismatch, "model.layers.9"),
         "NaN": (nan, NonFiniteWeights, "layers.1.wo"),
+        # device arrays take the C++ check on one CPU device (cpu_finite), not numpy's
+        "NaN in device arrays": (jax.device_put(nan, jax.devices()[0]), NonFiniteWeights, "layers.1.wo"),
         "Inf in an HF tensor": (nan_hf, NonFiniteWeights, r"^model\.layers\.0\.self_attn\.k_proj\.weight: "),
         "NaN in safetensors bytes": (encode_safetensors(nan_hf), NonFiniteWeights, "k_proj"),
         "truncated safetensors": (blob[: len(blob) // 2], PayloadError, "truncated"),
