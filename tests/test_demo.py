@@ -56,10 +56,10 @@ def test_demo_catches_stale_kv_from_a_broken_engine(tmp_path, capsys, monkeypatc
 
     import numpy as np
 
-    from hotswap.engine import lifecycle, pages, scheduler
-    from hotswap.engine.state import PrefixIndex
+    from hotswap.engine import lifecycle, prefix, scheduler
+    from hotswap.engine.prefix import PrefixIndex
 
-    update, page_key = lifecycle.update_weights, pages.page_key
+    update, page_key = lifecycle.update_weights, prefix.page_key
     monkeypatch.setattr(
         lifecycle,
         "update_weights",

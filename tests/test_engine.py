@@ -60,7 +60,7 @@ def test_greedy_matches_hf(tiny_dir, prompts, hf_ref, name):
         assert max(len(p) for p in prompts) > 16  # prompts really were split into chunks
     llm.engine.check_invariants()
     assert not llm.engine.sched.running and not llm.engine.sched.waiting
-    assert int(llm.engine.sched.pool.refcount.sum()) == 0  # nothing owned: no leak
+    assert int(llm.engine.state.pool.refcount.sum()) == 0  # nothing owned: no leak
     # logprobs are the raw-distribution log-probs that score() returns
     scores = llm.score([(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)])
     for o, s in zip(outs, scores, strict=True):
@@ -160,7 +160,7 @@ def test_abort_frees_pages(llm, prompts):
         eng.abort(r)
     assert eng.num_running() == 0 and not eng.requests
     eng.check_invariants()
-    assert int(eng.sched.pool.refcount.sum()) == 0
+    assert int(eng.state.pool.refcount.sum()) == 0
 
 
 def test_no_recompilation_after_warmup(llm):

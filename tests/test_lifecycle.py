@@ -112,7 +112,7 @@ def test_policy_abort(llm, new_params):
         assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 30
         assert set(c.weights_versions) == {1}
     llm.engine.check_invariants()
-    assert int(llm.engine.sched.pool.refcount.sum()) == 0
+    assert int(llm.engine.state.pool.refcount.sum()) == 0
 
 
 @pytest.mark.parametrize("policy", ["recompute", "keep"])
@@ -132,7 +132,7 @@ def test_policy_recompute_and_keep_label_tokens(llm, new_params, fresh_b, policy
             llm_lp = llm.score(prefix, c.token_ids[k:])
             np.testing.assert_allclose(c.logprobs[k:], llm_lp, atol=1e-4)
     llm.engine.check_invariants()
-    assert int(llm.engine.sched.pool.refcount.sum()) == 0
+    assert int(llm.engine.state.pool.refcount.sum()) == 0
     out = _gen(llm)
     assert out.outputs[0].token_ids == fresh_b.outputs[0].token_ids
     if policy == "keep":

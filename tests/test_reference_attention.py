@@ -27,39 +27,38 @@ from hotswap.kernels import reference
 PS, HKV, G, HD, SCALE = 16, 2, 3, 32, 0.3
 
 
-def _seq(i: int, length: int, table: list[int]) -> Sequence:
-    seq = Sequence(i, f"r{i}", 0, list(range(1, length + 1)), SamplingParams(), 0, i)
-    seq.block_table = table
-    return seq
+def _seq(i: int, length: int) -> Sequence:
+    return Sequence(i, f"r{i}", 0, list(range(1, length + 1)), SamplingParams(), 0, i)
 
 
 def _world(rng, ends: list[int], computed: list[int], hd: int = HD, ps: int = PS):
     """Pages holding `computed[i]` cached tokens per sequence (NaN everywhere else) and tables
-    reaching `ends[i]` tokens, drawn from a shuffled pool."""
+    reaching `ends[i]` tokens, drawn from a shuffled pool. Returns (pages, seqs, tables by seq id)."""
     need = [-(-e // ps) for e in ends]
     num_pages = sum(need) + 4
     pool = rng.permutation(np.arange(1, num_pages)).tolist()
     pages = np.full((num_pages, ps, 2 * HKV, hd), np.nan, np.float32)
-    seqs = []
+    seqs, tables = [], {}
     for i, (k, c) in enumerate(zip(need, computed, strict=True)):
         table, pool = pool[:k], pool[k:]
         for pos in range(c):
             pages[table[pos // ps], pos % ps] = rng.standard_normal((2 * HKV, hd))
-        seq = _seq(i, ends[i], table)
+        seq = _seq(i, ends[i])
         seq.num_computed = c
         seqs.append(seq)
-    return pages, seqs
+        tables[seq.seq_id] = table
+    return pages, seqs, tables
 
 
-def _oracle(pages, seq, q, k, v, n):
+def _oracle(pages, seq, table, q, k, v, n):
     """Write the chunk's K/V into a copy of the pages, then plain paged attention for one sequence."""
     pages = pages.copy()
     start, ps = seq.num_computed, pages.shape[1]
     for j in range(n):
         pos = start + j
-        slot = pages[seq.block_table[pos // ps], pos % ps]
+        slot = pages[table[pos // ps], pos % ps]
         slot[0::2], slot[1::2] = k[j], v[j]
-    table = np.asarray(seq.block_table, np.int32)[None]
+    table = np.asarray(table, np.int32)[None]
     positions = np.arange(start, start + n, dtype=np.int32)[None]
     out = reference.paged_attention(
         jnp.asarray(q[None]),
@@ -75,11 +74,11 @@ def _oracle(pages, seq, q, k, v, n):
 def test_decode_reads_each_rows_pages_only():
     rng = np.random.default_rng(0)
     cached = [0, 1, PS - 1, PS, PS + 1, 70, 5]  # 0: a one-token prompt's first sample
-    pages, seqs = _world(rng, [c + 1 for c in cached], cached)
+    pages, seqs, tables = _world(rng, [c + 1 for c in cached], cached)
     ecfg = EngineConfig(
         page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8, attention="reference"
     )
-    batch = Runner(None, ecfg).decode_batch(seqs)
+    batch = Runner(None, ecfg).decode_batch(seqs, tables)
     b = batch.tokens.shape[0]
     q = rng.standard_normal((b, 1, HKV * G, HD)).astype(np.float32)
     k = rng.standard_normal((b, 1, HKV, HD)).astype(np.float32)
@@ -98,7 +97,7 @@ def test_decode_reads_each_rows_pages_only():
     out = np.asarray(out)
     assert np.isfinite(out).all(), "NaN leaked from a page slot no row may read"
     for i, seq in enumerate(seqs):
-        want = _oracle(pages, seq, q[i], k[i], v[i], 1)
+        want = _oracle(pages, seq, tables[seq.seq_id], q[i], k[i], v[i], 1)
         np.testing.assert_allclose(out[i], want, atol=1e-5, rtol=0)
 
 
@@ -108,7 +107,7 @@ def test_packed_prefill_keeps_sequences_apart():
     chunk only."""
     rng = np.random.default_rng(1)
     chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]  # (cached, new)
-    pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
+    pages, seqs, tables = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks])
     ecfg = EngineConfig(
         page_size=PS,
         num_pages=len(pages),
@@ -117,7 +116,7 @@ def test_packed_prefill_keeps_sequences_apart():
         attention="reference",
     )
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
-    batch = Runner(None, ecfg).prefill_batch(rows)
+    batch = Runner(None, ecfg).prefill_batch(rows, tables)
     nb = batch.tokens.shape[0]
     assert batch.tokens.shape[1] == PREFILL_ROW and nb >= 3 + 1 + 1 + 3
     assert int((batch.page_rows < nb).sum()) == 2 + 3 + 5  # each sequence's cached pages listed once
@@ -143,18 +142,20 @@ def test_packed_prefill_keeps_sequences_apart():
     for r, (seq, n) in enumerate(rows):
         first = int(batch.sample_idx[r]) - n + 1  # the chunk's first token in the flat layout
         sl = slice(first, first + n)
-        want = _oracle(pages, seq, flat(q)[sl], flat(k)[sl], flat(v)[sl], n)
+        want = _oracle(pages, seq, tables[seq.seq_id], flat(q)[sl], flat(k)[sl], flat(v)[sl], n)
         np.testing.assert_allclose(out[sl], want, atol=1e-5, rtol=0)
 
 
-def _cpu_step(rows, pages, ecfg, rng, decode: bool, dtype=np.float32, page_dtype=None):
+def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, page_dtype=None):
     """The C++ kernel over a batch the runner lays out for attention="cpu" (block tables), as
     the engine calls it: it also writes the step's K/V into its aliased page output, which
     must equal the reference's write (`reference.write_kv`), bit for bit."""
     from hotswap.kernels import cpu_attention
 
     runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"))
-    batch = runner.decode_batch([s for s, _ in rows]) if decode else runner.prefill_batch(rows)
+    batch = (
+        runner.decode_batch([s for s, _ in rows], tables) if decode else runner.prefill_batch(rows, tables)
+    )
     b, c = batch.tokens.shape
     assert batch.block_tables.shape[1] == ecfg.pages_per_seq  # one full-width table per shape
     hd = pages.shape[-1]
@@ -190,15 +191,17 @@ SHAPES += [(jnp.bfloat16, 32, PS), (jnp.bfloat16, 64, PS)]
 def test_cpu_kernel_decode(dtype, hd, ps):
     rng = np.random.default_rng(2)
     cached = [0, 1, ps - 1, ps, ps + 1, 70, 5]
-    pages, seqs = _world(rng, [c + 1 for c in cached], cached, hd, ps)
+    pages, seqs, tables = _world(rng, [c + 1 for c in cached], cached, hd, ps)
     ecfg = EngineConfig(page_size=ps, num_pages=len(pages), max_model_len=128, max_num_seqs=8)
-    batch, out, q, k, v = _cpu_step([(s, 1) for s in seqs], pages, ecfg, rng, decode=True, dtype=dtype)
+    batch, out, q, k, v = _cpu_step(
+        [(s, 1) for s in seqs], tables, pages, ecfg, rng, decode=True, dtype=dtype
+    )
     assert np.isfinite(out).all(), "NaN leaked from a page slot no row may read"
     assert not out[len(seqs) :].any(), "padding rows must come back as zeros"
     pages32 = np.asarray(jnp.asarray(pages, dtype).astype(jnp.float32))
     tol = 1e-5 if dtype == np.float32 else 2e-2
     for i, seq in enumerate(seqs):
-        want = _oracle(pages32, seq, q[i : i + 1], k[i : i + 1], v[i : i + 1], 1)
+        want = _oracle(pages32, seq, tables[seq.seq_id], q[i : i + 1], k[i : i + 1], v[i : i + 1], 1)
         np.testing.assert_allclose(out[i : i + 1], want, atol=tol, rtol=0)
 
 
@@ -206,17 +209,19 @@ def test_cpu_kernel_decode(dtype, hd, ps):
 def test_cpu_kernel_packed_prefill(hd, ps):
     rng = np.random.default_rng(3)
     chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]
-    pages, seqs = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks], hd, ps)
+    pages, seqs, tables = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks], hd, ps)
     ecfg = EngineConfig(page_size=ps, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
-    batch, out, q, k, v = _cpu_step(rows, pages, ecfg, rng, decode=False)
+    batch, out, q, k, v = _cpu_step(rows, tables, pages, ecfg, rng, decode=False)
     assert np.isfinite(out).all()
     real = np.zeros(len(out), bool)
     for r, (seq, n) in enumerate(rows):
         first = int(batch.sample_idx[r]) - n + 1
         sl = slice(first, first + n)
         real[sl] = True
-        np.testing.assert_allclose(out[sl], _oracle(pages, seq, q[sl], k[sl], v[sl], n), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            out[sl], _oracle(pages, seq, tables[seq.seq_id], q[sl], k[sl], v[sl], n), atol=1e-5, rtol=0
+        )
     assert not out[~real].any(), "padding slots must come back as zeros"
 
 
@@ -224,9 +229,9 @@ def test_cpu_kernel_writes_f32_activations_into_bf16_pages_as_xla_converts():
     """Rounding to the page dtype in the kernel's write is XLA's convert (nearest even)."""
     rng = np.random.default_rng(4)
     cached = [3, 17, 40]
-    pages, seqs = _world(rng, [c + 1 for c in cached], cached)
+    pages, seqs, tables = _world(rng, [c + 1 for c in cached], cached)
     ecfg = EngineConfig(page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=4)
-    _cpu_step([(s, 1) for s in seqs], pages, ecfg, rng, decode=True, page_dtype=jnp.bfloat16)
+    _cpu_step([(s, 1) for s in seqs], tables, pages, ecfg, rng, decode=True, page_dtype=jnp.bfloat16)
 
 
 def test_cpu_kernel_rejects_a_slot_outside_the_cache():

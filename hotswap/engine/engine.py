@@ -1,9 +1,11 @@
-"""Engine: owns the current EngineState, the scheduler and the lifecycle lock.
+"""Engine: owns the current EngineState, the request queues and the lifecycle lock.
 
 One re-entrant lock serialises every step and every lifecycle call (update,
-sleep, wakeup, reset), so the step loop never runs during a transition. The
-state is replaced whole after each step and each transition; transitions are
-the pure functions of `lifecycle.py`.
+sleep, wakeup, reset), so the step loop never runs during a transition. A step
+is schedule -> run -> postprocess, each taking the state and (but for the run)
+returning the next; lifecycle calls are the pure transitions of `lifecycle.py`
+plus the in-flight policy, which only touches request bookkeeping: which pages
+anyone holds is in the state the transition returns.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Sequence
-from hotswap.engine.state import KVCache, initial_state
+from hotswap.engine.state import initial_state, new_kv_cache
 from hotswap.errors import (
     ConfigError,
     EngineAsleep,
@@ -95,7 +97,7 @@ class Engine:
         lifecycle.validate_params(params, self.abstract)
         placed = lifecycle.place_params(params, self.abstract)
         self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding)
-        self.sched = Scheduler(ecfg)
+        self.sched = Scheduler(ecfg, tokenizer)
         self.runner = Runner(mcfg, ecfg)
         self.requests: dict[str, Request] = {}
         self.stager = ChunkStager()
@@ -106,9 +108,11 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_ids = tuple(sorted(eos))
-        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "steps": 0}
         if warmup:
-            self._replace_pages(self.runner.warmup(self.state.params, self.state.kv.pages, progress))
+            self.state = self.state.with_pages(
+                self.runner.warmup(self.state.params, self.state.kv.pages, progress)
+            )
 
     # ---- views --------------------------------------------------------------
 
@@ -129,14 +133,14 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.sched.waiting)
 
-    def check_invariants(self) -> None:
-        """Every page is free, cached or owned; refcounts equal the owners."""
-        with self._lock:
-            self.sched.pool.check(self.state.prefix, self.sched.owners())
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self._counts, "generated_tokens": self.sched.num_generated}
 
-    def _replace_pages(self, pages) -> None:
-        kv = self.state.kv
-        self.state = dataclasses.replace(self.state, kv=KVCache(pages=pages, page_version=kv.page_version))
+    def check_invariants(self) -> None:
+        """Refcounts equal the owners the state's tables list; only running sequences hold pages."""
+        with self._lock:
+            self.sched.check(self.state)
 
     # ---- requests -----------------------------------------------------------
 
@@ -206,7 +210,7 @@ class Engine:
             self.requests[rid] = Request(rid, text, ids, params, seqs, sink, stream)
             for s in seqs:
                 self.sched.add(s)
-            self.stats["prompt_tokens"] += len(ids)
+            self._counts["prompt_tokens"] += len(ids)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -214,9 +218,7 @@ class Engine:
             req = self.requests.get(request_id)
             if req is None:
                 return
-            for s in req.seqs:
-                if not s.is_finished:
-                    self.sched.finish(s, "abort", self.state.prefix)
+            self.state = self.sched.finish(self.state, req.seqs, "abort")
             self._emit(req)
 
     # ---- the step -----------------------------------------------------------
@@ -229,88 +231,25 @@ class Engine:
             return self._step_locked()
 
     def _step_locked(self) -> list[RequestOutput]:
-        state = self.state
-        version = state.weights_version
-        plan, prefix = self.sched.schedule(state.prefix, version)
-        self.state = dataclasses.replace(state, prefix=prefix)
+        plan, self.state = self.sched.schedule(self.state)
         if plan.empty:
             return []
-        pages = state.kv.pages
-        page_version = state.kv.page_version.copy()
-        # One call for the decode batch, one for every prefill chunk packed together.
-        calls = [(True, [(s, 1) for s in plan.decode])] if plan.decode else []
-        calls += [(False, rows) for rows in self.runner.pack(plan.prefill)]
-        touched: dict[str, Request] = {}
         try:
-            for decode, rows in calls:
-                pages, out = self.runner.run(state.params, pages, rows, decode=decode)
-                self._replace_pages(pages)
-                for i, (seq, n) in enumerate(rows):
-                    ps = self.ecfg.page_size
-                    first, last = seq.num_computed // ps, (seq.num_computed + n - 1) // ps
-                    page_version[seq.block_table[first : last + 1]] = version
-                    seq.num_computed += n
-                    # Index newly full pages before a finish can release them (then they stay cached).
-                    prefix = self.sched.register_full_pages(seq, self.state.prefix, version)
-                    self.state = dataclasses.replace(self.state, prefix=prefix)
-                    if seq.num_computed == seq.total_len:
-                        self._append_token(seq, out, i, version)
-                    touched[seq.request_id] = self.requests[seq.request_id]
+            pages, out = self.runner.run(self.state, plan)
         except Exception:
-            # Donated buffers may be gone: rebuild an empty cache and recompute every
-            # running sequence, so no accepted request is lost, then re-raise.
+            # Donated buffers may be gone: recompute every running sequence over a fresh, empty
+            # cache, so no accepted request is lost, then re-raise.
             self._recover()
             raise
-        self.state = dataclasses.replace(
-            self.state, kv=KVCache(pages=self.state.kv.pages, page_version=page_version)
-        )
-        self.stats["steps"] += 1
-        outputs = []
-        for req in touched.values():
-            out = self._emit(req)
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    def _append_token(self, seq: Sequence, out, i: int, version: int) -> None:
-        tok, lp, top_ids, top_lps = out
-        t = int(tok[i])
-        seq.output_ids.append(t)
-        seq.output_logprobs.append(float(lp[i]))
-        seq.output_versions.append(version)
-        seq.tokens_over_mixed_kv |= seq.mixed_kv
-        if seq.params.logprobs:
-            seq.output_top.append(
-                (top_ids[i, : seq.params.logprobs].copy(), top_lps[i, : seq.params.logprobs].copy())
-            )
-        self.stats["generated_tokens"] += 1
-        p = seq.params
-        reason, stop = None, None
-        if t in seq.eos_ids:
-            reason = "stop"
-        elif t in p.stop_token_ids:
-            reason, stop = "stop", t
-        elif p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-            hit = next((s for s in p.stop if s in text), None)
-            if hit is not None:
-                reason, stop = "stop", hit
-        if reason is None and p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
-            reason = "length"
-        if reason is None and seq.total_len >= self.ecfg.max_model_len:
-            reason = "length"
-        if reason is not None:
-            seq.stop_reason = stop
-            self.sched.finish(seq, reason, self.state.prefix)
+        self.state, touched = self.sched.postprocess(self.state.with_pages(pages), plan, out)
+        self._counts["steps"] += 1
+        reqs = dict.fromkeys(self.requests[s.request_id] for s in touched)
+        return [o for o in map(self._emit, reqs) if o is not None]
 
     def _recover(self) -> None:
-        from hotswap.engine.state import new_kv_cache
-
-        for seq in list(self.sched.running):
-            self.sched.preempt(seq, self.state.prefix)
-        self.sched.pool.reset()
-        self.state = lifecycle.reset_prefix_cache(
-            dataclasses.replace(self.state, kv=new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding))
+        self.state = self.sched.preempt_running(self.state)
+        self.state = lifecycle.fresh_cache(
+            self.state, new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding)
         )
 
     # ---- outputs ------------------------------------------------------------
@@ -355,7 +294,7 @@ class Engine:
         out = self.build_output(req)
         if req.finished:
             self.requests.pop(req.request_id, None)
-            self.stats["cached_tokens"] += out.num_cached_tokens
+            self._counts["cached_tokens"] += out.num_cached_tokens
         if req.sink is not None:
             req.sink(out)
         return out
@@ -405,11 +344,12 @@ class Engine:
             self._drain(drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s)
         with self._lock:
             try:
-                keep_pages = self._apply_policy(policy)
-                self.state = lifecycle.update_weights(
-                    self.state, staged, abstract=self.abstract, version=version, keep_pages=keep_pages
+                keep = [s.seq_id for s in self.sched.running] if policy == "keep" else []
+                new = lifecycle.update_weights(
+                    self.state, staged, abstract=self.abstract, version=version, keep=keep
                 )
-                self.sched.pool.reclaim_uncached(self.state.prefix)
+                self._apply_policy(policy)  # requests only: the new state already holds no other page
+                self.state = new
             finally:
                 self.sched.hold_admission = False
             return self.state.weights_version
@@ -421,7 +361,7 @@ class Engine:
             self.sched.hold_admission = True
         while True:
             with self._lock:
-                started = [s for s in self.sched.running] + [s for s in self.sched.waiting if s.admitted_once]
+                started = self.sched.started()
                 if not started or self.state.params is None or self.state.asleep:
                     return
                 if time.monotonic() > deadline:
@@ -430,25 +370,21 @@ class Engine:
                 self._step_locked()
 
     def _abort_seqs(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            self.sched.finish(s, "abort", self.state.prefix)
+        self.state = self.sched.finish(self.state, seqs, "abort")
         for rid in dict.fromkeys(s.request_id for s in seqs):
             if rid in self.requests:
                 self._emit(self.requests[rid])
 
-    def _apply_policy(self, policy: str) -> list[int]:
-        """Release or keep in-flight sequences' pages; returns the pages kept (policy 'keep')."""
-        started = list(self.sched.running) + [s for s in self.sched.waiting if s.admitted_once]
+    def _apply_policy(self, policy: str) -> None:
+        """What an update does to in-flight requests: `abort` ends them, `recompute` queues the
+        running ones to be re-prefilled, `keep` labels them (their pages are kept by the update)."""
         if policy == "abort":
-            self._abort_seqs(started)
+            self._abort_seqs(self.sched.started())
         elif policy == "recompute":
-            for s in list(self.sched.running):
-                self.sched.preempt(s, self.state.prefix)
+            self.state = self.sched.preempt_running(self.state)
         elif policy == "keep":
             for s in self.sched.running:
                 s.mixed_kv = True
-            return sorted({p for s in self.sched.running for p in s.block_table})
-        return []
 
     def update_weights_chunk(
         self,
@@ -478,13 +414,10 @@ class Engine:
             self._drain(self.ecfg.drain_timeout_s)
         with self._lock:
             try:
-                new = lifecycle.sleep(self.state, level)
+                new = lifecycle.sleep(self.state, level)  # no page held in it: every request ends
                 for req in list(self.requests.values()):
-                    for s in req.seqs:
-                        if not s.is_finished:
-                            self.sched.finish(s, "abort", self.state.prefix)
+                    self.state = self.sched.finish(self.state, req.seqs, "abort")
                     self._emit(req)
-                self.sched.pool.reset()
                 self.state = new
             finally:
                 self.sched.hold_admission = False
@@ -508,6 +441,3 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         with self._lock:
             self.state = lifecycle.reset_prefix_cache(self.state)
-            self.sched.pool.reclaim_uncached(self.state.prefix)
-            for s in self.sched.running:
-                s.page_keys = []  # re-registered from scratch (same version, same content)

@@ -1,8 +1,11 @@
-"""Pure lifecycle transitions on EngineState: update_weights, sleep, wakeup, reset_prefix_cache.
+"""Pure lifecycle transitions on EngineState: update_weights, sleep, wakeup, reset_prefix_cache,
+and fresh_cache (after a failed step).
 
 Each validates first and builds a new state only when everything checks out,
 so a rejected call leaves the caller's state (and the weights it serves)
-untouched. None of them reads or writes anything but its arguments.
+untouched. None of them reads or writes anything but its arguments. What a
+transition empties (prefix index, page pool, page provenance) it empties in
+the state it returns: nothing is left for the caller to reconcile.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
+from hotswap.engine.pages import PagePool
 from hotswap.engine.params import Params, path_name
-from hotswap.engine.state import EngineState, KVCache, PrefixIndex, new_kv_cache
+from hotswap.engine.prefix import PrefixIndex
+from hotswap.engine.state import EngineState, KVCache, new_kv_cache
 from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict, NonFiniteWeights, WeightsMismatch
 from hotswap.kernels import cpu_finite
 
@@ -147,12 +152,13 @@ def update_weights(
     *,
     abstract: Params | None = None,
     version: int | None = None,
-    keep_pages: list[int] | tuple[int, ...] = (),
+    keep: tuple[int, ...] | list[int] = (),
 ) -> EngineState:
     """A new state serving `params` as version+1 (or `version`), with an empty prefix index.
 
-    Every KV page is free in the new state except `keep_pages` (the `keep` policy's
-    running sequences), whose recorded versions are kept so provenance stays true.
+    The new pool holds only the block tables of the sequences in `keep` (the `keep`
+    policy's running sequences): every other page is free, and every page's recorded
+    version is cleared except those kept pages', so provenance stays true.
     """
     if "weights" in state.asleep and state.params is not None:
         raise EngineAsleep("weights are asleep at level 1: call wakeup(['weights']) before update_weights")
@@ -164,18 +170,20 @@ def update_weights(
         )
     staged = params if isinstance(params, StagedParams) and params.abstract is abstract else None
     placed = (staged or stage_params(params, abstract)).params
+    pool = PagePool.holding(state.num_pages, {s: state.pool.table(s) for s in keep}, tick=state.pool.tick)
     kv = state.kv
     if kv is not None:
         page_version = np.full_like(kv.page_version, -1)
-        keep = np.asarray(list(keep_pages), np.int64)
-        page_version[keep] = kv.page_version[keep]
+        kept = np.flatnonzero(pool.refcount)
+        page_version[kept] = kv.page_version[kept]
         kv = KVCache(pages=kv.pages, page_version=page_version)
     return dataclasses.replace(
         state,
         params=placed,
         weights_version=new_version,
         kv=kv,
-        prefix=PrefixIndex.empty(len(state.prefix.key)),
+        prefix=PrefixIndex.empty(state.num_pages),
+        pool=pool,
         asleep=state.asleep - {"weights"},
     )
 
@@ -192,7 +200,8 @@ def _to_host(x: jax.Array):
 
 
 def sleep(state: EngineState, level: int = 1) -> EngineState:
-    """Level 1: params to host, KV and prefix index dropped. Level 2: params dropped too."""
+    """Level 1: params to host; KV, prefix index and page pool dropped (every sequence's pages
+    with them). Level 2: params dropped too."""
     if level not in (1, 2):
         raise ConfigError(f"sleep level must be 1 or 2, got {level}")
     if state.asleep == SLEEP_TAGS and (level == 1 or state.params is None):
@@ -201,7 +210,12 @@ def sleep(state: EngineState, level: int = 1) -> EngineState:
         None if level == 2 else jax.tree.map(_to_host, state.params) if state.params is not None else None
     )
     return dataclasses.replace(
-        state, params=params, kv=None, prefix=PrefixIndex.empty(len(state.prefix.key)), asleep=SLEEP_TAGS
+        state,
+        params=params,
+        kv=None,
+        prefix=PrefixIndex.empty(state.num_pages),
+        pool=PagePool.empty(state.num_pages),
+        asleep=SLEEP_TAGS,
     )
 
 
@@ -232,5 +246,15 @@ def wakeup(
 
 
 def reset_prefix_cache(state: EngineState) -> EngineState:
-    """Empty index. Never corrupts running sequences: they hold their pages by refcount."""
-    return dataclasses.replace(state, prefix=PrefixIndex.empty(len(state.prefix.key)))
+    """Empty index. Never corrupts running sequences: they keep their tables and refcounts; their
+    registered keys are forgotten, so full pages are indexed again as they complete."""
+    pool = PagePool(state.pool.refcount.copy(), dict(state.pool.tables), {}, state.pool.tick)
+    return dataclasses.replace(state, prefix=PrefixIndex.empty(state.num_pages), pool=pool)
+
+
+def fresh_cache(state: EngineState, kv: KVCache) -> EngineState:
+    """Same weights over a new, empty cache (after a step failed with its buffers donated):
+    every page free, nothing indexed, no provenance."""
+    return dataclasses.replace(
+        state, kv=kv, prefix=PrefixIndex.empty(state.num_pages), pool=PagePool.empty(state.num_pages)
+    )

@@ -215,11 +215,8 @@ class LLM:
     # ---- notebook view ---------------------------------------------------------
 
     def cache_usage(self) -> dict:
-        st, pool = self.engine.state, self.engine.sched.pool
-        total = self.engine.ecfg.num_pages - 1
-        owned = int(np.count_nonzero(pool.refcount[1:]))
-        cached = int(np.count_nonzero((st.prefix.key[1:] != 0) & (pool.refcount[1:] == 0)))
-        return {"pages": total, "owned": owned, "cached": cached, "free": total - owned - cached}
+        st = self.engine.state
+        return {"pages": st.num_pages - 1, **st.pool.usage(st.prefix)}
 
     def __repr__(self) -> str:
         u = self.cache_usage()

@@ -1,89 +1,132 @@
-"""Page allocator: every page is free, cached (in the prefix index, no owner) or owned.
+"""The page pool: who holds each KV page, as part of the engine state.
 
-Owned pages carry a refcount (shared prompt pages of `n` samples or prefix
-hits). The prefix index itself is an `EngineState` value; functions here take
-it and return the new one, so the engine can swap it whole on a weight update.
+Every page but the null page 0 is exactly one of: owned (refcount > 0: some
+sequence's block table lists it), cached (refcount 0 and in the prefix index:
+evictable, least recently used first) or free (neither). "Free" is derived from
+the refcounts and the index, never listed separately, so emptying the index
+(a weight update, `reset_prefix_cache`) frees its unowned pages with nothing to
+reconcile by hand.
+
+The pool also holds each sequence's block table (`tables[seq_id]`, page i
+holding tokens [i*ps, (i+1)*ps)) and the chain keys of its pages registered in
+the prefix index (`keys[seq_id]`). A transition edits a private copy
+(`edit()`) and returns it inside the new `EngineState`; a pool that a state
+holds is never edited again, so an old state stays a valid value.
 """
 
 from __future__ import annotations
 
-import hashlib
+import collections
 
 import numpy as np
 
-from hotswap.engine.state import PrefixIndex
-
-
-def page_key(parent: int, tokens: list[int], version: int) -> int:
-    """Chain hash of (parent key, page token ids, weights version), never 0."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(int(parent).to_bytes(8, "little"))
-    h.update(int(version).to_bytes(8, "little", signed=True))
-    h.update(np.asarray(tokens, np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little") or 1
+from hotswap.engine.prefix import PrefixIndex
 
 
 class PagePool:
-    """Host-side refcounts and free list. Page 0 is the null page: never handed out."""
+    def __init__(
+        self,
+        refcount: np.ndarray,
+        tables: dict[int, list[int]] | None = None,
+        keys: dict[int, list[int]] | None = None,
+        tick: int = 0,
+    ):
+        self.refcount = refcount  # int32[num_pages]; refcount[0] stays 0 (null page)
+        self.tables = tables if tables is not None else {}
+        self.keys = keys if keys is not None else {}
+        self.tick = tick  # LRU clock of the prefix index
 
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.refcount = np.zeros(num_pages, np.int32)
-        self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields low ids first
-        self.tick = 0
+    @staticmethod
+    def empty(num_pages: int) -> PagePool:
+        return PagePool(np.zeros(num_pages, np.int32))
 
-    def num_free(self, prefix: PrefixIndex) -> int:
+    @staticmethod
+    def holding(num_pages: int, tables: dict[int, list[int]], tick: int = 0) -> PagePool:
+        """A pool whose only owners are `tables` (refcounts counted from them), no keys."""
+        refcount = np.zeros(num_pages, np.int32)
+        for table in tables.values():
+            np.add.at(refcount, np.asarray(table, np.int64), 1)
+        return PagePool(refcount, {s: list(t) for s, t in tables.items()}, {}, tick)
+
+    def edit(self) -> PagePool:
+        """A private copy for one transition to edit in place."""
+        return PagePool(
+            self.refcount.copy(),
+            {s: list(t) for s, t in self.tables.items()},
+            {s: list(k) for s, k in self.keys.items()},
+            self.tick,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.refcount)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self.tables.get(seq_id, [])
+
+    def seq_keys(self, seq_id: int) -> list[int]:
+        return self.keys.setdefault(seq_id, [])
+
+    def next_tick(self) -> int:
+        self.tick += 1
+        return self.tick
+
+    # ---- edits (on a copy from `edit()`) ------------------------------------
+
+    def num_free(self) -> int:
         """Pages obtainable now: free ones plus unowned cached ones (evictable)."""
-        evictable = int(np.count_nonzero((prefix.key != 0) & (self.refcount == 0)))
-        return len(self.free) + evictable
+        return int(np.count_nonzero(self.refcount[1:] == 0))
 
-    def allocate(self, prefix: PrefixIndex) -> tuple[int, PrefixIndex]:
-        """One page (refcount 1), evicting the least recently used cached page if needed; 0 if none."""
-        if self.free:
-            page = self.free.pop()
-        else:
-            cand = np.flatnonzero((prefix.key != 0) & (self.refcount == 0))
-            if cand.size == 0:
-                return 0, prefix
-            page = int(cand[np.argmin(prefix.tick[cand])])
-            prefix = prefix.remove([page])
-        self.refcount[page] = 1
-        return page, prefix
+    def allocate(self, seq_id: int, n: int, prefix: PrefixIndex) -> tuple[bool, PrefixIndex]:
+        """Append n pages (refcount 1) to seq's table, free ones first (lowest id), then the least
+        recently used cached ones (evicted from the index). False, nothing taken, if too few."""
+        if n <= 0:
+            return True, prefix
+        unowned = np.flatnonzero(self.refcount[1:] == 0) + 1
+        cached = prefix.key[unowned] != 0
+        free, evictable = unowned[~cached], unowned[cached]
+        if len(free) + len(evictable) < n:
+            return False, prefix
+        pages = free[:n]
+        if len(pages) < n:
+            lru = evictable[np.argsort(prefix.tick[evictable], kind="stable")[: n - len(pages)]]
+            prefix = prefix.remove(lru.tolist())
+            pages = np.concatenate([pages, lru])
+        self.refcount[pages] = 1
+        self.tables.setdefault(seq_id, []).extend(int(p) for p in pages)
+        return True, prefix
 
-    def share(self, page: int) -> None:
-        self.refcount[page] += 1
-
-    def release(self, pages: list[int], prefix: PrefixIndex) -> None:
-        """Drop one reference to each page; unowned pages not in the index become free."""
+    def share(self, seq_id: int, pages: list[int]) -> None:
+        """Append pages another owner (or the prefix index) holds to seq's table."""
         for page in pages:
-            if page == 0:
-                continue
-            self.refcount[page] -= 1
-            assert self.refcount[page] >= 0, f"page {page} released twice"
-            if self.refcount[page] == 0 and prefix.key[page] == 0:
-                self.free.append(page)
+            self.refcount[page] += 1
+        self.tables.setdefault(seq_id, []).extend(pages)
 
-    def reset(self) -> None:
-        """Everything free (after a weight update that released every sequence)."""
-        self.refcount[:] = 0
-        self.free = list(range(self.num_pages - 1, 0, -1))
+    def release(self, seq_id: int) -> None:
+        """Drop seq's table and keys; its pages lose one reference each."""
+        table = self.tables.pop(seq_id, [])
+        self.keys.pop(seq_id, None)
+        if table:
+            idx = np.asarray(table, np.int64)
+            self.refcount[idx] -= 1
+            assert (self.refcount[idx] >= 0).all(), f"seq {seq_id}: a page was released twice"
 
-    def reclaim_uncached(self, prefix: PrefixIndex) -> None:
-        """After the index was emptied: unowned pages that were cached become free."""
-        free = set(self.free)
+    # ---- views --------------------------------------------------------------
+
+    def usage(self, prefix: PrefixIndex) -> dict[str, int]:
+        """Owned / cached / free counts of the pages that can be handed out (all but page 0)."""
+        rc, key = self.refcount[1:], prefix.key[1:]
+        owned = int(np.count_nonzero(rc > 0))
+        cached = int(np.count_nonzero((key != 0) & (rc == 0)))
+        return {"owned": owned, "cached": cached, "free": len(rc) - owned - cached}
+
+    def check(self, prefix: PrefixIndex) -> None:
+        """Invariant: refcounts equal the owners the tables list; page 0 is never handed out."""
+        owners = collections.Counter(p for t in self.tables.values() for p in t)
+        assert 0 not in owners and self.refcount[0] == 0, "the null page was handed out"
+        assert prefix.key[0] == 0, "the null page is in the prefix index"
         for page in range(1, self.num_pages):
-            if self.refcount[page] == 0 and prefix.key[page] == 0 and page not in free:
-                self.free.append(page)
-
-    def check(self, prefix: PrefixIndex, owners: dict[int, int]) -> None:
-        """Invariant: each page is exactly one of free / cached / owned, refcounts match owners."""
-        free = set(self.free)
-        assert len(free) == len(self.free), "duplicate page in free list"
-        assert 0 not in free, "null page on the free list"
-        for page in range(1, self.num_pages):
-            rc, cached = int(self.refcount[page]), bool(prefix.key[page] != 0)
+            rc = int(self.refcount[page])
             assert rc == owners.get(page, 0), f"page {page}: refcount {rc} != owners {owners.get(page, 0)}"
-            if page in free:
-                assert rc == 0 and not cached, f"page {page} free but owned or cached"
-            else:
-                assert rc > 0 or cached, f"page {page} leaked: not free, not cached, not owned"
+        for seq_id, table in self.tables.items():
+            assert len(set(table)) == len(table), f"seq {seq_id}: a page listed twice in its table"

@@ -13,6 +13,7 @@ the same shapes, dtypes and shardings reuses every executable.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from functools import partial
 
 import jax
@@ -23,9 +24,12 @@ from hotswap.engine import model
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.engine.sampling import SamplingArrays, argmax_logsumexp, sample
+from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
+from hotswap.engine.state import EngineState
 from hotswap.kernels import READ_THEN_WRITE, READS_BEFORE_STEP, cpu_sampling
 
+Tables = Mapping[int, list[int]]  # seq_id -> block table (the state's page pool)
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
 
 
@@ -151,12 +155,12 @@ class Runner:
         return np.asarray(table)[pos // self.ps] * self.ps + pos % self.ps
 
     @staticmethod
-    def _list_pages(bt: Batch, reads: list[tuple[Sequence, int]]) -> None:
-        """Fill the flat page list: for each (sequence, k), its first k pages, tagged with the
+    def _list_pages(bt: Batch, reads: list[tuple[list[int], int]]) -> None:
+        """Fill the flat page list: for each (block table, k), its first k pages, tagged with the
         sequence's index in `reads` (its row in a decode batch, its segment in a prefill)."""
         at = 0
-        for r, (seq, k) in enumerate(reads):
-            bt.page_ids[at : at + k] = seq.block_table[:k]
+        for r, (table, k) in enumerate(reads):
+            bt.page_ids[at : at + k] = table[:k]
             bt.page_rows[at : at + k] = r
             bt.page_cols[at : at + k] = np.arange(k)
             at += k
@@ -177,9 +181,10 @@ class Runner:
             listed += pages
         return calls + [cur] if cur else calls
 
-    def decode_batch(self, seqs: list[Sequence]) -> Batch:
+    def decode_batch(self, seqs: list[Sequence], tables: Tables) -> Batch:
         """[B, 1]: one new token per sequence."""
         n = len(seqs)
+        seq_tables = [tables[s.seq_id] for s in seqs]
         b = pick(self.buckets.batch, n)
         start = np.array([s.num_computed for s in seqs], np.int32)
         need = [self._pages_needed(int(x), int(x) + 1) for x in start]
@@ -187,15 +192,15 @@ class Runner:
             # P is the *average* pages per row: the flat list holds b * P pages.
             p = pick(self.buckets.pages, -(-sum(need) // b))
             bt = Batch.zeros(b, 1, 0, b, n=b * p)
-            self._list_pages(bt, list(zip(seqs, need, strict=True)))
+            self._list_pages(bt, list(zip(seq_tables, need, strict=True)))
         else:
             p = pick(self.buckets.pages, max(need))
             bt = Batch.zeros(b, 1, p, b)
-            for i, (s, k) in enumerate(zip(seqs, need, strict=True)):
-                bt.block_tables[i, :k] = s.block_table[:k]
-        for i, s in enumerate(seqs):
+            for i, (table, k) in enumerate(zip(seq_tables, need, strict=True)):
+                bt.block_tables[i, :k] = table[:k]
+        for i, (s, table) in enumerate(zip(seqs, seq_tables, strict=True)):
             bt.tokens[i, 0] = s.token_slice(int(start[i]), 1)[0]
-            bt.slots[i, 0] = self._slots(s.block_table, start[i])
+            bt.slots[i, 0] = self._slots(table, start[i])
         bt.positions[:n, 0] = start
         bt.kv_lens[:n] = start + 1
         bt.chunk_starts[:n] = start
@@ -203,7 +208,7 @@ class Runner:
         bt.sample_idx[:] = np.arange(b)
         return bt
 
-    def prefill_batch(self, rows: list[tuple[Sequence, int]]) -> Batch:
+    def prefill_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
         """[Nb, PREFILL_ROW]: each chunk laid out from a fresh row, padded to whole rows."""
         q = PREFILL_ROW
         need = [-(-n // q) for _, n in rows]
@@ -212,14 +217,14 @@ class Runner:
         if self._flat:  # every sequence's cached pages once, end to end
             p = pick(self.buckets.prefill_pages, sum(cached))
             bt = Batch.zeros(nb, q, 0, nb, n=p)
-            self._list_pages(bt, [(seq, k) for (seq, _), k in zip(rows, cached, strict=True)])
+            self._list_pages(bt, [(tables[seq.seq_id], k) for (seq, _), k in zip(rows, cached, strict=True)])
         else:
             p = pick(self.buckets.prefill_pages, max(cached))
             bt = Batch.zeros(nb, q, p, nb)
         tokens, positions, slots = bt.tokens.reshape(-1), bt.positions.reshape(-1), bt.slots.reshape(-1)
         row = 0
         for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
-            start, base, table = seq.num_computed, row * q, np.asarray(seq.block_table, np.int32)
+            start, base, table = seq.num_computed, row * q, np.asarray(tables[seq.seq_id], np.int32)
             pos = np.arange(start, start + n)
             tokens[base : base + n] = seq.token_slice(start, n)
             positions[base : base + k * q] = np.arange(start, start + k * q)  # padding continues the run
@@ -233,15 +238,30 @@ class Runner:
             row += k
         return bt
 
-    def run(self, params: Params, pages, rows: list[tuple[Sequence, int]], decode: bool):
+    def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], tables: Tables, decode: bool):
         """One jitted call for `rows`: a decode batch, or prefill chunks packed together."""
-        batch = self.decode_batch([s for s, _ in rows]) if decode else self.prefill_batch(rows)
+        batch = (
+            self.decode_batch([s for s, _ in rows], tables) if decode else self.prefill_batch(rows, tables)
+        )
         s = batch.sample_idx.shape[0]
         sa = SamplingArrays.from_rows([(q.params, q.seed, len(q.output_ids)) for q, _ in rows], s)
         pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, impl=self.ecfg.attention)
         n_rows = len(rows)
         tok, lp, ti, tl = jax.device_get(out)  # one host copy per call
         return pages, (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
+
+    def run(self, state: EngineState, plan: Plan):
+        """Run a plan on the state's params and pages: one call for the decode batch, one for
+        every prefill chunk packed together. Returns the new page buffers (the old ones are
+        donated) and the sampled rows in `plan.rows` order."""
+        tables, pages = state.pool.tables, state.kv.pages
+        calls = [(True, [(s, 1) for s in plan.decode])] if plan.decode else []
+        calls += [(False, rows) for rows in self.pack(plan.prefill)]
+        outs = []
+        for decode, rows in calls:
+            pages, out = self._call(state.params, pages, rows, tables, decode)
+            outs.append(out)
+        return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
     def warmup(self, params: Params, pages, progress: bool = True):
         """Compile every bucket now, so serving never compiles (returns the pages back)."""

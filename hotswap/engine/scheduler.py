@@ -1,4 +1,4 @@
-"""Continuous batching on the host: admission, chunked prefill, paging, preemption.
+"""Continuous batching on the host: `schedule(state) -> plan`, `postprocess(state, plan, out)`.
 
 Plain Python and numpy, never inside jit. Each `schedule()` picks, within the
 token budget (`max_num_batched_tokens`), one decode token for every running
@@ -7,6 +7,11 @@ admits waiting sequences while pages and `max_num_seqs` allow. When pages run
 out, the youngest running sequence is preempted by recompute: its pages are
 released and it goes back to the front of the queue with its tokens so far,
 so no request is ever dropped.
+
+Which pages a sequence holds lives in the state (`state.pool`), not here: both
+passes take an `EngineState` and return the next one, so page-version stamping,
+prefix registration and page release happen in exactly one place. The
+scheduler keeps the request queues (host bookkeeping of tokens and status).
 """
 
 from __future__ import annotations
@@ -14,10 +19,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from hotswap.config import EngineConfig
-from hotswap.engine.pages import PagePool, page_key
+from hotswap.engine.pages import PagePool
+from hotswap.engine.prefix import PrefixIndex, page_key
 from hotswap.engine.sequence import Sequence, Status
-from hotswap.engine.state import PrefixIndex
+from hotswap.engine.state import EngineState, KVCache
+from hotswap.engine.stops import finish_reason
+
+StepOutput = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # tokens, logprobs, top ids, top lps
 
 
 @dataclasses.dataclass
@@ -32,54 +43,65 @@ class Plan:
         return not self.decode and not self.prefill
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+    def rows(self) -> list[tuple[Sequence, int]]:
+        """Every row in the order the runner's outputs come back: decode first, then prefill."""
+        return [(s, 1) for s in self.decode] + self.prefill
+
+
+@dataclasses.dataclass
+class _Work:
+    """One pass's working copy of the page state: an edited pool and the latest prefix index."""
+
+    pool: PagePool
+    prefix: PrefixIndex
+    version: int
+
+    @staticmethod
+    def of(state: EngineState) -> _Work:
+        return _Work(state.pool.edit(), state.prefix, state.weights_version)
+
+    def into(self, state: EngineState) -> EngineState:
+        return dataclasses.replace(state, pool=self.pool, prefix=self.prefix)
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig):
+    def __init__(self, ecfg: EngineConfig, tokenizer=None):
         self.cfg = ecfg
         self.ps = ecfg.page_size
-        self.pool = PagePool(ecfg.num_pages)
+        self.tokenizer = tokenizer  # for stop strings
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.hold_admission = False  # set while an update drains
         self.num_preemptions = 0
+        self.num_generated = 0
 
     # ---- queue -------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def owners(self) -> dict[int, int]:
-        count: dict[int, int] = collections.Counter()
-        for s in self.running:
-            for p in s.block_table:
-                count[p] += 1
-        return dict(count)
+    def started(self) -> list[Sequence]:
+        """Sequences that have run: running ones and preempted ones waiting to resume."""
+        return list(self.running) + [s for s in self.waiting if s.admitted_once]
 
-    # ---- paging --------------------------------------------------------------
+    def check(self, state: EngineState) -> None:
+        """Invariant: the pool's refcounts match its tables, and only running sequences hold pages."""
+        state.pool.check(state.prefix)
+        running = {s.seq_id for s in self.running}
+        holders = {s for s, t in state.pool.tables.items() if t}
+        assert holders <= running, f"sequences {sorted(holders - running)} hold pages but are not running"
 
-    def _grow(self, seq: Sequence, upto: int, prefix: PrefixIndex) -> tuple[bool, PrefixIndex]:
+    # ---- paging (on a pass's working copy) ------------------------------------
+
+    def _grow(self, w: _Work, seq: Sequence, upto: int) -> bool:
         """Ensure seq has pages for tokens [0, upto). False (nothing half-done kept) if out of pages."""
-        need = -(-upto // self.ps) - len(seq.block_table)
-        if need <= 0:
-            return True, prefix
-        if self.pool.num_free(prefix) < need:
-            return False, prefix
-        for _ in range(need):
-            page, prefix = self.pool.allocate(prefix)
-            seq.block_table.append(page)
-        return True, prefix
+        need = -(-upto // self.ps) - len(w.pool.table(seq.seq_id))
+        ok, w.prefix = w.pool.allocate(seq.seq_id, need, w.prefix)
+        return ok
 
-    def release(self, seq: Sequence, prefix: PrefixIndex) -> None:
-        self.pool.release(seq.block_table, prefix)
-        seq.block_table = []
-        seq.page_keys = []
-
-    def preempt(self, seq: Sequence, prefix: PrefixIndex) -> None:
+    def _preempt(self, w: _Work, seq: Sequence) -> None:
         """Recompute later: drop KV, keep tokens, back to the front of the queue."""
-        self.release(seq, prefix)
+        w.pool.release(seq.seq_id)
         seq.num_computed = 0
         seq.mixed_kv = False  # its KV will be rebuilt under the current weights
         seq.status = Status.WAITING
@@ -87,37 +109,30 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _match_prefix(self, seq: Sequence, prefix: PrefixIndex, version: int) -> PrefixIndex:
+    def _match_prefix(self, w: _Work, seq: Sequence) -> None:
         """Share cached full pages of seq's tokens (current version only); keep >= 1 token to compute."""
-        ids = seq.all_ids
+        ids, sid = seq.all_ids, seq.seq_id
         max_pages = (len(ids) - 1) // self.ps
         parent = seq.fork_parent
         if parent is not None and not parent.is_finished and parent.num_computed >= len(seq.prompt_ids):
             # n > 1: share the parent's full prompt pages directly (works without prefix caching).
-            shared = parent.block_table[: min(max_pages, len(seq.prompt_ids) // self.ps)]
-            for page in shared:
-                self.pool.share(page)
-            seq.block_table = list(shared)
-            seq.page_keys = []
-            seq.num_computed = len(shared) * self.ps
-        if not self.cfg.enable_prefix_caching:
-            return prefix
-        key = seq.page_keys[-1] if seq.page_keys else 0
-        hits = []
-        for i in range(len(seq.page_keys), max_pages):
-            key = page_key(key, ids[i * self.ps : (i + 1) * self.ps], version)
-            page = prefix.find(key, version)
-            if page == 0 or i < len(seq.block_table):
-                break
-            hits.append((page, key))
-        for page, key in hits:
-            self.pool.share(page)
-            seq.block_table.append(page)
-            seq.page_keys.append(key)
-        if hits:
-            prefix = prefix.touch([p for p, _ in hits], self._tick())
-        seq.num_computed = len(seq.block_table) * self.ps
-        return prefix
+            w.pool.share(sid, w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)])
+        table = w.pool.table(sid)
+        if self.cfg.enable_prefix_caching:
+            keys = w.pool.seq_keys(sid)
+            key = keys[-1] if keys else 0
+            hits = []
+            for i in range(len(keys), max_pages):
+                key = page_key(key, ids[i * self.ps : (i + 1) * self.ps], w.version)
+                page = w.prefix.find(key, w.version)
+                if page == 0 or i < len(table):
+                    break
+                hits.append((page, key))
+            w.pool.share(sid, [p for p, _ in hits])
+            keys.extend(k for _, k in hits)
+            if hits:
+                w.prefix = w.prefix.touch([p for p, _ in hits], w.pool.next_tick())
+        seq.num_computed = len(w.pool.table(sid)) * self.ps
 
     def _prompt_keys(self, seq: Sequence, version: int) -> list[int]:
         """Chain keys of seq's full prompt pages under `version` (computed once per version)."""
@@ -137,35 +152,32 @@ class Scheduler:
                 pending.update(self._prompt_keys(s, version)[s.num_computed // self.ps :])
         return pending
 
-    def _waits_for_prefix(self, seq: Sequence, prefix: PrefixIndex, version: int, pending: set[int]) -> bool:
+    def _waits_for_prefix(self, w: _Work, seq: Sequence, pending: set[int]) -> bool:
         """True if seq's first uncached prompt page is being computed by another sequence right
         now: admitting it next step turns that page into a prefix hit instead of a recompute."""
-        keys = self._prompt_keys(seq, version)[: (seq.total_len - 1) // self.ps]
-        missing = next((k for k in keys if prefix.find(k, version) == 0), None)
+        keys = self._prompt_keys(seq, w.version)[: (seq.total_len - 1) // self.ps]
+        missing = next((k for k in keys if w.prefix.find(k, w.version) == 0), None)
         return missing is not None and missing in pending
 
-    def _tick(self) -> int:
-        self.pool.tick += 1
-        return self.pool.tick
-
-    def register_full_pages(self, seq: Sequence, prefix: PrefixIndex, version: int) -> PrefixIndex:
+    def _register_full_pages(self, w: _Work, seq: Sequence) -> None:
         """Index every page of seq that is now full (prompt or generated tokens)."""
         if not self.cfg.enable_prefix_caching or seq.mixed_kv:
-            return prefix
-        full = min(seq.num_computed // self.ps, len(seq.block_table))
-        while len(seq.page_keys) < full:  # rarely true: once per page_size tokens
-            i = len(seq.page_keys)
-            parent = seq.page_keys[-1] if seq.page_keys else 0
-            key = page_key(parent, seq.token_slice(i * self.ps, self.ps), version)
-            page = seq.block_table[i]
-            if prefix.key[page] == 0 and prefix.find(key, version) == 0:
-                prefix = prefix.insert(page, key, version, self._tick())
-            seq.page_keys.append(key)
-        return prefix
+            return
+        table, keys = w.pool.table(seq.seq_id), w.pool.seq_keys(seq.seq_id)
+        full = min(seq.num_computed // self.ps, len(table))
+        while len(keys) < full:  # rarely true: once per page_size tokens
+            i = len(keys)
+            parent = keys[-1] if keys else 0
+            key = page_key(parent, seq.token_slice(i * self.ps, self.ps), w.version)
+            page = table[i]
+            if w.prefix.key[page] == 0 and w.prefix.find(key, w.version) == 0:
+                w.prefix = w.prefix.insert(page, key, w.version, w.pool.next_tick())
+            keys.append(key)
 
     # ---- the schedule ----------------------------------------------------------
 
-    def schedule(self, prefix: PrefixIndex, version: int) -> tuple[Plan, PrefixIndex]:
+    def schedule(self, state: EngineState) -> tuple[Plan, EngineState]:
+        w = _Work.of(state)
         budget = self.cfg.max_num_batched_tokens
         plan = Plan(decode=[], prefill=[])
 
@@ -174,12 +186,9 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget <= 0:
                 continue
             n = 1 if not seq.in_prefill else min(seq.total_len - seq.num_computed, budget)
-            while True:
-                ok, prefix = self._grow(seq, seq.num_computed + n, prefix)
-                if ok:
-                    break
+            while not self._grow(w, seq, seq.num_computed + n):
                 victim = max(self.running, key=lambda s: s.arrival)
-                self.preempt(victim, prefix)
+                self._preempt(w, victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
@@ -195,7 +204,7 @@ class Scheduler:
 
         # 2. Admit waiting sequences, in order, while the budget, max_num_seqs and pages allow.
         caching = self.cfg.enable_prefix_caching
-        pending = self._pending_keys(version) if caching and self.waiting else set()
+        pending = self._pending_keys(w.version) if caching and self.waiting else set()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
@@ -203,21 +212,21 @@ class Scheduler:
                 continue  # an update is draining: only already-started (preempted) work may run
             if seq.fork_parent is not None and self._parent_pending(seq):
                 continue  # n > 1: wait for the parent's prompt so its pages can be shared
-            if pending and self._waits_for_prefix(seq, prefix, version, pending):
+            if pending and self._waits_for_prefix(w, seq, pending):
                 continue  # a shared prefix is being computed this step: hit it next step
-            prefix = self._match_prefix(seq, prefix, version)
+            self._match_prefix(w, seq)
             if not seq.admitted_once:
                 seq.num_cached_tokens = seq.num_computed
                 seq.admitted_once = True
             n = min(seq.total_len - seq.num_computed, budget)
-            ok, prefix = self._grow(seq, seq.num_computed + n, prefix)
-            if not ok:  # out of pages: stop here, so admission stays first-come first-served
-                self.release(seq, prefix)
+            if not self._grow(w, seq, seq.num_computed + n):
+                # Out of pages: stop here, so admission stays first-come first-served.
+                w.pool.release(seq.seq_id)
                 seq.num_computed = 0
                 break
             self.waiting.remove(seq)
             if caching and not seq.mixed_kv:
-                pending.update(self._prompt_keys(seq, version)[seq.num_computed // self.ps :])
+                pending.update(self._prompt_keys(seq, w.version)[seq.num_computed // self.ps :])
             seq.status = Status.RUNNING
             self.running.append(seq)
             budget -= n
@@ -225,17 +234,71 @@ class Scheduler:
                 plan.prefill.append((seq, n))
             else:
                 plan.decode.append(seq)
-        return plan, prefix
+        return plan, w.into(state)
 
     def _parent_pending(self, seq: Sequence) -> bool:
         p = seq.fork_parent
         return p is not None and not p.is_finished and p.num_computed < len(p.prompt_ids)
 
-    def finish(self, seq: Sequence, reason: str, prefix: PrefixIndex) -> None:
+    # ---- after the step ---------------------------------------------------------
+
+    def postprocess(
+        self, state: EngineState, plan: Plan, out: StepOutput
+    ) -> tuple[EngineState, list[Sequence]]:
+        """Record a step's results: stamp the written pages with the weights version, index newly
+        full pages, append each sampled token with its version and finish sequences that stop.
+        Returns the next state and the sequences the step touched."""
+        w = _Work.of(state)
+        page_version = state.kv.page_version.copy()
+        tok, lp, top_ids, top_lps = out
+        rows = plan.rows
+        for i, (seq, n) in enumerate(rows):
+            table = w.pool.table(seq.seq_id)
+            first, last = seq.num_computed // self.ps, (seq.num_computed + n - 1) // self.ps
+            page_version[table[first : last + 1]] = w.version
+            seq.num_computed += n
+            # Index newly full pages before a finish can release them (then they stay cached).
+            self._register_full_pages(w, seq)
+            if seq.num_computed < seq.total_len:
+                continue  # a prompt chunk short of the prompt's end: nothing sampled
+            k = seq.params.logprobs
+            seq.append_token(
+                int(tok[i]),
+                float(lp[i]),
+                w.version,
+                (top_ids[i, :k].copy(), top_lps[i, :k].copy()) if k else None,
+            )
+            self.num_generated += 1
+            reason, stop = finish_reason(seq, self.tokenizer, self.cfg.max_model_len)
+            if reason is not None:
+                seq.stop_reason = stop
+                self._finish(w, seq, reason)
+        state = w.into(state)
+        state = dataclasses.replace(state, kv=KVCache(pages=state.kv.pages, page_version=page_version))
+        return state, [s for s, _ in rows]
+
+    # ---- ending and preempting outside a step -------------------------------------
+
+    def _finish(self, w: _Work, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.release(seq, prefix)
+        w.pool.release(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def finish(self, state: EngineState, seqs: list[Sequence], reason: str) -> EngineState:
+        """End `seqs` (e.g. aborted) and release their pages."""
+        w = _Work.of(state)
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish(w, seq, reason)
+        return w.into(state)
+
+    def preempt_running(self, state: EngineState) -> EngineState:
+        """Every running sequence back to the queue, to be recomputed (its pages released)."""
+        w = _Work.of(state)
+        for seq in list(self.running):
+            self._preempt(w, seq)
+        return w.into(state)

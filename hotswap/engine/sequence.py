@@ -1,4 +1,5 @@
-"""Host-side bookkeeping for one generated sequence (one of a request's `n` samples)."""
+"""Host-side bookkeeping for one generated sequence (one of a request's `n` samples): its tokens,
+status and sampling settings. The pages it holds are in the engine state's page pool."""
 
 from __future__ import annotations
 
@@ -36,12 +37,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    # Paging. block_table[i] holds tokens [i*ps, (i+1)*ps). num_computed tokens
-    # have KV in the pages; the next step feeds all_ids[num_computed:...].
-    block_table: list[int] = dataclasses.field(default_factory=list)
+    # num_computed tokens have KV in the sequence's pages (its block table is in the
+    # engine state's page pool); the next step feeds all_ids[num_computed:...].
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
-    page_keys: list[int] = dataclasses.field(default_factory=list)  # chain keys of registered pages
     # Set under the `keep` update policy: this sequence's KV mixes weights
     # versions, so pages it writes must never enter the prefix index.
     mixed_kv: bool = False
@@ -49,6 +48,15 @@ class Sequence:
     tokens_over_mixed_kv: bool = False
     admitted_once: bool = False
     prompt_keys: tuple[int, list[int]] | None = None  # (version, chain keys of full prompt pages)
+
+    def append_token(self, token: int, logprob: float, version: int, top) -> None:
+        """One sampled token, the weights version that produced it and its top-k (or None)."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.output_versions.append(version)
+        self.tokens_over_mixed_kv |= self.mixed_kv
+        if top is not None:
+            self.output_top.append(top)
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,9 +1,11 @@
 """EngineState: the whole serving state as one explicit value.
 
-`params`, the `weights_version`, the paged KV cache and the prefix index live
-together so that a weight update is a function from one state to the next
-(`lifecycle.py`): the new state's cache and index are empty by construction,
-and the old state is untouched if anything fails.
+The params, the `weights_version`, the paged KV cache, the prefix index and the
+page pool (refcounts and every sequence's block table) live together, so a
+weight update is a function from one state to the next (`lifecycle.py`): the new
+state's cache, index and pool hold nothing from before by construction, and the
+old state is untouched if anything fails. Requests and their tokens are the
+scheduler's host bookkeeping; which pages they hold is here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
+from hotswap.engine.pages import PagePool
 from hotswap.engine.params import Params
+from hotswap.engine.prefix import PrefixIndex
 
 
 @jax.tree_util.register_dataclass
@@ -45,54 +49,6 @@ class KVCache:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefixIndex:
-    """Full-page prefix cache index, host numpy, one slot per page.
-
-    key[p] is the chain hash of (parent key, page tokens, weights version) of
-    the page's content (0: the page is not cached). version[p] is the weights
-    version that wrote it; a lookup matches only the current version, so even
-    an index that survived an update could never hit. tick[p] is the LRU clock.
-    Transitions return new values (copying a few small arrays is cheap).
-    """
-
-    key: np.ndarray  # uint64[num_pages]
-    version: np.ndarray  # int64[num_pages]
-    tick: np.ndarray  # int64[num_pages]
-
-    @staticmethod
-    def empty(num_pages: int) -> PrefixIndex:
-        return PrefixIndex(
-            key=np.zeros(num_pages, np.uint64),
-            version=np.full(num_pages, -1, np.int64),
-            tick=np.zeros(num_pages, np.int64),
-        )
-
-    @property
-    def num_cached(self) -> int:
-        return int(np.count_nonzero(self.key))
-
-    def find(self, key: int, version: int) -> int:
-        """Page holding `key` under `version`, or 0 (the null page) if none."""
-        hit = np.flatnonzero((self.key == np.uint64(key)) & (self.version == version))
-        return int(hit[0]) if hit.size else 0
-
-    def insert(self, page: int, key: int, version: int, tick: int) -> PrefixIndex:
-        key_, ver, tk = self.key.copy(), self.version.copy(), self.tick.copy()
-        key_[page], ver[page], tk[page] = np.uint64(key), version, tick
-        return PrefixIndex(key_, ver, tk)
-
-    def touch(self, pages: list[int], tick: int) -> PrefixIndex:
-        tk = self.tick.copy()
-        tk[pages] = tick
-        return PrefixIndex(self.key, self.version, tk)
-
-    def remove(self, pages: list[int]) -> PrefixIndex:
-        key_, ver = self.key.copy(), self.version.copy()
-        key_[pages], ver[pages] = 0, -1
-        return PrefixIndex(key_, ver, self.tick)
-
-
-@dataclasses.dataclass(frozen=True)
 class EngineState:
     """params: device arrays (host arrays while asleep at level 1; None at level 2)."""
 
@@ -100,7 +56,16 @@ class EngineState:
     weights_version: int
     kv: KVCache | None
     prefix: PrefixIndex
+    pool: PagePool
     asleep: frozenset[str] = frozenset()
+
+    @property
+    def num_pages(self) -> int:
+        return self.prefix.num_pages
+
+    def with_pages(self, pages: tuple[jax.Array, ...]) -> EngineState:
+        """The same state over new page buffers (a step's donated output), provenance unchanged."""
+        return dataclasses.replace(self, kv=KVCache(pages=pages, page_version=self.kv.page_version))
 
 
 def new_kv_cache(mcfg: ModelConfig, ecfg: EngineConfig, dtype: str | None = None, sharding=None) -> KVCache:
@@ -119,4 +84,5 @@ def initial_state(params: Params, mcfg: ModelConfig, ecfg: EngineConfig, version
         weights_version=version,
         kv=new_kv_cache(mcfg, ecfg, sharding=kv_sharding),
         prefix=PrefixIndex.empty(ecfg.num_pages),
+        pool=PagePool.empty(ecfg.num_pages),
     )

@@ -59,7 +59,7 @@ def _audit_admitted(engine, version: int, seen: set[int]) -> int:
             continue
         seen.add(seq.seq_id)
         # num_cached_tokens counts whole reused pages at the front of the block table.
-        reused = seq.block_table[: seq.num_cached_tokens // ps]
+        reused = engine.state.pool.table(seq.seq_id)[: seq.num_cached_tokens // ps]
         stale += sum(int(page_version[p]) != version for p in reused)
     return stale
 
