@@ -1,6 +1,6 @@
 """The end-of-file hook of `.pre-commit-config.yaml`: each text file ends with exactly one newline.
 
-    python tools/eof.py FILE...   # prints each bad file, exits 1 if any
+python tools/eof.py FILE...   # prints each bad file, exits 1 if any
 """
 
 from __future__ import annotations
