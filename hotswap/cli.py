@@ -1,8 +1,4 @@
-"""`hotswap serve | create-model | demo | bench`: one argparse entry, each command in its own module.
-
-`bench` is not part of the package: its module is `benchmarks/bench.py` of the source checkout
-this package runs from (an editable install, or the checkout on PYTHONPATH).
-"""
+"""`hotswap serve | create-model | demo | bench`: one argparse entry, each command in its own module."""
 
 from __future__ import annotations
 
@@ -68,7 +64,11 @@ def _no_checkout(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    """`hotswap bench`: the checkout's `benchmarks/bench.py` defines its flags and runs it."""
+    """`hotswap bench`: the checkout's `benchmarks/bench.py` defines its flags and runs it.
+
+    The benchmarks are not part of the package (nor of its wheel): they run from the source
+    checkout this package was imported from (an editable install, or the checkout on PYTHONPATH).
+    """
     root = checkout()
     if root is None:  # still listed, so that running it says where the benchmarks are
         # No flags to know: every word (`--no-hf`, `--help` too) is taken as a plain argument.

@@ -70,3 +70,16 @@ def test_bench_runs_the_checkouts_benchmarks_and_says_where_they_are_without_one
     err = capsys.readouterr().err
     assert err.startswith("hotswap bench: error: the benchmarks are not part of the installed package")
     assert "pip install -e ." in err and "python -m benchmarks.bench" in err
+
+
+def test_one_cache_directory_setting(tmp_path, monkeypatch):
+    """`$HOTSWAP_CACHE_DIR` places the default model (and the C++ kernels, `kernels/cpu_build.py`)."""
+    from hotswap.cache_dir import cache_dir
+
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", "")
+    assert cache_dir() == Path.home() / ".cache" / "hotswap"
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    path = cli.default_model_dir()
+    assert path == tmp_path / "tiny-llama-seed0" and (path / "model.safetensors").exists()
+    assert cli.default_model_dir() == path  # created once
