@@ -19,8 +19,8 @@ demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/hotswap demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check hotswap tests benchmarks examples
-	$(BIN)/ruff format --check hotswap tests benchmarks examples
+	$(BIN)/ruff check hotswap tests benchmarks tools examples
+	$(BIN)/ruff format --check hotswap tests benchmarks tools examples
 
 test: $(STAMP) lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -ra

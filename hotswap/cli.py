@@ -8,14 +8,15 @@ import os
 import sys
 from pathlib import Path
 
+from hotswap.cache_dir import cache_dir
 from hotswap.errors import HotswapError
 
 
 def default_model_dir() -> Path:
-    """The embedded default model (the `tiny` preset), created once under a cache dir."""
+    """The embedded default model (the `tiny` preset), created once in the cache directory."""
     from hotswap.checkpoint.create import create_checkpoint
 
-    root = Path(os.environ.get("HOTSWAP_CACHE", Path.home() / ".cache" / "hotswap"))
+    root = cache_dir()
     path = root / "tiny-llama-seed0"
     if not (path / "model.safetensors").exists():
         tmp = root / f".tmp-{os.getpid()}"
@@ -37,6 +38,54 @@ def _create_model(args) -> int:
     return 0
 
 
+def checkout() -> Path | None:
+    """The source checkout this package was imported from, or None (an installed wheel).
+
+    A checkout is the package's parent directory when it holds `pyproject.toml` and
+    `benchmarks/bench.py`; a wheel's parent is site-packages, which holds neither.
+    """
+    root = Path(__file__).resolve().parents[1]
+    return (
+        root if (root / "pyproject.toml").is_file() and (root / "benchmarks" / "bench.py").is_file() else None
+    )
+
+
+class BenchmarksNotFound(HotswapError):
+    """`hotswap bench` from an installed wheel: `benchmarks/` is only in a source checkout."""
+
+    code = "benchmarks_not_found"
+
+
+def _no_checkout(args) -> int:
+    raise BenchmarksNotFound(
+        "the benchmarks are not part of the installed package: run `hotswap bench` from an editable "
+        "install of a source checkout (`pip install -e .`), or `python -m benchmarks.bench` from its root"
+    )
+
+
+def _add_bench(sub) -> None:
+    """`hotswap bench`: the checkout's `benchmarks/bench.py` defines its flags and runs it.
+
+    The benchmarks are not part of the package (nor of its wheel): they run from the source
+    checkout this package was imported from (an editable install, or the checkout on PYTHONPATH).
+    """
+    root = checkout()
+    if root is None:  # still listed, so that running it says where the benchmarks are
+        # No flags to know: every word (`--no-hf`, `--help` too) is taken as a plain argument.
+        p = sub.add_parser(
+            "bench",
+            help="benchmarks vs HF transformers (source checkout only)",
+            prefix_chars="\0",
+            add_help=False,
+        )
+        p.add_argument("args", nargs="*")
+        p.set_defaults(func=_no_checkout)
+        return
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # `benchmarks` imports as a package of the checkout
+    importlib.import_module("benchmarks.bench").add_parser(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hotswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_create_model)
 
-    for module in ("hotswap.api.cli_serve", "hotswap.demo", "hotswap.bench"):
+    for module in ("hotswap.api.cli_serve", "hotswap.demo"):
         try:
             importlib.import_module(module).add_parser(sub)
         except ModuleNotFoundError as e:
             if e.name != module:  # a real import error inside the module must surface
                 raise
+    _add_bench(sub)
 
     args = parser.parse_args(argv)
     try:

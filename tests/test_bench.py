@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from hotswap import LLM, bench
+from benchmarks import limits, workloads
+from hotswap import LLM
 
 
 def test_gemv_probe_streams_from_dram_and_reports_each_reader():
-    probe = bench.GemvProbe(calls=4)
+    probe = limits.GemvProbe(calls=4)
     # The working set is far beyond any L3, so no call reads a matrix still in cache.
-    assert sum(w.nbytes for w in probe.mats) >= bench.PROBE_BYTES
+    assert sum(w.nbytes for w in probe.mats) >= limits.PROBE_BYTES
     assert len({w.unsafe_buffer_pointer() for w in probe.mats}) == len(probe.mats)
     got = probe()
     readers = {k: v for k, v in got.items() if k.startswith("gemv_bytes_per_s_")}
@@ -20,7 +21,7 @@ def test_gemv_probe_streams_from_dram_and_reports_each_reader():
 def test_decode_timing_runs_the_probe_before_each_timed_repeat(tiny_dir):
     llm = LLM(tiny_dir, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=16)
     calls = []
-    tok_s = bench.hotswap_decode(
+    tok_s = workloads.hotswap_decode(
         llm, [[5, 6, 7], [8, 9]], new_tokens=4, repeats=3, before_each=lambda: calls.append(1)
     )
     assert len(calls) == 3

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from matplotlib.axes import Axes
 
-from hotswap import bench, bench_peers
-from hotswap.bench_peers import PeerError, PeerNotInstalled, PeerRequest
+from benchmarks import bench, bench_peers
+from benchmarks.bench_peers import PeerError, PeerNotInstalled, PeerRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Speaks the driver half of the protocol; FAKE_PEER picks how it behaves.
 FAKE_DRIVER = """
 import os, sys, time
-from hotswap.bench_peers import emit_result, read_request
+from benchmarks.bench_peers import emit_result, read_request
 
 req = read_request()
 mode = os.environ.get("FAKE_PEER", "ok")

@@ -1,8 +1,10 @@
-"""The `hotswap` command line: create-model writes a loadable checkpoint; unknown commands fail clearly."""
+"""The `hotswap` command line: create-model writes a loadable checkpoint; unknown commands fail clearly;
+`bench` runs the checkout's benchmarks, and says where they are when there is none."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,36 @@ def test_bad_input_is_one_error_line_not_a_traceback(tmp_path, capsys):
     assert cli.main(["bench", str(model), "--peers", "sglang", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hotswap bench: error: unknown peer 'sglang'") and "Traceback" not in err
+
+
+def test_bench_runs_the_checkouts_benchmarks_and_says_where_they_are_without_one(
+    tmp_path, monkeypatch, capsys
+):
+    from benchmarks import bench
+
+    assert cli.checkout() == Path(__file__).resolve().parents[1]
+    model = tmp_path / "m"
+    cli.main(["create-model", "--preset", "tiny", "--out", str(model)])
+    capsys.readouterr()
+    # `python -m benchmarks.bench`: the same flags and the same one-line errors
+    assert bench.main([str(model), "--peers", "sglang", "--out", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err.startswith("python -m benchmarks.bench: error: unknown peer 'sglang'")
+    # An installed wheel has no benchmarks/: `hotswap bench` is still listed, and running it says why not.
+    monkeypatch.setattr(cli, "checkout", lambda: None)
+    assert cli.main(["bench", "--no-hf", "--batches", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hotswap bench: error: the benchmarks are not part of the installed package")
+    assert "pip install -e ." in err and "python -m benchmarks.bench" in err
+
+
+def test_one_cache_directory_setting(tmp_path, monkeypatch):
+    """`$HOTSWAP_CACHE_DIR` places the default model (and the C++ kernels, `kernels/cpu_build.py`)."""
+    from hotswap.cache_dir import cache_dir
+
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", "")
+    assert cache_dir() == Path.home() / ".cache" / "hotswap"
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    path = cli.default_model_dir()
+    assert path == tmp_path / "tiny-llama-seed0" and (path / "model.safetensors").exists()
+    assert cli.default_model_dir() == path  # created once

@@ -241,7 +241,7 @@ def _check_flag_table(rows: list[list[str]], parser: argparse.ArgumentParser) ->
 
 @pytest.mark.parametrize("lang", LANGS)
 def test_serve_and_bench_flag_tables_match_the_parsers(lang):
-    from hotswap import bench
+    from benchmarks import bench
     from hotswap.api import cli_serve
 
     for module, page, span in (

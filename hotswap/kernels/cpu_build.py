@@ -3,7 +3,8 @@
 Each source is compiled on first use with the system C++ compiler against the FFI headers
 that ship with jaxlib (`jax.ffi.include_dir()`), with `-march=native` as llama.cpp builds
 by default, and cached by a hash of source, shared headers, flags, compiler and jaxlib
-version under `$HOTSWAP_CACHE_DIR` (default `~/.cache/hotswap`): about 3 s once per machine.
+version under `kernels/` of hotswap's cache directory (`hotswap/cache_dir.py`: `$HOTSWAP_CACHE_DIR`,
+default `~/.cache/hotswap`): about 3 s once per machine.
 """
 
 from __future__ import annotations
@@ -19,15 +20,12 @@ from pathlib import Path
 
 import jax
 
+from hotswap.cache_dir import cache_dir
 from hotswap.errors import ConfigError
 
 SOURCES = Path(__file__).with_name("cpu")
 # -fopenmp-simd: only the `omp simd` pragmas (vector reductions), no OpenMP runtime.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HOTSWAP_CACHE_DIR") or Path.home() / ".cache" / "hotswap") / "kernels"
 
 
 def _compiler() -> str | None:
@@ -48,7 +46,7 @@ def _library_path(source: Path, cxx: str) -> Path:
             ]
         )
     ).hexdigest()[:16]
-    return cache_dir() / f"{source.stem}-{key}.so"
+    return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
 
 def _build(cxx: str, source: Path, out: Path) -> None:

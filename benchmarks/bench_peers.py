@@ -10,7 +10,8 @@ The protocol is one `PeerRequest` as JSON on the driver's stdin and one result l
 stdout, prefixed with RESULT_PREFIX so library chatter on stdout cannot be taken for it.
 This module is both sides of it: the host half (`run_peer`) and the driver half
 (`read_request`, `emit_result`, the timing helpers). It imports only the standard library,
-so the drivers import it from the peer venvs (the runner puts hotswap's root on PYTHONPATH).
+so the drivers import it from the peer venvs (the runner puts the repository root, which
+holds `benchmarks/` and `hotswap/`, on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def run_peer(name: str, request: PeerRequest, peers_dir: Path, timeout_s: float 
     driver = peers_dir / f"{name}_peer.py"
     if not driver.exists():
         raise PeerError(f"peer {name}: driver {driver} is missing")
-    root = str(Path(__file__).resolve().parents[1])  # so the driver can import this module
+    root = str(Path(__file__).resolve().parents[1])  # the repository: the driver imports this module
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     # A session of its own: on a timeout the whole group goes, vLLM's engine-core workers too.
     proc = subprocess.Popen(
@@ -135,7 +136,7 @@ def run_peer(name: str, request: PeerRequest, peers_dir: Path, timeout_s: float 
 
 
 def serving_prompts(lens: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
-    """Random prompts of the serving plan's lengths, drawn as `bench.hf_static_batches` draws them."""
+    """Random prompts of the serving plan's lengths, drawn as `workloads.hf_static_batches` draws them."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

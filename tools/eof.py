@@ -1,4 +1,7 @@
-"""Fail if a text file does not end with exactly one newline (pre-commit's end-of-file rule)."""
+"""The end-of-file hook of `.pre-commit-config.yaml`: each text file ends with exactly one newline.
+
+python tools/eof.py FILE...   # prints each bad file, exits 1 if any
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,233 @@
+"""`hotswap bench`: hotswap vs HF transformers on one checkpoint, in one process, as ratios.
+
+Everything is measured in the same run (this kind of machine is shared and noisy):
+the physical limits are probed (matmul FLOP/s first; GEMV bandwidth first and again
+between the timed repeats of each batch size), and each engine runs the same prompts
+with the same thread count. Prints a table and one
+JSON line, and writes a PNG of throughput vs batch size.
+
+`hotswap bench ARGS` (from an editable install) and `python -m benchmarks.bench ARGS` (from
+the repository root, with any install of hotswap) run the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks import bench_peers
+from benchmarks.limits import GemvProbe, probe_matmul_flops
+from benchmarks.workloads import (
+    hf_decode,
+    hf_static_batches,
+    hotswap_decode,
+    prefix_ttft,
+    random_prompts,
+    serving_workload,
+    weight_updates,
+)
+from hotswap.errors import HotswapError
+
+HELP = "decode / serving / prefix / update benchmarks vs HF transformers"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", help="HF model dir (default: create the bench-100m preset)")
+    p.add_argument("--batches", default="1,16,32")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--serving-requests", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="peer engines, e.g. llama_cpp,vllm or none (default: the installed ones)",
+    )
+    p.add_argument("--peers-dir", default="benchmarks/peers", help="peer drivers and their .venv-* dirs")
+    p.add_argument("--out", default="runs/bench")
+    p.set_defaults(func=run)
+
+
+def add_parser(sub) -> None:
+    """The `bench` subcommand of `hotswap` (hotswap/cli.py)."""
+    add_arguments(sub.add_parser("bench", help=HELP))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.bench`: the same flags and errors as `hotswap bench`."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except HotswapError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    from hotswap import LLM
+    from hotswap.checkpoint.create import create_checkpoint
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir) if args.model_dir else out / "bench-100m"
+    if not (model_dir / "config.json").exists():
+        create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
+    batches = [int(b) for b in args.batches.split(",")]
+    peers = bench_peers.select_peers(args.peers, Path(args.peers_dir))  # before the long runs: fail early
+    gemv = GemvProbe()
+    limits = {**gemv(), "matmul_flops": probe_matmul_flops()}
+    llm = LLM(
+        model_dir, max_model_len=1088, max_num_seqs=max(batches), max_num_batched_tokens=512, page_size=16
+    )
+    cfg = llm.config
+    weight_bytes = (
+        sum(x.nbytes for x in __import__("jax").tree.leaves(llm.params)) - llm.params["embed"].nbytes
+    )
+    flops_per_token = 2 * weight_bytes / 4
+    rows = []
+    hf_model = None
+    if not args.no_hf:
+        import torch
+        import transformers
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for b in batches:
+        prompts = random_prompts(b, args.prompt_len, cfg.vocab_size)
+        # This machine's bandwidth drifts by 30% over minutes: the limit for each batch size is
+        # probed between its own timed repeats (median), not once at the start.
+        probes = []
+        ours = hotswap_decode(llm, prompts, args.new_tokens, args.repeats, lambda p=probes: p.append(gemv()))
+        bw = statistics.median(p["gemv_bytes_per_s"] for p in probes)
+        row = {"batch": b, "hotswap_tok_s": ours, "gemv_bytes_per_s": bw}
+        row["mem_limit_tok_s"] = bw / weight_bytes * b
+        row["compute_limit_tok_s"] = limits["matmul_flops"] / flops_per_token
+        row["fraction_of_limit"] = ours / min(row["mem_limit_tok_s"], row["compute_limit_tok_s"])
+        if hf_model is not None:
+            row["hf_tok_s"] = hf_decode(hf_model, prompts, args.new_tokens, args.repeats)
+            row["ratio_vs_hf"] = ours / row["hf_tok_s"]
+        rows.append(row)
+        print(
+            " | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            flush=True,
+        )
+    gemv.close()
+    serving = serving_workload(llm, args.serving_requests, cfg.vocab_size)
+    plan = serving.pop("_plan")
+    if hf_model is not None:
+        serving["hf_static"] = hf_static_batches(hf_model, plan, cfg.vocab_size)
+        serving["ratio_vs_hf"] = serving["throughput_tok_s"] / serving["hf_static"]["throughput_tok_s"]
+    if peers:
+
+        def ours_now() -> dict:
+            """hotswap again, right next to a peer's run (see _run_peers)."""
+            return {
+                "decode": [
+                    hotswap_decode(
+                        llm,
+                        random_prompts(r["batch"], args.prompt_len, cfg.vocab_size),
+                        args.new_tokens,
+                        args.repeats,
+                    )
+                    for r in rows
+                ],
+                "serving": serving_workload(llm, args.serving_requests, cfg.vocab_size)["throughput_tok_s"],
+            }
+
+        _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size, ours_now)
+    prefix = prefix_ttft(llm, cfg.vocab_size)
+    prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
+    updates = weight_updates(llm, model_dir)
+    result = {"limits": limits, "decode": rows, "serving": serving, "prefix": prefix, "updates": updates}
+    _plot(rows, out / "throughput.png")
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
+
+
+def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int, ours_now=None) -> None:
+    """Each peer on the same prompts in its own venv; adds its columns to the rows and serving.
+
+    Runs after hotswap and HF so that nothing else competes for the cores. When HF is loaded,
+    every decode sequence's greedy tokens are checked against HF's (`<peer>_hf_agree`): a peer
+    that computes another model would make its speed meaningless.
+
+    With `ours_now` (a function measuring hotswap's decode rows and serving again), each peer
+    runs between two fresh hotswap measurements (A-B-A), and the ratios to that peer use
+    their mean (`hotswap_tok_s_around_<peer>`): this machine's speed drifts by 20-40% over
+    minutes, and a peer that ran ten minutes after hotswap's first measurement would
+    otherwise be compared across that drift.
+    """
+    request = bench_peers.PeerRequest(
+        model_dir=str(model_dir.resolve()),
+        work_dir=str((out / "peers").resolve()),
+        threads=os.cpu_count() or 1,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        max_num_seqs=max(r["batch"] for r in rows),
+        decode=[random_prompts(r["batch"], args.prompt_len, vocab) for r in rows],
+        serving_prompts=bench_peers.serving_prompts(plan[0], vocab),
+        serving_outputs=plan[1],
+    )
+    reference = None  # HF's greedy tokens for the largest batch's prompts (the others are its prefixes)
+    if hf_model is not None:
+        reference = bench_peers.hf_reference(hf_model, max(request.decode, key=len), args.new_tokens)
+    for name in peers:
+        before = ours_now() if ours_now else None
+        try:
+            result = bench_peers.run_peer(name, request, Path(args.peers_dir))
+        except bench_peers.PeerError as e:
+            print(f"peer {name} failed, left out: {e}", flush=True)
+            continue
+        after = ours_now() if ours_now else None
+        for i, (row, got) in enumerate(zip(rows, result["decode"], strict=True)):
+            ours = row["hotswap_tok_s"]
+            if before is not None:
+                row[f"hotswap_tok_s_around_{name}"] = [before["decode"][i], after["decode"][i]]
+                ours = statistics.mean(row[f"hotswap_tok_s_around_{name}"])
+            row[f"{name}_tok_s"] = got["tok_s"]
+            row[f"ratio_vs_{name}"] = ours / got["tok_s"]
+            line = f"{name} {result['version']} | batch={row['batch']} | {name}_tok_s={got['tok_s']:.3g}"
+            if reference is not None:
+                row[f"{name}_hf_agree"] = bench_peers.hf_agreement(got["tokens"], reference)
+                line += f" | {name}_hf_agree={row[f'{name}_hf_agree']:.3g} (sequences greedy-equal to HF)"
+            print(line, flush=True)
+        if "serving" in result:
+            ours = serving["throughput_tok_s"]
+            if before is not None:
+                serving[f"throughput_tok_s_around_{name}"] = [before["serving"], after["serving"]]
+                ours = statistics.mean(serving[f"throughput_tok_s_around_{name}"])
+            serving[name] = result["serving"]
+            serving[f"ratio_vs_{name}"] = ours / result["serving"]["throughput_tok_s"]
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["batch"] for r in rows]
+    ax.plot(xs, [r["hotswap_tok_s"] for r in rows], "o-", label="hotswap")
+    if rows and "hf_tok_s" in rows[0]:
+        ax.plot(xs, [r["hf_tok_s"] for r in rows], "s-", label="HF transformers")
+    for name, marker in zip(bench_peers.PEERS, "^v", strict=True):
+        if rows and f"{name}_tok_s" in rows[0]:
+            ax.plot(xs, [r[f"{name}_tok_s"] for r in rows], marker + "-", label=name)
+    ax.plot(xs, [min(r["mem_limit_tok_s"], r["compute_limit_tok_s"]) for r in rows], "k--", label="limit")
+    ax.set(xlabel="batch", ylabel="decode tok/s", xscale="log", yscale="log", title="decode throughput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""What `hotswap bench` times: decode, a serving workload, prefix-cache TTFT and weight updates.
+
+Each hotswap workload has its HF transformers twin on the same prompts (drawn from the same
+seeds), so `bench.py` can report ratios measured in one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.limits import timeit
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, min(vocab, 700), length).tolist() for _ in range(n)]
+
+
+def hotswap_decode(llm, prompts: list[list[int]], new_tokens: int, repeats: int, before_each=None) -> float:
+    """Decode tok/s: time from every sequence having its first token until all finish.
+    `before_each()` runs before each timed repeat (the bandwidth probe, taken next to it)."""
+    from hotswap import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+
+    def once() -> float:
+        eng.reset_prefix_cache()
+        rids = [eng.add_request(None, p, sp) for p in prompts]
+        while any(not eng.requests[r].seqs[0].output_ids for r in rids if r in eng.requests):
+            eng.step()
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t
+
+    once()
+    times = []
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        times.append(once())
+    return len(prompts) * (new_tokens - 1) / statistics.median(times)
+
+
+def hf_decode(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """HF transformers decode tok/s: its own KV-cached forward, one token per step, greedy.
+
+    Timing the model's cached forward directly (what `generate` runs per token, minus
+    its logits processors) measures decode alone and slightly favours HF.
+    """
+    import torch
+
+    ids = torch.tensor(prompts)
+
+    def once() -> float:
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            t = time.perf_counter()
+            for _ in range(new_tokens - 1):
+                out = model(nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            return time.perf_counter() - t
+
+    once()
+    dt = statistics.median(once() for _ in range(repeats))
+    return len(prompts) * (new_tokens - 1) / dt
+
+
+def serving_workload(llm, n: int, vocab: int, seed: int = 1) -> dict:
+    """n requests (prompts 32-512, outputs 16-128) submitted at once: throughput, TTFT, TPOT."""
+    from hotswap import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    eng = llm.engine
+    eng.reset_prefix_cache()
+    lens = rng.integers(32, 513, n)
+    outs = rng.integers(16, 129, n)
+    t0 = time.perf_counter()
+    rids = [
+        eng.add_request(
+            None,
+            rng.integers(10, min(vocab, 700), int(p)).tolist(),
+            SamplingParams(temperature=0.0, max_tokens=int(o), ignore_eos=True),
+        )
+        for p, o in zip(lens, outs, strict=True)
+    ]
+    seqs = {r: eng.requests[r].seqs[0] for r in rids}
+    first, done = {}, {}
+    while eng.has_unfinished():
+        eng.step()
+        now = time.perf_counter()
+        for r, s in seqs.items():
+            if r not in first and s.output_ids:
+                first[r] = now - t0
+            if r not in done and s.is_finished:
+                done[r] = now - t0
+    total = time.perf_counter() - t0
+    ttft = np.array([first[r] for r in rids])
+    tpot = np.array([(done[r] - first[r]) / max(int(o) - 1, 1) for r, o in zip(rids, outs, strict=True)])
+    return {
+        "requests": n,
+        "output_tokens": int(outs.sum()),
+        "throughput_tok_s": float(outs.sum() / total),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "tpot_p50_s": float(np.percentile(tpot, 50)),
+        "tpot_p99_s": float(np.percentile(tpot, 99)),
+        "_plan": (lens.tolist(), outs.tolist()),
+    }
+
+
+def hf_static_batches(model, plan, vocab: int, seed: int = 1, batch: int = 16) -> dict:
+    """The same requests through HF generate in static batches of `batch` (left-padded)."""
+    import torch
+
+    lens, outs = plan
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(10, min(vocab, 700), int(p)).tolist() for p in lens]
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(map(len, group))
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(group):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        n = max(outs[i : i + batch])
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+    total = time.perf_counter() - t0
+    return {"throughput_tok_s": float(sum(outs) / total)}
+
+
+def prefix_ttft(llm, vocab: int) -> dict:
+    """TTFT of a 1,024-token prompt whose first 960 tokens are cached vs not."""
+    from hotswap import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(10, min(vocab, 700), 960).tolist()
+
+    def ttft(prompt):
+        t = time.perf_counter()
+        llm.generate([prompt], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    cold, warm = [], []
+    for _ in range(3):
+        llm.reset_prefix_cache()
+        cold.append(ttft(shared + rng.integers(10, 700, 64).tolist()))
+        warm.append(ttft(shared + rng.integers(10, 700, 64).tolist()))  # hits the 960 cached tokens
+    return {"uncached_s": statistics.median(cold), "cached_s": statistics.median(warm)}
+
+
+def weight_updates(llm, model_dir: Path) -> dict:
+    """In-process same-sharding update vs an HF directory update vs raw read + device copy."""
+    import jax
+
+    from hotswap.checkpoint import hf
+
+    params = llm.params
+    same = timeit(lambda: llm.update_weights(params), 5)
+    same_unchecked = timeit(lambda: llm.update_weights(params, check_finite=False), 5)
+    zero_copy = all(a is b for a, b in zip(jax.tree.leaves(llm.params), jax.tree.leaves(params), strict=True))
+    t = time.perf_counter()
+    llm.update_weights(str(model_dir))
+    first = time.perf_counter() - t
+    # A training loop updates many times: the steady state comes after the first few updates,
+    # which place the new weights on fresh (page-faulting) memory while the old ones serve.
+    for _ in range(2):
+        llm.update_weights(str(model_dir))
+    directory = timeit(lambda: llm.update_weights(str(model_dir)), 3)
+
+    def raw():  # the floor: read every byte of the same files and put them on the device
+        tensors = hf.read_hf_tensors(model_dir)
+        jax.block_until_ready([jax.device_put(np.array(t, copy=True)) for t in tensors.values()])
+
+    raw_s = timeit(raw, 3)
+    return {
+        "same_sharding_ms": same * 1e3,
+        "same_sharding_no_finite_check_ms": same_unchecked * 1e3,
+        "zero_copy": zero_copy,
+        "directory_first_s": first,
+        "directory_s": directory,
+        "raw_read_copy_s": raw_s,
+        "directory_vs_raw": directory / raw_s,
+    }

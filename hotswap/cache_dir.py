@@ -1,0 +1,17 @@
+"""The one directory hotswap caches files in: `$HOTSWAP_CACHE_DIR`, default `~/.cache/hotswap`.
+
+It holds the compiled C++ CPU kernels (`kernels/`, see `kernels/cpu_build.py`) and the
+embedded default model that `hotswap serve` creates once when given none (`cli.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV = "HOTSWAP_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """`$HOTSWAP_CACHE_DIR` when set and non-empty, else `~/.cache/hotswap` (not created here)."""
+    return Path(os.environ.get(ENV) or Path.home() / ".cache" / "hotswap")

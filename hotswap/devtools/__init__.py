@@ -1,1 +1,0 @@
-"""Small repository checks used by pre-commit and the test suite."""
