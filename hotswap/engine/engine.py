@@ -21,7 +21,7 @@ import numpy as np
 from hotswap.checkpoint.payload import ChunkStager, decode_payload
 from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine import host_memory, lifecycle, sources
-from hotswap.engine.outputs import CompletionOutput, RequestOutput
+from hotswap.engine.outputs import CompletionOutput, RequestOutput, SequenceText
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
@@ -290,9 +290,10 @@ class Engine:
             reason = "stop"
         elif t in p.stop_token_ids:
             reason, stop = "stop", t
-        elif p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-            hit = next((s for s in p.stop if s in text), None)
+        if seq.output_text is None and self.tokenizer is not None:
+            seq.output_text = SequenceText(self.tokenizer, p)
+        if seq.output_text is not None:
+            hit = seq.output_text.append(t, stop_terminated=reason is not None)
             if hit is not None:
                 reason, stop = "stop", hit
         if reason is None and p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
@@ -317,11 +318,10 @@ class Engine:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         p = seq.params
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-            if isinstance(seq.stop_reason, str):
-                text = text[: text.index(seq.stop_reason)] if seq.stop_reason in text else text
+        text, delta = "", ""
+        if seq.output_text is not None:
+            delta = seq.output_text.take_delta(final=seq.finish_reason is not None)
+            text = seq.output_text.text
         top = None
         if p.logprobs:
             top = [dict(zip(map(int, ids), map(float, lps), strict=True)) for ids, lps in seq.output_top]
@@ -335,6 +335,7 @@ class Engine:
             stop_reason=seq.stop_reason,
             top_logprobs=top,
             mixed_weights_kv=seq.tokens_over_mixed_kv,
+            text_delta=delta,
         )
 
     def build_output(self, req: Request) -> RequestOutput:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hotswap.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from hotswap.engine.outputs import SequenceText
 
 
 class Status(enum.Enum):
@@ -35,6 +39,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    output_text: SequenceText | None = None  # detokenized output, stop strings, deltas; None: no tokenizer
 
     # Paging. block_table[i] holds tokens [i*ps, (i+1)*ps). num_computed tokens
     # have KV in the pages; the next step feeds all_ids[num_computed:...].
