@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hotswap.checkpoint.create import BOS_ID, IM_END_ID, build_tokenizer
+from hotswap.checkpoint.create import _CORPUS, BOS_ID, IM_END_ID, build_tokenizer
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.engine.outputs import SequenceText
 from hotswap.engine.sampling import SamplingParams
@@ -25,6 +27,17 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok():
     return Tokenizer(build_tokenizer(512))  # the tiny preset's tokenizer, built here
+
+
+@pytest.fixture(scope="module")
+def metaspace_tok():
+    """Sentencepiece-style: a word's leading space is a "▁" that a decode drops at its start."""
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"], show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    return Tokenizer(tok)
 
 
 def stream(tok, ids, stop=(), skip=True, stop_terminated=()):
@@ -68,6 +81,17 @@ def test_text_and_deltas_equal_the_full_decode(tok):
     for t in cases[1]:
         assert st.append(t) is None
     assert st.text == tok.decode(cases[1]) == TEXTS[1]
+
+
+def test_a_decode_that_drops_a_leading_space_still_streams_the_full_text(metaspace_tok):
+    tok = metaspace_tok
+    for text in (TEXTS[0], TEXTS[2].replace("\t", " ")):
+        ids = tok.encode(text)
+        in_context = [tok.decode(ids[: k + 1])[len(tok.decode(ids[:k])) :] for k in range(len(ids))]
+        assert any(tok.decode([t]) != c for t, c in zip(ids, in_context, strict=True))  # alone: no space
+        for stop in ((), ("\x00never",), (text[9:12],)):
+            st, deltas, n, hit = stream(tok, ids, stop)
+            assert (n, hit, st.text) == old_rule(tok, ids, stop) and "".join(deltas) == st.text
 
 
 def test_multibyte_characters_split_across_tokens_never_reach_a_delta(tok):
