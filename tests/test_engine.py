@@ -135,6 +135,22 @@ def test_stop_conditions(llm, prompts):
     assert eos in llm.engine.eos_ids
 
 
+def test_streamed_deltas_add_up_to_the_text(llm, prompts):
+    """Each streamed output's text_delta is the new text; together they are the final text."""
+    text = llm.generate([prompts[5]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert len(text) > 6
+    stop = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=[text[4:6]], ignore_eos=True)
+    for sp in (GREEDY, stop):
+        want = llm.generate([prompts[5]], sp, use_tqdm=False)[0].outputs[0].text
+        outs = []
+        llm.engine.add_request(None, prompts[5], sp, sink=outs.append, stream=True)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert outs[-1].finished and outs[-1].outputs[0].text == want
+        assert "".join(o.outputs[0].text_delta for o in outs) == want
+    assert text[4:6] not in want and text.startswith(want)
+
+
 def test_text_prompts_and_errors(llm):
     out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert out.prompt == "Hello world" and out.prompt_token_ids == llm.tokenizer.encode("Hello world")

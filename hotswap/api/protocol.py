@@ -225,30 +225,3 @@ def chat_logprobs(tokenizer, comp: CompletionOutput, start: int, as_ids: bool = 
         e["top_logprobs"] = [entry(i, lp) for i, lp in tops.items()]
         content.append(e)
     return {"content": content}
-
-
-class TextDelta:
-    """Streamed text for one choice, always a prefix of the final (non-streamed) text.
-
-    The engine hands over the full decoded text each step. Text is held back while it
-    ends in U+FFFD (a multi-byte character split across tokens) or in a prefix of a
-    stop string (which the engine would cut if the next token completes it).
-    """
-
-    def __init__(self, stop: list[str]):
-        self.stop = stop
-        self.sent = ""
-
-    def next(self, comp: CompletionOutput) -> str:
-        text = comp.text
-        if comp.finish_reason is None:
-            text = text.rstrip("\ufffd")
-            hold = max(
-                (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
-                default=0,
-            )
-            text = text[: len(text) - hold]
-        if not text.startswith(self.sent):
-            return ""  # should not happen with byte-level BPE; never resend text
-        delta, self.sent = text[len(self.sent) :], text
-        return delta

@@ -24,7 +24,6 @@ from hotswap.api.errors import EngineAsleep, PromptTooLong, exception_body
 from hotswap.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    TextDelta,
     chat_logprobs,
     completion_logprobs,
     response_version,
@@ -122,8 +121,11 @@ async def _stream(
     include_usage: bool,
     request: Request,
 ) -> AsyncIterator[str]:
-    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`."""
-    deltas: dict[int, TextDelta] = {}
+    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`.
+
+    The text of a chunk is the engine's `text_delta` (engine/outputs.py holds back what a
+    stop string could still cut and partial characters), so the chunks add up to the text."""
+    sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done_choices: set[int] = set()
     final: dict[str, RequestOutput] = {}
@@ -139,15 +141,16 @@ async def _stream(
                 ci = prompt_index[item.request_id] * sp.n + comp.index
                 if ci in done_choices:
                     continue
-                td = deltas.setdefault(ci, TextDelta(sp.stop))
-                text = td.next(comp)
+                text = comp.text_delta
                 if not text and comp.finish_reason is None:
                     continue  # held back (partial character or stop-string prefix)
                 start = sent_tokens.get(ci, 0)
                 sent_tokens[ci] = len(comp.token_ids)
+                offset = sent_chars.get(ci, 0)
+                sent_chars[ci] = offset + len(text)
                 if comp.finish_reason is not None:
                     done_choices.add(ci)
-                body = choice(ci, comp, text, start, len(td.sent) - len(text))
+                body = choice(ci, comp, text, start, offset)
                 yield _sse(wrap([body], _chunk_version(item, comp)))
             if item.finished:
                 final[item.request_id] = item

@@ -171,7 +171,9 @@ class IncrementalDecoder:
     prefix then ends in U+FFFD. So text is held back while it ends in U+FFFD,
     and each step decodes only a short window (`prefix_offset:`) against the
     window's already-emitted part, which keeps a step O(window) and makes the
-    pieces concatenate to the full decode.
+    pieces concatenate to the full decode. The window starts at the previous
+    emission, not at the last one, because a tokenizer may render a token
+    differently at the start of a decode (sentencepiece drops a leading space).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -180,20 +182,38 @@ class IncrementalDecoder:
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = 0  # ids before this are already emitted
+        self._prefix_text: str | None = ""  # decode of ids[prefix_offset:read_offset], None: not yet
+        self._pending = ""  # the held-back text, as a full decode shows it now
+
+    @property
+    def pending(self) -> str:
+        """The text held back after the last push (it may end in U+FFFD); "" when none is."""
+        return self._pending
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Append newly generated ids; returns the newly completed text (O(window), not O(all ids))."""
+        self._ids.extend(ids)
+        if self._prefix_text is None:
+            self._prefix_text = self._tok.decode(
+                self._ids[self._prefix_offset : self._read_offset], self._skip
+            )
+        prefix = self._prefix_text
+        text = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            self._pending = text[len(prefix) :]
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text, self._pending = None, ""
+        return text[len(prefix) :]
 
     def step(self, ids: Sequence[int]) -> str:
         """`ids` is every generated id so far (it only grows); returns the newly completed text."""
-        self._ids = list(ids)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        text = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return text[len(prefix) :]
+        return self.push(ids[len(self._ids) :])
 
     def flush(self) -> str:
         """At the end of the stream, whatever was held back (a dangling partial char shows as U+FFFD)."""
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
         text = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text, self._pending = "", ""
         return text[len(prefix) :]

@@ -15,7 +15,6 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -23,12 +22,12 @@ import numpy as np
 from hotswap.checkpoint.payload import ChunkStager, decode_payload
 from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine import host_memory, lifecycle, sources
-from hotswap.engine.outputs import CompletionOutput, RequestOutput
+from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
-from hotswap.engine.sequence import Sequence
+from hotswap.engine.sequence import Request, Sequence, Sink
 from hotswap.engine.state import initial_state, new_kv_cache
 from hotswap.errors import (
     ConfigError,
@@ -41,22 +40,6 @@ from hotswap.errors import (
 from hotswap.kernels import resolve_attention
 
 POLICIES = ("drain", "abort", "recompute", "keep", "reject")
-Sink = Callable[[RequestOutput], None]
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    sink: Sink | None = None
-    stream: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class Engine:
@@ -97,7 +80,7 @@ class Engine:
         lifecycle.validate_params(params, self.abstract)
         placed = lifecycle.place_params(params, self.abstract)
         self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding)
-        self.sched = Scheduler(ecfg, tokenizer)
+        self.sched = Scheduler(ecfg)
         self.runner = Runner(mcfg, ecfg)
         self.requests: dict[str, Request] = {}
         self.stager = ChunkStager()
@@ -205,6 +188,9 @@ class Engine:
                         arrival=arrival,
                         eos_ids=() if params.ignore_eos else self.eos_ids,
                         fork_parent=seqs[0] if i > 0 else None,
+                        output_text=SequenceText(self.tokenizer, params)
+                        if self.tokenizer is not None
+                        else None,
                     )
                 )
             self.requests[rid] = Request(rid, text, ids, params, seqs, sink, stream)
@@ -254,44 +240,11 @@ class Engine:
 
     # ---- outputs ------------------------------------------------------------
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        p = seq.params
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-            if isinstance(seq.stop_reason, str):
-                text = text[: text.index(seq.stop_reason)] if seq.stop_reason in text else text
-        top = None
-        if p.logprobs:
-            top = [dict(zip(map(int, ids), map(float, lps), strict=True)) for ids, lps in seq.output_top]
-        return CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=list(seq.output_ids),
-            logprobs=list(seq.output_logprobs),
-            weights_versions=list(seq.output_versions),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            top_logprobs=top,
-            mixed_weights_kv=seq.tokens_over_mixed_kv,
-        )
-
-    def build_output(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_ids,
-            outputs=[self._completion(s) for s in req.seqs],
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            finished=req.finished,
-            weights_version=self.state.weights_version,
-        )
-
     def _emit(self, req: Request) -> RequestOutput | None:
         """Deliver to the request's sink; forget finished requests."""
         if not (req.finished or req.stream):
             return None
-        out = self.build_output(req)
+        out = request_output(req, self.state.weights_version)
         if req.finished:
             self.requests.pop(req.request_id, None)
             self._counts["cached_tokens"] += out.num_cached_tokens

@@ -1,10 +1,23 @@
-"""Request and output types (vLLM names), built from host-side sequences."""
+"""The output processor: request and output types (vLLM names), each sample's text, and
+whether a sample stops after its latest token.
+
+`SequenceText` owns a sample's text: incremental detokenization (each token costs
+a decode of a few-token window, never of the whole output), stop strings (searched
+in the new text plus the tail a stop string could straddle) and the deltas a stream
+sends (text that no later token can change or cut). `finish_reason` is the one stop
+decision (EOS, stop token, stop string, length); `request_output` builds what a
+caller or a stream receives.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+
+from hotswap.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
+from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.sequence import Request, Sequence
 
 
 @dataclasses.dataclass
@@ -24,6 +37,9 @@ class CompletionOutput:
     # after an update with policy "keep" lands mid-request (its tokens are labelled with
     # the version that sampled them, but their context was not recomputed).
     mixed_weights_kv: bool = False
+    # The text since this sample's previous output: what a stream sends next. The deltas of
+    # a sample's outputs concatenate to its final `text`.
+    text_delta: str = ""
 
     @property
     def cumulative_logprob(self) -> float:
@@ -40,9 +56,6 @@ class CompletionOutput:
                 spans.append({"version": v, "start": i, "end": i + 1})
         return spans
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -53,3 +66,157 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     weights_version: int  # the engine's version when this output was built
+
+
+class SequenceText:
+    """One sample's output text, fed one token at a time.
+
+    `append` decodes the new token against a short window (`IncrementalDecoder`), so
+    a token costs O(1) text work however long the output is. Stop strings are
+    searched in the newly decoded text plus the last `max(len(stop)) - 1` characters
+    before it, so a stop string that spans tokens is found on the token that completes
+    it. As in vLLM, the text is cut just before the stop string. Without stop strings
+    nothing needs the text per token, so decoding waits until `text` or `take_delta`
+    is read (one decode of the whole output for a request that is not streamed).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self._dec = IncrementalDecoder(tokenizer, params.skip_special_tokens)
+        self._stops: list[str] = list(params.stop or [])
+        self._tail_len = max(0, max((len(s) for s in self._stops), default=0) - 1)
+        self._unread: list[int] = []  # appended ids not yet decoded (no stop strings: decoded lazily)
+        self._joined = ""  # the decoded text, up to the pieces in `_fresh`
+        self._fresh: list[str] = []  # decoded pieces not yet joined (joined when `text` is read)
+        self._length = 0  # characters decoded (the held-back end not counted)
+        self._tail = ""  # the last `_tail_len` characters of the decoded text
+        self._unsent: list[str] = []  # decoded text not yet handed out by `take_delta`
+        self._sent = 0  # characters handed out by `take_delta`
+        self._stop_at: int | None = None  # set by a stop string: the text's final length
+        self._done = False  # the final delta was taken
+
+    def append(self, token_id: int, stop_terminated: bool = False) -> str | None:
+        """Add one generated token; returns the stop string it completes, else None.
+
+        `stop_terminated`: the token itself ends the sample (EOS or a stop token id), so
+        no stop string is checked and the text stays whole. After a stop string matched,
+        the sample is over and later tokens add nothing.
+        """
+        if self._stop_at is not None:
+            return None
+        self._unread.append(token_id)
+        if not self._stops or stop_terminated:
+            return None
+        tail, start = self._tail, self._length
+        # The text a stop string completed by this token can lie in: the tail before it, the
+        # new text, and the held-back end a full decode shows (a partial character as U+FFFD).
+        window = tail + self._decode() + self._dec.pending
+        for s in self._stops:
+            j = window.find(s)
+            if j >= 0:
+                self._stop_at = start - len(tail) + j
+                return s
+        return None
+
+    @property
+    def text(self) -> str:
+        """The text so far, as a full decode of the ids shows it (cut before a matched stop string)."""
+        self._decode()
+        if self._fresh:
+            self._joined += "".join(self._fresh)
+            self._fresh = []
+        text = self._joined + self._dec.pending
+        return text if self._stop_at is None else text[: self._stop_at]
+
+    def take_delta(self, final: bool = False) -> str:
+        """The text not yet taken, except what a later token could still change or cut: a
+        partial character, and an end that is the start of a stop string. With `final`
+        (the sample has finished) the rest of the text; the deltas then add up to `text`."""
+        self._decode()
+        if self._done:
+            return ""
+        unsent = "".join(self._unsent)
+        if final or self._stop_at is not None:
+            rest = unsent + self._dec.pending
+            if self._stop_at is not None:
+                rest = rest[: max(0, self._stop_at - self._sent)]
+            self._unsent, self._done = [], True
+            self._sent += len(rest)
+            return rest
+        hold = max(
+            (k for s in self._stops for k in range(1, len(s)) if self._tail.endswith(s[:k])), default=0
+        )
+        delta = unsent[: max(0, len(unsent) - hold)]
+        self._unsent = [unsent[len(delta) :]] if len(delta) < len(unsent) else []
+        self._sent += len(delta)
+        return delta
+
+    def _decode(self) -> str:
+        """Decode the unread ids; returns the newly completed text."""
+        if not self._unread:
+            return ""
+        piece = self._dec.push(self._unread)
+        self._unread = []
+        if piece:
+            self._fresh.append(piece)
+            self._unsent.append(piece)
+            self._length += len(piece)
+            tail = self._tail + piece
+            self._tail = tail[max(0, len(tail) - self._tail_len) :]
+        return piece
+
+
+def finish_reason(seq: Sequence, max_model_len: int) -> tuple[str | None, int | str | None]:
+    """Feed seq's latest token to its text and decide: (finish reason, stop reason), or
+    (None, None) to go on. EOS and stop token ids end it first (their text is kept whole)."""
+    p, t = seq.params, seq.output_ids[-1]
+    reason, stop = None, None
+    if t in seq.eos_ids:
+        reason = "stop"
+    elif t in p.stop_token_ids:
+        reason, stop = "stop", t
+    if seq.output_text is not None:
+        hit = seq.output_text.append(t, stop_terminated=reason is not None)
+        if hit is not None:
+            reason, stop = "stop", hit
+    if reason is None and p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
+        reason = "length"
+    if reason is None and seq.total_len >= max_model_len:
+        reason = "length"
+    return reason, stop
+
+
+def _completion(seq: Sequence) -> CompletionOutput:
+    p = seq.params
+    text, delta = "", ""
+    if seq.output_text is not None:
+        # Consumes the delta: call once per output built for the sequence.
+        delta = seq.output_text.take_delta(final=seq.finish_reason is not None)
+        text = seq.output_text.text
+    top = None
+    if p.logprobs:
+        top = [dict(zip(map(int, ids), map(float, lps), strict=True)) for ids, lps in seq.output_top]
+    return CompletionOutput(
+        index=seq.index,
+        text=text,
+        token_ids=list(seq.output_ids),
+        logprobs=list(seq.output_logprobs),
+        weights_versions=list(seq.output_versions),
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        top_logprobs=top,
+        mixed_weights_kv=seq.tokens_over_mixed_kv,
+        text_delta=delta,
+    )
+
+
+def request_output(req: Request, weights_version: int) -> RequestOutput:
+    """The request's outputs now (each sample's text delta since the previous call)."""
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=req.prompt_ids,
+        outputs=[_completion(s) for s in req.seqs],
+        num_cached_tokens=req.seqs[0].num_cached_tokens,
+        finished=req.finished,
+        weights_version=weights_version,
+    )

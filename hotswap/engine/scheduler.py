@@ -22,11 +22,11 @@ import dataclasses
 import numpy as np
 
 from hotswap.config import EngineConfig
+from hotswap.engine.outputs import finish_reason
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex, page_key
 from hotswap.engine.sequence import Sequence, Status
 from hotswap.engine.state import EngineState, KVCache
-from hotswap.engine.stops import finish_reason
 
 StepOutput = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # tokens, logprobs, top ids, top lps
 
@@ -65,10 +65,9 @@ class _Work:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, tokenizer=None):
+    def __init__(self, ecfg: EngineConfig):
         self.cfg = ecfg
         self.ps = ecfg.page_size
-        self.tokenizer = tokenizer  # for stop strings
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.hold_admission = False  # set while an update drains
@@ -269,7 +268,7 @@ class Scheduler:
                 (top_ids[i, :k].copy(), top_lps[i, :k].copy()) if k else None,
             )
             self.num_generated += 1
-            reason, stop = finish_reason(seq, self.tokenizer, self.cfg.max_model_len)
+            reason, stop = finish_reason(seq, self.cfg.max_model_len)
             if reason is not None:
                 seq.stop_reason = stop
                 self._finish(w, seq, reason)

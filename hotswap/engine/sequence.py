@@ -1,14 +1,22 @@
-"""Host-side bookkeeping for one generated sequence (one of a request's `n` samples): its tokens,
-status and sampling settings. The pages it holds are in the engine state's page pool."""
+"""Host-side bookkeeping of requests: each `Request` and its `Sequence`s (one per sample of `n`):
+tokens, status, sampling settings, text. The pages a sequence holds are in the engine state's
+page pool."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hotswap.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from hotswap.engine.outputs import RequestOutput, SequenceText
+
+Sink = Callable[["RequestOutput"], None]
 
 
 class Status(enum.Enum):
@@ -36,6 +44,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    output_text: SequenceText | None = None  # detokenized output, stop strings, deltas; None: no tokenizer
 
     # num_computed tokens have KV in the sequence's pages (its block table is in the
     # engine state's page pool); the next step feeds all_ids[num_computed:...].
@@ -81,3 +90,18 @@ class Sequence:
     def in_prefill(self) -> bool:
         """More than one token still needs KV before the next sample."""
         return self.total_len - self.num_computed > 1
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    sink: Sink | None = None
+    stream: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
