@@ -368,9 +368,7 @@ class Engine:
         with self._lock:
             try:
                 new = lifecycle.sleep(self.state, level)  # no page held in it: every request ends
-                for req in list(self.requests.values()):
-                    self.state = self.sched.finish(self.state, req.seqs, "abort")
-                    self._emit(req)
+                self._abort_seqs([s for req in self.requests.values() for s in req.seqs])
                 self.state = new
             finally:
                 self.sched.hold_admission = False
