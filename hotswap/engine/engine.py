@@ -18,9 +18,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from hotswap.checkpoint.payload import ChunkStager, decode_payload
 from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine import host_memory, lifecycle, sources
+from hotswap.engine.chunks import ChunkStager
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
@@ -459,12 +459,9 @@ class Engine:
         content_type: str = "application/octet-stream",
         **update_kwargs,
     ) -> int | None:
-        """Stage one chunk of HF-named tensors; on `finished`, commit them atomically."""
-        tensors = (
-            decode_payload(bytes(tensors_or_bytes), content_type)
-            if isinstance(tensors_or_bytes, (bytes, bytearray, memoryview))
-            else dict(tensors_or_bytes)
-        )
+        """Stage one chunk (HF-named tensors, payload bytes, or a parsed JSON `tensors` list);
+        on `finished`, commit every staged tensor atomically."""
+        tensors = sources.wire_tensors(tensors_or_bytes, content_type)
         merged = self.stager.add(tensors, finished=finished, update_id=update_id)
         if merged is None:
             return None
