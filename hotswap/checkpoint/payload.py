@@ -115,7 +115,7 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
     (header_len,) = struct.unpack("<Q", buf[:8])
     if header_len > _MAX_HEADER_BYTES:
         raise PayloadError(
-            f"corrupt or truncated safetensors header: its length {header_len} is implausible "
+            f"corrupt or truncated safetensors header: header length {header_len} is implausible "
             f"(limit {_MAX_HEADER_BYTES})"
         )
     if 8 + header_len > len(buf):
