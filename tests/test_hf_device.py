@@ -23,7 +23,7 @@ from helpers import count_compiles
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
 from hotswap.config import ModelConfig
-from hotswap.engine import hf_device, lifecycle
+from hotswap.engine import hf_device, spec
 from hotswap.engine.params import abstract_params
 from hotswap.errors import NonFiniteWeights, WeightsMismatch
 
@@ -149,7 +149,7 @@ def test_non_finite_is_named_and_can_be_let_through(tied, route, name, bad):
     with pytest.raises(NonFiniteWeights, match=rf"^{name}: contains NaN or Inf$"):
         hf_device.hf_to_device(cfg, src, abstract_for(cfg))
     got = hf_device.hf_to_device(cfg, src, abstract_for(cfg), check_finite=False)
-    assert not np.isfinite(np.asarray(hf.get_leaf(got, hf.hf_tensor_specs(cfg)[name].path))).all()
+    assert not np.isfinite(np.asarray(hf.get_leaf(got, spec.hf_specs(cfg)[name].path))).all()
 
 
 def test_non_finite_counts_the_rest_and_names_overflow(tied, route):
@@ -200,30 +200,6 @@ def test_second_update_compiles_nothing(tied, route):
         hf_device.hf_to_device(cfg, other, abstract_for(cfg))
         hf_device.hf_to_device(cfg, {K_PROJ: other[K_PROJ], NORM: other[NORM]}, abstract_for(cfg), base=base)
     assert compiles() == 0
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_all_finite(dtype):
-    check = jax.jit(lifecycle.all_finite)
-    x = np.linspace(-3e4, 3e4, 1_000_003).astype(np.float32)
-    assert bool(check(jnp.asarray(x, dtype)))
-    for bad in (np.nan, np.inf, -np.inf):
-        for at in (0, 777_777, x.size - 1):
-            y = x.copy()
-            y[at] = bad
-            assert not bool(check(jnp.asarray(y, dtype))), (bad, at)
-    assert bool(check(jnp.zeros((0, 4), dtype)))
-
-
-def test_host_finiteness_check_covers_every_slab():
-    scratch = np.empty(1000, np.bool_)
-    for size in (1, 999, 1000, 1001, 5 * 1000 + 7):
-        x = np.ones(size, np.float32)
-        assert hf_device._host_all_finite(x, scratch)
-        for at in {0, size // 2, size - 1}:
-            y = x.copy()
-            y[at] = np.nan
-            assert not hf_device._host_all_finite(y.reshape(1, -1), scratch), (size, at)
 
 
 # ---- sharded --------------------------------------------------------------------------------------

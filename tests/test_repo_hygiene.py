@@ -41,3 +41,30 @@ def test_end_of_file_hook_flags_a_missing_or_doubled_newline(tmp_path):
     assert proc.returncode == 1
     flagged = {Path(line.split(":")[0]).name for line in proc.stdout.splitlines()}
     assert flagged == {"none.txt", "two.txt"}
+
+
+def _package_sources() -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "hotswap").rglob("*.py"))}
+
+
+def _files_matching(pattern: str) -> dict[str, int]:
+    import re
+
+    found = {path: len(re.findall(pattern, text)) for path, text in _package_sources().items()}
+    return {path: n for path, n in found.items() if n}
+
+
+def test_one_decode_site_one_finiteness_check_one_safetensors_parser():
+    """A payload is decoded in one place, weights are checked for NaN/Inf by one module, and
+    one codec parses safetensors (files and payloads alike), with one dtype table."""
+    assert _files_matching(r"(?<!def )\bdecode_payload\(") == {"hotswap/engine/sources.py": 1}
+    assert set(_files_matching(r"\bnp\.isfinite|cpu_finite\.all_finite|isfinite\(jnp\.sum")) == {
+        "hotswap/kernels/finite.py"
+    }
+    assert set(_files_matching(r"\"BF16\":|struct\.unpack\(\"<Q\"")) == {"hotswap/checkpoint/payload.py"}
+    assert not _files_matching(r"from safetensors|import safetensors")  # no second parser
+
+
+def test_checkpoint_reads_engine_only_through_the_spec_table():
+    imports = _files_matching(r"from hotswap\.engine(?!\.spec import)|import hotswap\.engine")
+    assert not {path for path in imports if path.startswith("hotswap/checkpoint/")}

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hotswap.engine import sharding
+from hotswap.checkpoint.create import load_preset
+from hotswap.config import ModelConfig
+from hotswap.engine import sharding, spec
 
 HERE = Path(__file__).parent
 
@@ -125,6 +127,9 @@ def test_same_sharding_update_is_zero_copy(result):
 
 def test_rules_table_is_the_only_mesh_naming():
     """Every logical axis used resolves through RULES to the one mesh axis or to replication."""
-    used = {a for axes in sharding.PARAM_AXES.values() for a in axes} | set(sharding.KV_AXES)
+    used = set(sharding.KV_AXES)
+    for arch in ("llama", "qwen2", "qwen3"):  # qwen2 adds the q/k/v biases, qwen3 the q/k norms
+        cfg = ModelConfig.from_hf({**load_preset("tiny"), "model_type": arch})
+        used |= {a for row in spec.hf_specs(cfg).values() for a in row.axes}
     assert used <= set(sharding.RULES)
     assert set(sharding.RULES.values()) <= {sharding.TP, None}

@@ -14,7 +14,7 @@ import pytest
 
 from hotswap.checkpoint import hf
 from hotswap.config import EngineConfig
-from hotswap.engine import lifecycle
+from hotswap.engine import ingest, lifecycle
 from hotswap.engine.params import abstract_params
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
@@ -42,7 +42,7 @@ def world(tiny_dir):
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), abstract_params(mcfg)
     )
-    state = initial_state(lifecycle.place_params(params, abstract), mcfg, ECFG)
+    state = initial_state(ingest.place_params(params, abstract), mcfg, ECFG)
     sched, runner = Scheduler(ECFG), Runner(mcfg, ECFG)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     seqs = [Sequence(i, f"r{i}", 0, PROMPT + [i], sp, seed=i, arrival=i) for i in range(3)]

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.errors import PayloadError, PickleRefused, RequestError, WeightsPathNotAllowed
-from hotswap.checkpoint.payload import decode_json_entries, decode_payload, sniff_refuse_pickle
+from hotswap.checkpoint.payload import sniff_refuse_pickle
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -96,15 +96,12 @@ class _TensorsUpdate(_ChunkOptions):
 
 
 async def _apply_chunk(ctx: ServerContext, payload, opts: _ChunkOptions, content_type: str) -> dict[str, Any]:
-    """Stage a chunk; on `finished`, commit every staged tensor as one update."""
+    """Stage a chunk (body bytes or the parsed `tensors` list; the engine decodes it, in the
+    worker thread); on `finished`, commit every staged tensor as one update."""
 
     def run():
-        if isinstance(payload, list):
-            tensors = decode_json_entries(payload)
-        else:
-            tensors = decode_payload(payload, content_type)
         return ctx.engine.update_weights_chunk(
-            tensors,
+            payload,
             finished=opts.finished,
             update_id=opts.update_id,
             content_type=content_type,

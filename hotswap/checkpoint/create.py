@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from hotswap.checkpoint.hf import hf_tensor_specs, params_from_hf, save_hf_dir
+from hotswap.checkpoint.hf import params_from_hf, save_hf_dir
 from hotswap.config import ModelConfig
+from hotswap.engine.spec import hf_specs
 from hotswap.errors import ConfigError
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]  # ids 0..3
@@ -137,7 +138,7 @@ def _random_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """HF-layout float32 weights; norms near 1 and nonzero biases so neither is a no-op in tests."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, spec in hf_tensor_specs(cfg).items():
+    for name, spec in hf_specs(cfg).items():
         noise = rng.standard_normal(spec.hf_shape, dtype=np.float32)
         if name.endswith("norm.weight"):
             out[name] = 1.0 + np.float32(0.1) * noise

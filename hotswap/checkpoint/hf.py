@@ -1,8 +1,9 @@
 """HF `config.json` + `*.safetensors` (+ index) <-> the params pytree.
 
-This is the only module that knows HF tensor names (DESIGN "Layout"). HF linear
-weights are `[out, in]`; params store `[in, out]` (engine/params.py), so linear
-weights are transposed on the way in and back on the way out. Tied-embedding
+Which HF tensor holds which param, in which layout, is the spec table's
+(`engine/spec.py`: HF name, shape, transpose); this module applies it to files.
+HF linear weights are `[out, in]`; params store `[in, out]`, so linear weights
+are transposed on the way in and back on the way out. Tied-embedding
 checkpoints carry no `lm_head.weight`; params always hold an untied `[D, V]`
 head, made here as a copy of `embed.T`. Weight updates do the same conversion
 on the engine's devices (engine/hf_device.py), checked here first by name,
@@ -27,32 +28,13 @@ import numpy as np
 
 from hotswap.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from hotswap.config import ModelConfig
-from hotswap.engine.params import Params, layer_shapes
+from hotswap.engine.spec import EMBED, LM_HEAD, Params, ParamSpec, hf_specs
 from hotswap.errors import CheckpointError, ConfigError, NonFiniteWeights, WeightsMismatch
+from hotswap.kernels import finite
 
-EMBED = "model.embed_tokens.weight"
-LM_HEAD = "lm_head.weight"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# params layer key -> HF name under `model.layers.{i}.`
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm.weight",
-    "wq": "self_attn.q_proj.weight",
-    "wk": "self_attn.k_proj.weight",
-    "wv": "self_attn.v_proj.weight",
-    "wo": "self_attn.o_proj.weight",
-    "bq": "self_attn.q_proj.bias",
-    "bk": "self_attn.k_proj.bias",
-    "bv": "self_attn.v_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "mlp_norm": "post_attention_layernorm.weight",
-    "w_gate": "mlp.gate_proj.weight",
-    "w_up": "mlp.up_proj.weight",
-    "w_down": "mlp.down_proj.weight",
-}
-_LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
 _FLOAT_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", ml_dtypes.bfloat16)}
 _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -62,41 +44,14 @@ _ARCH_CLASSES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """Where one HF tensor lives in params, and its shape in the HF layout."""
-
-    path: tuple[str | int, ...]  # ("layers", 3, "wq")
-    hf_shape: tuple[int, ...]  # [out, in] for linear weights
-    transpose: bool
-
-    @property
-    def param_name(self) -> str:
-        return ".".join(str(p) for p in self.path)
-
-
 def np_dtype(name: str | np.dtype) -> np.dtype:
     """'bfloat16' -> ml_dtypes' numpy dtype; numpy itself does not know the name."""
     return np.dtype(ml_dtypes.bfloat16) if str(name) == "bfloat16" else np.dtype(name)
 
 
-def hf_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every HF tensor name the checkpoint must hold, in a stable order."""
-    specs = {EMBED: TensorSpec(("embed",), (cfg.vocab_size, cfg.hidden_size), False)}
-    for i in range(cfg.num_layers):
-        for key, shape in layer_shapes(cfg).items():
-            linear = key in _LINEAR
-            hf_shape = tuple(reversed(shape)) if linear else shape
-            specs[f"model.layers.{i}.{_LAYER_NAMES[key]}"] = TensorSpec(("layers", i, key), hf_shape, linear)
-    specs["model.norm.weight"] = TensorSpec(("final_norm",), (cfg.hidden_size,), False)
-    if not cfg.tie_word_embeddings:
-        specs[LM_HEAD] = TensorSpec(("lm_head",), (cfg.vocab_size, cfg.hidden_size), True)
-    return specs
-
-
 def hf_tensor_names(cfg: ModelConfig) -> dict[str, str]:
     """HF name -> params path ("model.layers.3.mlp.up_proj.weight" -> "layers.3.w_up")."""
-    return {name: spec.param_name for name, spec in hf_tensor_specs(cfg).items()}
+    return {name: spec.name for name, spec in hf_specs(cfg).items()}
 
 
 def _names(names: list[str], limit: int = 5) -> str:
@@ -112,7 +67,7 @@ def _tensor_meta(array: Any) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(a.shape), a.dtype
 
 
-def _check_meta(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> None:
+def _check_meta(name: str, array: Any, spec: ParamSpec, target: np.dtype) -> None:
     shape, dtype = _tensor_meta(array)
     if dtype not in _FLOAT_DTYPES:
         raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type; expected {target}")
@@ -125,21 +80,18 @@ def non_finite_error(name: str, source: Any, target: np.dtype, *, more: int = 0)
 
     Reads `source` once more, but only on this failure path.
     """
-    finite_before = bool(np.isfinite(np.asarray(source)).all())
+    finite_before = not finite.non_finite({name: source})
     why = f" after conversion to {target} (overflow)" if finite_before else ""
     also = f" (and {more} more)" if more else ""
     return NonFiniteWeights(f"{name}: contains NaN or Inf{why}{also}")
 
 
-def _convert(name: str, array: Any, spec: TensorSpec, target: np.dtype) -> np.ndarray:
+def _convert(name: str, array: Any, spec: ParamSpec, target: np.dtype) -> np.ndarray:
     """One checked HF tensor -> a fresh C-contiguous params-layout copy (on the host)."""
     a = np.asarray(array)
     # A fresh copy: params must not alias a caller's buffer or a memmapped file.
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported just below
-        out = np.array(a.T if spec.transpose else a, dtype=target, order="C", copy=True)
-    if not np.isfinite(out).all():
-        raise non_finite_error(name, a, target)
-    return out
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up in the finiteness check
+        return np.array(a.T if spec.transpose else a, dtype=target, order="C", copy=True)
 
 
 def empty_tree(cfg: ModelConfig) -> Params:
@@ -167,7 +119,7 @@ def get_leaf(tree: Params, path: tuple[str | int, ...]) -> Any:
 
 def check_hf_tensors(
     cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dtype, *, partial: bool = False
-) -> dict[str, TensorSpec]:
+) -> dict[str, ParamSpec]:
     """Names, dtypes and shapes of HF tensors, checked without reading their data.
 
     Returns the spec of every tensor to load, in checkpoint order. With
@@ -175,7 +127,7 @@ def check_hf_tensors(
     checked here (its data against the embedding's) and left out of the result:
     the head is derived from the embedding.
     """
-    specs = hf_tensor_specs(cfg)
+    specs = hf_specs(cfg)
     names = set(tensors)
     tied_head = cfg.tie_word_embeddings and LM_HEAD in names
     unexpected = sorted(names - specs.keys() - ({LM_HEAD} if tied_head else set()))
@@ -216,8 +168,13 @@ def params_from_hf(
         target = np_dtype(dtype or cfg.dtype)
     chosen = check_hf_tensors(cfg, tensors, target, partial=partial_base is not None)
     params = empty_tree(cfg) if partial_base is None else copy_tree(partial_base)
+    check = finite.FiniteCheck()  # each copy is checked as it is made, while it is in cache
     for name, spec in chosen.items():
-        set_leaf(params, spec.path, _convert(name, tensors[name], spec, target))
+        set_leaf(params, spec.path, out := _convert(name, tensors[name], spec, target))
+        check.add({name: out})
+    bad = check.non_finite()
+    if bad:
+        raise non_finite_error(bad[0], tensors[bad[0]], target, more=len(bad) - 1)
     if cfg.tie_word_embeddings and EMBED in chosen:
         params["lm_head"] = np.ascontiguousarray(params["embed"].T)
     return params
@@ -235,9 +192,7 @@ def _check_tied_head(cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dt
         raise WeightsMismatch(
             f"{LM_HEAD}: this model ties word embeddings; send {EMBED} (the head is derived from it)"
         )
-    _check_meta(
-        LM_HEAD, tensors[LM_HEAD], TensorSpec(("lm_head",), (cfg.vocab_size, cfg.hidden_size), False), target
-    )
+    _check_meta(LM_HEAD, tensors[LM_HEAD], hf_specs(cfg)[EMBED], target)  # the embedding's [V, D]
     with np.errstate(over="ignore", invalid="ignore"):
         head, embed = (np.asarray(tensors[n], dtype=target) for n in (LM_HEAD, EMBED))
     if not np.array_equal(head, embed, equal_nan=True):  # a NaN embedding is reported as NaN, later
@@ -249,14 +204,13 @@ def _check_tied_head(cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dt
 def hf_from_params(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """The inverse of `params_from_hf`: HF names, `[out, in]`, no `lm_head.weight` when tied."""
     out = {}
-    for name, spec in hf_tensor_specs(cfg).items():
+    for name, spec in hf_specs(cfg).items():
         try:
             leaf = np.asarray(get_leaf(params, spec.path))
         except (KeyError, IndexError, TypeError) as e:
-            raise WeightsMismatch(f"params has no leaf {spec.param_name} (for {name})") from e
-        expected = tuple(reversed(spec.hf_shape)) if spec.transpose else spec.hf_shape
-        if tuple(leaf.shape) != expected:
-            raise WeightsMismatch(f"{spec.param_name}: expected {expected}, got {tuple(leaf.shape)}")
+            raise WeightsMismatch(f"params has no leaf {spec.name} (for {name})") from e
+        if tuple(leaf.shape) != spec.shape:
+            raise WeightsMismatch(f"{spec.name}: expected {spec.shape}, got {tuple(leaf.shape)}")
         out[name] = np.ascontiguousarray(leaf.T if spec.transpose else leaf)
     return out
 

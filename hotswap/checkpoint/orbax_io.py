@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hotswap.engine.params import Params, path_name
+from hotswap.engine.spec import Params, path_name
 from hotswap.errors import CheckpointError, WeightsMismatch, WeightsPathNotAllowed
 
 

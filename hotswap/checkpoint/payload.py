@@ -1,4 +1,8 @@
-"""Safe wire formats for weight updates: safetensors bytes and base64 JSON entries.
+"""Safe wire formats for weight updates, and the one safetensors codec (files use it too).
+
+The safetensors parser (`decode_safetensors`) and its dtype table are the only
+ones in hotswap: `safetensors_io.py` reads and writes checkpoint files through
+them. Base64 JSON entries are the other wire format.
 
 Nothing here ever unpickles. Pickle, torch.save and object-dtype .npy payloads
 are recognised by their bytes only so the client gets a clear PickleRefused
@@ -18,9 +22,8 @@ import io
 import json
 import math
 import struct
-import threading
-import time
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import ml_dtypes
@@ -97,7 +100,9 @@ def _no_dup_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise PayloadError(f"safetensors header has the key {k!r} twice")
+            raise PayloadError(
+                f"corrupt safetensors header: duplicate key {k!r} (it has the key {k!r} twice)"
+            )
         out[k] = v
     return out
 
@@ -106,24 +111,27 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
     """Parse safetensors bytes with strict validation; PayloadError says what is wrong."""
     buf = memoryview(data).cast("B")
     if len(buf) < 8:
-        raise PayloadError(f"truncated safetensors payload: need 8 bytes of header length, got {len(buf)}")
+        raise PayloadError(f"truncated safetensors: need 8 bytes of header length, got {len(buf)}")
     (header_len,) = struct.unpack("<Q", buf[:8])
     if header_len > _MAX_HEADER_BYTES:
         raise PayloadError(
-            f"safetensors header length {header_len} is implausible (limit {_MAX_HEADER_BYTES})"
+            f"corrupt or truncated safetensors header: header length {header_len} is implausible "
+            f"(limit {_MAX_HEADER_BYTES})"
         )
     if 8 + header_len > len(buf):
         raise PayloadError(
-            f"truncated safetensors payload: header says {header_len} header bytes, got {len(buf) - 8}"
+            f"truncated safetensors: header says {header_len} header bytes, got {len(buf) - 8}"
         )
     try:
         header = json.loads(bytes(buf[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_no_dup_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PayloadError(f"safetensors header is not valid JSON: {e}") from None
+        raise PayloadError(f"corrupt safetensors header: not valid JSON: {e}") from None
     except RecursionError:  # [[[[...]]]] thousands deep: json's parser gives up
-        raise PayloadError("safetensors header is nested too deeply (not a safetensors header)") from None
+        raise PayloadError(
+            "corrupt safetensors header: nested too deeply (not a safetensors header)"
+        ) from None
     if not isinstance(header, dict):
-        raise PayloadError(f"safetensors header must be a JSON object, got {type(header).__name__}")
+        raise PayloadError(f"corrupt safetensors header: must be a JSON object, got {type(header).__name__}")
     header.pop("__metadata__", None)
 
     body = buf[8 + header_len :]
@@ -156,7 +164,7 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
     expected_end = specs[-1][1] if specs else 0
     if expected_end > len(body):
         raise PayloadError(
-            f"truncated safetensors payload: header says {expected_end} bytes of data, got {len(body)}"
+            f"truncated safetensors: header says {expected_end} bytes of data, got {len(body)}"
         )
     pos = 0
     for begin, end, name, _, _ in specs:
@@ -166,30 +174,43 @@ def decode_safetensors(data: bytes | bytearray | memoryview) -> dict[str, np.nda
         pos = end
     if len(body) != expected_end:
         raise PayloadError(
-            f"safetensors payload has {len(body) - expected_end} trailing bytes after the tensor data"
+            f"safetensors data has {len(body) - expected_end} trailing bytes after the tensor data"
         )
     base = 8 + header_len
     return {name: _view(buf, dtype, shape, base + begin) for begin, _, name, dtype, shape in specs}
 
 
-def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
-    """Encode numpy (or jax) arrays as safetensors bytes, in name order."""
+def safetensors_layout(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[np.ndarray]]:
+    """(length + header bytes, the C-contiguous arrays whose bytes follow, in name order).
+
+    What `encode_safetensors` joins in memory and `safetensors_io.write_safetensors`
+    streams to a file, so both write the same bytes.
+    """
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
-    chunks, pos = [], 0
+    arrays, pos = [], 0
     for name in sorted(tensors):
         arr = np.asarray(tensors[name])
         tag = _ST_TAGS.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
         if tag is None:
             raise PayloadError(f"tensor {name!r}: dtype {arr.dtype} has no safetensors equivalent")
-        raw = np.ascontiguousarray(arr).astype(_ST_DTYPES[tag], copy=False).tobytes()
-        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [pos, pos + len(raw)]}
-        chunks.append(raw)
-        pos += len(raw)
+        shape = list(arr.shape)  # before ascontiguousarray, which may make a 0-d array 1-d
+        arr = np.ascontiguousarray(arr).astype(_ST_DTYPES[tag], copy=False)
+        header[name] = {"dtype": tag, "shape": shape, "data_offsets": [pos, pos + arr.nbytes]}
+        arrays.append(arr)
+        pos += arr.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # pad so the data section is 8-byte aligned, as safetensors does
-    return b"".join([struct.pack("<Q", len(head)), head, *chunks])
+    return struct.pack("<Q", len(head)) + head, arrays
+
+
+def encode_safetensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Encode numpy (or jax) arrays as safetensors bytes, in name order."""
+    head, arrays = safetensors_layout(tensors, metadata)
+    return b"".join([head, *(a.tobytes() for a in arrays)])
 
 
 # --------------------------------------------------------------------------- JSON entries
@@ -315,8 +336,16 @@ def decode_json_body(body: Any) -> dict[str, np.ndarray]:
     return decode_json_entries(body)
 
 
-def decode_payload(data: bytes | bytearray | memoryview, content_type: str | None) -> dict[str, np.ndarray]:
-    """Decode a REST weight payload by content type, refusing pickles first."""
+def decode_payload(
+    data: bytes | bytearray | memoryview | list, content_type: str | None
+) -> dict[str, np.ndarray]:
+    """Decode a REST weight payload by content type, refusing pickles first.
+
+    `data` is the body's bytes, or the `tensors` list of a JSON body the caller
+    has parsed already (to read its other fields).
+    """
+    if isinstance(data, list):
+        return decode_json_entries(data)
     sniff_refuse_pickle(data)
     kind = (content_type or "").split(";", 1)[0].strip().lower()
     if kind in ("application/octet-stream", "application/x-safetensors", "application/safetensors"):
@@ -335,85 +364,3 @@ def decode_payload(data: bytes | bytearray | memoryview, content_type: str | Non
         f"unsupported content type {content_type!r} for weights; use application/octet-stream "
         "(safetensors) or application/json"
     )
-
-
-# --------------------------------------------------------------------------- chunked updates
-
-
-class ChunkStager:
-    """Staging area for a chunked update; commits all-or-nothing on `finished=True`.
-
-    One sequence at a time. Choices, so that nothing mixes silently:
-    - a chunk whose `update_id` differs from the in-progress sequence's (None
-      counts as an id) is refused with PayloadError and the in-progress sequence
-      is left alone: the newcomer has to wait, or `abort()` first. A sequence
-      idle for over `stale_after_s` is dropped instead, so a client that died
-      mid-upload cannot block updates forever;
-    - a chunk that repeats a staged tensor name, or pushes the total over
-      `max_bytes`, poisons its own sequence: PayloadError and everything staged
-      is dropped, so the client restarts rather than committing a partial set.
-    """
-
-    def __init__(
-        self, max_bytes: int | None = None, stale_after_s: float | None = None, clock=time.monotonic
-    ):
-        self._lock = threading.Lock()
-        self._max_bytes, self._stale_after_s, self._clock = max_bytes, stale_after_s, clock
-        self._last_chunk_at = 0.0
-        self._tensors: dict[str, np.ndarray] = {}
-        self._update_id: str | None = None
-        self._active = False  # distinct from "no tensors": an empty first chunk still opens a sequence
-        self._nbytes = 0
-
-    def add(
-        self, tensors: dict[str, np.ndarray], *, finished: bool, update_id: str | None = None
-    ) -> dict[str, np.ndarray] | None:
-        """Stage one chunk. Returns the merged update only on `finished=True`, else None."""
-        with self._lock:
-            now = self._clock()
-            stale = self._stale_after_s is not None and now - self._last_chunk_at > self._stale_after_s
-            if self._active and update_id != self._update_id and stale:
-                self._clear()
-            if self._active and update_id != self._update_id:
-                raise PayloadError(
-                    f"chunk for update {update_id!r} while update {self._update_id!r} is in progress "
-                    f"({len(self._tensors)} tensors staged); finish or abort it first"
-                )
-            dup = sorted(set(tensors) & self._tensors.keys())
-            if dup:
-                self._clear()
-                raise PayloadError(
-                    f"tensor {dup[0]!r} was already sent in an earlier chunk; staged update aborted"
-                )
-            nbytes = self._nbytes + sum(int(a.nbytes) for a in tensors.values())
-            if self._max_bytes is not None and nbytes > self._max_bytes:
-                self._clear()
-                raise PayloadError(
-                    f"chunked update exceeds the staging limit of {self._max_bytes} bytes; staged update aborted"
-                )
-            self._tensors.update(tensors)
-            self._nbytes, self._update_id, self._active, self._last_chunk_at = nbytes, update_id, True, now
-            if not finished:
-                return None
-            merged = self._tensors
-            self._clear()
-            return merged
-
-    def abort(self) -> None:
-        """Drop everything staged; nothing is committed."""
-        with self._lock:
-            self._clear()
-
-    @property
-    def pending(self) -> dict[str, Any]:
-        """What is staged now: update_id, sorted names, count and bytes."""
-        with self._lock:
-            return {
-                "update_id": self._update_id,
-                "names": sorted(self._tensors),
-                "count": len(self._tensors),
-                "bytes": self._nbytes,
-            }
-
-    def _clear(self) -> None:
-        self._tensors, self._update_id, self._active, self._nbytes = {}, None, False, 0

@@ -19,9 +19,9 @@ import uuid
 import jax
 import numpy as np
 
-from hotswap.checkpoint.payload import ChunkStager, decode_payload
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import host_memory, lifecycle, sources
+from hotswap.engine import host_memory, ingest, lifecycle, sources
+from hotswap.engine.chunks import ChunkStager
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
@@ -77,8 +77,7 @@ class Engine:
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
         self.abstract = spec
-        lifecycle.validate_params(params, self.abstract)
-        placed = lifecycle.place_params(params, self.abstract)
+        placed = ingest.stage_params(params, self.abstract).params
         self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding)
         self.sched = Scheduler(ecfg)
         self.runner = Runner(mcfg, ecfg)
@@ -348,12 +347,9 @@ class Engine:
         content_type: str = "application/octet-stream",
         **update_kwargs,
     ) -> int | None:
-        """Stage one chunk of HF-named tensors; on `finished`, commit them atomically."""
-        tensors = (
-            decode_payload(bytes(tensors_or_bytes), content_type)
-            if isinstance(tensors_or_bytes, (bytes, bytearray, memoryview))
-            else dict(tensors_or_bytes)
-        )
+        """Stage one chunk (HF-named tensors, payload bytes, or a parsed JSON `tensors` list);
+        on `finished`, commit every staged tensor atomically."""
+        tensors = sources.wire_tensors(tensors_or_bytes, content_type)
         merged = self.stager.add(tensors, finished=finished, update_id=update_id)
         if merged is None:
             return None

@@ -9,9 +9,10 @@ shape transposes and casts it there into a fresh array on the engine's
 sharding: XLA's transpose is vectorised and multi-threaded on CPU, and runs in
 HBM on TPU/GPU.
 
-Finiteness is a vectorised reduction per tensor on the device, over the
-converted values (a cast can overflow). On CPU numpy checks a same-dtype
-source instead, just before its conversion, which then reads it from cache.
+Finiteness goes through the one check (`kernels/finite.py`), over the
+converted values on the device (a cast can overflow). On CPU a source already
+in the engine's dtype is checked instead, on the host just before its
+conversion, which then reads it from cache.
 
 Largest tensors go first. On CPU the new weights are malloc'd while the old
 ones still serve; allocated first, the big buffers reuse the holes the
@@ -39,14 +40,13 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hotswap.checkpoint import hf
 from hotswap.config import ModelConfig
-from hotswap.engine.lifecycle import all_finite
 from hotswap.engine.params import Params
+from hotswap.engine.spec import EMBED
+from hotswap.kernels import finite
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.
 _IN_FLIGHT_BYTES = 1 << 30
-# Slab of a host finiteness check: its bool temporary stays in L2.
-_SLAB_BYTES = 256 << 10
 
 
 @functools.cache
@@ -59,9 +59,6 @@ def _converter(transpose: bool, dtype: np.dtype, sharding):
     if isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
         return jax.jit(convert, out_shardings=sharding)
     return jax.jit(convert)  # an unusual sharding type: place_params reshards afterwards if needed
-
-
-_finite = jax.jit(all_finite)  # one call per tensor: compiled per shape, so any subset reuses it
 
 
 def _source_sharding(sharding, transpose: bool):
@@ -86,23 +83,12 @@ def _put(array: Any, sharding) -> jax.Array:
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
 
 
-# ---- finiteness on the host (CPU) ----------------------------------------------------------
+# ---- which values the finiteness check reads ------------------------------------------------
 
 
 def _on_cpu(sharding) -> bool:
     devices = sharding.device_set if sharding is not None else {jax.devices()[0]}
     return all(d.platform == "cpu" for d in devices)
-
-
-def _host_all_finite(a: np.ndarray, scratch: np.ndarray) -> bool:
-    """`np.isfinite(a).all()` a slab at a time into `scratch`: no bool temporary of the
-    tensor's size, and no allocation at all (a freed generation's big holes stay whole)."""
-    flat = a.reshape(-1)
-    step = scratch.size
-    return all(
-        bool(np.isfinite(flat[i : i + step], out=scratch[: min(step, flat.size - i)]).all())
-        for i in range(0, flat.size, step)
-    )
 
 
 def _check_source_on_host(src: Any, dtype: np.dtype, sharding) -> bool:
@@ -138,19 +124,19 @@ def hf_to_device(
     chosen = hf.check_hf_tensors(cfg, tensors, target, partial=base is not None)
     head_want, head = abstract["lm_head"], None
     new: dict[str, jax.Array] = {}
-    finite: dict[str, Any] = {}  # bools and device scalars
-    scratch = np.empty(_SLAB_BYTES // 4, np.bool_)
+    check = finite.FiniteCheck()
     pending, pending_bytes = [], 0
     for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
         spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
         src, dtype = tensors[name], np.dtype(want.dtype)
-        if check_finite and _check_source_on_host(src, dtype, want.sharding):
-            finite[name] = _host_all_finite(src, scratch)
+        on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
+        if on_host:
+            check.add({name: src})
         x = _put(src, _source_sharding(want.sharding, spec.transpose))
         new[name] = _converter(spec.transpose, dtype, want.sharding)(x)
-        if check_finite and name not in finite:
-            finite[name] = _finite(new[name])  # on the converted values: a cast can overflow
-        if name == hf.EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
+        if check_finite and not on_host:
+            check.add({name: new[name]})  # the converted values: a cast can overflow
+        if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
             head = _converter(True, np.dtype(head_want.dtype), head_want.sharding)(new[name])
         pending.append(new[name])
         pending_bytes += x.nbytes
@@ -158,8 +144,8 @@ def hf_to_device(
             jax.block_until_ready(pending)
             pending, pending_bytes = [], 0
     if check_finite:
-        flags = dict(zip(finite, jax.device_get(list(finite.values())), strict=True))
-        bad = [n for n in chosen if not flags[n]]  # in checkpoint order
+        flagged = set(check.non_finite())
+        bad = [n for n in chosen if n in flagged]  # in checkpoint order
         if bad:
             raise hf.non_finite_error(bad[0], tensors[bad[0]], np.dtype(new[bad[0]].dtype), more=len(bad) - 1)
     params = hf.empty_tree(cfg) if base is None else hf.copy_tree(base)

@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from hotswap.checkpoint import orbax_io
-from hotswap.engine import lifecycle, sources
+from hotswap.engine import ingest, sources
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError
@@ -191,20 +191,15 @@ class Driver:
                 tree = sources.resolve_source(source, e.mcfg, current=None, abstract=e.abstract)
                 tree = jax.tree.map(np.asarray, tree)  # host copies; global arrays must be replicated
                 # Shapes must be right before the broadcast: followers receive into engine-shaped buffers.
-                lifecycle.validate_params(tree, e.abstract)
+                ingest.validate_params(tree, e.abstract)
                 self._send("update_weights", kind="tree", **args)
                 source = _broadcast_weights(e, "tree", tree)
             return self.engine.update_weights(source, **args, drain_timeout_s=math.inf)
 
     def update_weights_chunk(self, tensors_or_bytes, *, finished, update_id=None, **kwargs):
         """Chunks are staged here only; the merged update is broadcast as one in-memory source."""
-        from hotswap.checkpoint.payload import decode_payload
-
-        content_type = kwargs.pop("content_type", "application/octet-stream")
-        tensors = (
-            decode_payload(bytes(tensors_or_bytes), content_type)
-            if isinstance(tensors_or_bytes, (bytes, bytearray, memoryview))
-            else dict(tensors_or_bytes)
+        tensors = sources.wire_tensors(
+            tensors_or_bytes, kwargs.pop("content_type", "application/octet-stream")
         )
         merged = self.engine.stager.add(tensors, finished=finished, update_id=update_id)
         return None if merged is None else self.update_weights(merged, **kwargs)

@@ -1,4 +1,4 @@
-"""The params pytree layout, in one place.
+"""The params pytree: its layout, and the trees built from the spec table (`spec.py`).
 
 Params are a plain nested dict of arrays, passed to every jitted step as an
 argument (never closed over). Matrices are stored `[in, out]` and used as
@@ -21,6 +21,9 @@ fast layout and keeps the forward pass free of a tie branch.
       "final_norm": [D],
       "lm_head":    [D, V],
     }
+
+Each leaf's shape, logical axes and HF name are one row of `spec.py`; the trees
+here (`param_shapes`, `abstract_params`) are maps over that table.
 """
 
 from __future__ import annotations
@@ -31,63 +34,23 @@ import jax
 import numpy as np
 
 from hotswap.config import ModelConfig
+from hotswap.engine.spec import Params, is_spec, param_specs, path_name
 
-Params = dict[str, Any]  # nested dict of jax/numpy arrays, layout above
-
-
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, f, q, kv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-    shapes = {
-        "attn_norm": (d,),
-        "wq": (d, q),
-        "wk": (d, kv),
-        "wv": (d, kv),
-        "wo": (q, d),
-        "mlp_norm": (d,),
-        "w_gate": (d, f),
-        "w_up": (d, f),
-        "w_down": (f, d),
-    }
-    if cfg.qkv_bias:
-        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
-    if cfg.qk_norm:
-        shapes.update(q_norm=(hd,), k_norm=(hd,))
-    return shapes
+__all__ = ["Params", "abstract_params", "param_paths", "param_shapes", "path_name"]
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
     """Nested dict of shape tuples with the same structure as the params."""
-    return {
-        "embed": (cfg.vocab_size, cfg.hidden_size),
-        "layers": [layer_shapes(cfg) for _ in range(cfg.num_layers)],
-        "final_norm": (cfg.hidden_size,),
-        "lm_head": (cfg.hidden_size, cfg.vocab_size),
-    }
+    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=is_spec)
 
 
 def abstract_params(cfg: ModelConfig, dtype: str | None = None) -> Params:
     """ShapeDtypeStruct tree: what every weight update is validated against."""
     dt = np.dtype(jax.numpy.dtype(dtype or cfg.dtype))
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s, dt),
-        param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_specs(cfg), is_leaf=is_spec)
 
 
 def param_paths(params: Params) -> list[tuple[str, Any]]:
     """Flatten to ("layers.3.wq", leaf) pairs, in a stable order, for error messages."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     return [(path_name(path), leaf) for path, leaf in flat]
-
-
-def path_name(path) -> str:
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        else:
-            parts.append(str(k))
-    return ".".join(parts)

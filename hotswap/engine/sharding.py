@@ -1,6 +1,7 @@
 """Tensor-parallel sharding: the mesh, the logical axes of every array, and the one rules table.
 
-Arrays are described by *logical* axis names ("heads", "mlp", "vocab", ...);
+Arrays are described by *logical* axis names ("heads", "mlp", "vocab", ...): a
+param's are its row of the spec table (`spec.py`), the KV cache's are `KV_AXES`.
 `RULES` maps those names to mesh axes and is the only place in hotswap that
 names a mesh axis. The layout is Megatron-style: q/k/v and gate/up are split
 by output column (heads, mlp), o and down by input row, so each layer needs one
@@ -27,7 +28,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hotswap.config import ModelConfig
-from hotswap.engine.params import Params, layer_shapes
+from hotswap.engine.params import Params
+from hotswap.engine.spec import is_spec, param_specs
 from hotswap.errors import ConfigError
 
 TP = "tp"  # the tensor-parallel mesh axis
@@ -45,27 +47,6 @@ RULES: dict[str, str | None] = {
     "head_dim": None,
     "kv_pages": None,
     "page_slots": None,
-}
-
-# Logical axes of every array, by params-tree leaf name (layout in `params.py`).
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
-    "attn_norm": ("embed",),
-    "wq": ("embed", "heads"),
-    "wk": ("embed", "kv_heads"),
-    "wv": ("embed", "kv_heads"),
-    "wo": ("heads", "embed"),
-    "bq": ("heads",),
-    "bk": ("kv_heads",),
-    "bv": ("kv_heads",),
-    "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",),
-    "mlp_norm": ("embed",),
-    "w_gate": ("embed", "mlp"),
-    "w_up": ("embed", "mlp"),
-    "w_down": ("mlp", "embed"),
 }
 
 # [num_pages, page_size, 2*kv_heads, head_dim]: K of head h at 2h, V at 2h+1, so a
@@ -116,15 +97,9 @@ def _named(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
-    """A params-shaped tree of NamedSharding (same structure as `params.param_shapes`)."""
+    """A params-shaped tree of NamedSharding: each leaf's logical axes (the spec table) through `RULES`."""
     check_divisible(cfg, mesh)
-    layer = {name: _named(mesh, PARAM_AXES[name]) for name in layer_shapes(cfg)}
-    return {
-        "embed": _named(mesh, PARAM_AXES["embed"]),
-        "layers": [dict(layer) for _ in range(cfg.num_layers)],
-        "final_norm": _named(mesh, PARAM_AXES["final_norm"]),
-        "lm_head": _named(mesh, PARAM_AXES["lm_head"]),
-    }
+    return jax.tree.map(lambda s: _named(mesh, s.axes), param_specs(cfg), is_leaf=is_spec)
 
 
 def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:

@@ -5,6 +5,9 @@ Sources: an in-process params pytree (used as is), a mapping of HF tensor names
 (as a trainer would save them), a local HF safetensors directory, an orbax
 checkpoint directory, or safe payload bytes (safetensors). Paths must resolve
 under the allowed weights root when one is set. Nothing is ever unpickled.
+
+Update payloads (REST bodies, `update_weights(bytes)`, chunks) are decoded in one
+place, `wire_tensors`, wherever they came in.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import numpy as np
 
 from hotswap.checkpoint import hf, orbax_io, payload
 from hotswap.config import ModelConfig
-from hotswap.engine import hf_device, lifecycle
+from hotswap.engine import hf_device
+from hotswap.engine.ingest import StagedParams, place_params, stage_params
 from hotswap.engine.params import Params
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
 
@@ -55,11 +59,27 @@ def _checkpoint_dir(source: str | os.PathLike, weights_root) -> Path:
     return path
 
 
+def wire_tensors(
+    chunk: bytes | bytearray | memoryview | list | Mapping[str, Any],
+    content_type: str = "application/octet-stream",
+) -> Mapping[str, Any]:
+    """The HF-named tensors of an update as it arrives: body bytes (safetensors or JSON, by
+    `content_type`) or a parsed JSON `tensors` list are decoded here, the one place an update
+    payload is decoded; a mapping of tensors is used as it is."""
+    if isinstance(chunk, (bytearray, memoryview)):
+        chunk = bytes(chunk)  # the decoded arrays view it: a caller's buffer may change later
+    if isinstance(chunk, (bytes, list)):
+        return payload.decode_payload(chunk, content_type)
+    if not isinstance(chunk, Mapping) or not all(isinstance(k, str) for k in chunk):
+        raise WeightsMismatch("a tensor mapping must be keyed by HF tensor names (str)")
+    return chunk
+
+
 def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any] | None:
     """The HF-named tensors a source holds, unconverted (views of the file or payload);
     None for a params tree or an orbax directory."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return payload.decode_payload(bytes(source), "application/octet-stream")
+        return wire_tensors(source)
     if isinstance(source, (str, os.PathLike)):
         path = _checkpoint_dir(source, weights_root)
         if not ((path / "config.json").exists() or any(path.glob("*.safetensors"))):
@@ -70,9 +90,7 @@ def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any
     if is_params_tree(source):
         return None
     if isinstance(source, Mapping):
-        if not all(isinstance(k, str) for k in source):
-            raise WeightsMismatch("a tensor mapping must be keyed by HF tensor names (str)")
-        return source
+        return wire_tensors(source)
     raise ConfigError(
         f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
         "tensors, a checkpoint directory path, or safetensors bytes"
@@ -119,20 +137,22 @@ def stage_source(
     partial: bool = False,
     weights_root: str | os.PathLike | None = None,
     check_finite: bool = True,
-) -> lifecycle.StagedParams:
+) -> StagedParams:
     """Any supported source -> params validated and placed on `abstract` (the engine's path).
 
     HF-named sources are converted on the device (`hf_device.py`): each tensor
     goes over in the file's layout, is transposed and cast there, and a NaN is
     reported under its HF name. A partial update keeps the current leaves as
     they are (no host round trip) and scans only the tensors it brings. Other
-    sources go through `resolve_source` and `lifecycle.stage_params`.
+    sources go through `resolve_source` and `ingest.stage_params`. Either way each
+    source is validated once.
     """
     base = _partial_base(current, partial)
     tensors = _hf_tensors(source, cfg, weights_root)
     if tensors is None:
         params = resolve_source(source, cfg, current=current, weights_root=weights_root, abstract=abstract)
-        return lifecycle.stage_params(params, abstract, check_finite=check_finite)
+        return stage_params(params, abstract, check_finite=check_finite)
     params = hf_device.hf_to_device(cfg, tensors, abstract, base=base, check_finite=check_finite)
-    # Converted leaves are checked and placed already; this checks the tree and places kept leaves.
-    return lifecycle.stage_params(params, abstract, check_finite=False)
+    # Checked by name, shape and dtype before the conversion, which built the tree from the spec
+    # table on `abstract`'s shardings; kept leaves of a partial update are the current, placed ones.
+    return StagedParams(place_params(params, abstract), abstract)
