@@ -4,7 +4,7 @@
 
 Each round runs a fresh process per side, A then B, on the bench-100m preset (built once, shared):
 this machine's bandwidth drifts by tens of percent within minutes, so only the interleaved ratio
-means anything. The child uses only the engine calls both sides have (add_request, step).
+means anything. The child times with the bench's own `hotswap_decode` from whichever checkout it runs.
 """
 
 from __future__ import annotations
@@ -19,27 +19,17 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, statistics, sys, time
+import json, sys
 import numpy as np
-from hotswap import LLM, SamplingParams
-model_dir, batches, new_tokens, repeats = sys.argv[1], [int(b) for b in sys.argv[2].split(",")], 32, 3
+from hotswap import LLM
+try:
+    from benchmarks.workloads import hotswap_decode
+except ImportError:  # a checkout from before the benchmarks left the package
+    from hotswap.bench import hotswap_decode
+model_dir, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
 llm = LLM(model_dir, max_model_len=256, max_num_seqs=max(batches), max_num_batched_tokens=512)
-eng, rng = llm.engine, np.random.default_rng(0)
-sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-out = {}
-for b in batches:
-    prompts = [rng.integers(10, 700, 64).tolist() for _ in range(b)]
-    def once():
-        eng.reset_prefix_cache()
-        rids = [eng.add_request(None, p, sp) for p in prompts]
-        while any(not eng.requests[r].seqs[0].output_ids for r in rids if r in eng.requests):
-            eng.step()
-        t = time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-        return time.perf_counter() - t
-    once()
-    out[b] = b * (new_tokens - 1) / statistics.median(once() for _ in range(repeats))
+rng = np.random.default_rng(0)
+out = {b: hotswap_decode(llm, [rng.integers(10, 700, 64).tolist() for _ in range(b)], 32, 3) for b in batches}
 print("RESULT " + json.dumps(out))
 """
 
