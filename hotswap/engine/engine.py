@@ -22,7 +22,7 @@ import numpy as np
 
 from hotswap.checkpoint.payload import ChunkStager, decode_payload
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import host_memory, lifecycle, sources
+from hotswap.engine import compile_cache, host_memory, lifecycle, sources
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
@@ -79,6 +79,7 @@ class Engine:
                 f"num_pages={ecfg.num_pages} cannot hold one max_model_len={ecfg.max_model_len} sequence "
                 f"({ecfg.pages_per_seq} pages of {ecfg.page_size} plus the null page)"
             )
+        compile_cache.enable(ecfg.compilation_cache)  # before anything compiles: warm-up can load
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
         ecfg = dataclasses.replace(ecfg, attention=resolve_attention(ecfg.attention, kv_sharding))
