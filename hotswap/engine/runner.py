@@ -272,17 +272,21 @@ class Runner:
         from tqdm.auto import tqdm
 
         shapes = self.buckets.shapes()
-        it = tqdm(shapes, desc="hotswap: compiling steps", disable=not progress, leave=False)
+        bar = tqdm(total=len(shapes), desc="hotswap: compiling steps", disable=not progress, leave=False)
         impl = self.ecfg.attention
         counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
-        for b, c, p in it:
+        for b, c, p in shapes:
             with compile_cache.CompileCounter() as n:
                 pages, _ = run_step(
                     params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl
                 )
             kind = "compiled" if n.programs > n.loaded else "from_cache" if n.loaded else "in_memory"
             counts[kind] += 1
-            it.set_postfix_str(compile_cache.describe(counts))
+            doing = "loading cached steps" if kind == "from_cache" else "compiling steps"
+            bar.set_description(f"hotswap: {doing}", refresh=False)
+            bar.set_postfix_str(compile_cache.describe(counts), refresh=False)
+            bar.update()
+        bar.close()
         jax.block_until_ready(pages)
         self.warmup_counts = counts
         return pages
