@@ -28,11 +28,12 @@ from benchmarks.workloads import (
     prefix_ttft,
     random_prompts,
     serving_workload,
+    startup,
     weight_updates,
 )
 from hotswap.errors import HotswapError
 
-HELP = "decode / serving / prefix / update benchmarks vs HF transformers"
+HELP = "start-up / decode / serving / prefix / update benchmarks vs HF transformers"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--peers-dir", default="benchmarks/peers", help="peer drivers and their .venv-* dirs")
     p.add_argument("--out", default="runs/bench")
+    p.add_argument(
+        "--only", choices=("startup",), help="run only this part (startup: cold and warm LLM start)"
+    )
     p.set_defaults(func=run)
 
 
@@ -80,12 +84,22 @@ def run(args) -> int:
     if not (model_dir / "config.json").exists():
         create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
     batches = [int(b) for b in args.batches.split(",")]
+    engine = {
+        "max_model_len": 1088,
+        "max_num_seqs": max(batches),
+        "max_num_batched_tokens": 512,
+        "page_size": 16,
+    }
+    if args.only == "startup":
+        result = {"startup": _startup(model_dir, engine)}
+        (out / "bench.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result))
+        return 0
     peers = bench_peers.select_peers(args.peers, Path(args.peers_dir))  # before the long runs: fail early
+    starts = _startup(model_dir, engine)  # first: its processes compete with nothing of ours
     gemv = GemvProbe()
     limits = {**gemv(), "matmul_flops": probe_matmul_flops()}
-    llm = LLM(
-        model_dir, max_model_len=1088, max_num_seqs=max(batches), max_num_batched_tokens=512, page_size=16
-    )
+    llm = LLM(model_dir, **engine)
     cfg = llm.config
     weight_bytes = (
         sum(x.nbytes for x in __import__("jax").tree.leaves(llm.params)) - llm.params["embed"].nbytes
@@ -145,11 +159,29 @@ def run(args) -> int:
     prefix = prefix_ttft(llm, cfg.vocab_size)
     prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
     updates = weight_updates(llm, model_dir)
-    result = {"limits": limits, "decode": rows, "serving": serving, "prefix": prefix, "updates": updates}
+    result = {
+        "startup": starts,
+        "limits": limits,
+        "decode": rows,
+        "serving": serving,
+        "prefix": prefix,
+        "updates": updates,
+    }
     _plot(rows, out / "throughput.png")
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     return 0
+
+
+def _startup(model_dir: Path, engine: dict) -> dict:
+    """Start-up of `LLM(model_dir, **engine)` in fresh processes, cold and warm; prints one row."""
+    got = startup(model_dir, engine)
+    print(
+        f"startup | cold_s={got['cold']['llm_s']:.3g} | warm_s={got['warm']['llm_s']:.3g} | "
+        f"speedup={got['speedup']:.3g} | warm-up cold: {got['cold']['warmup']} | warm: {got['warm']['warmup']}",
+        flush=True,
+    )
+    return got
 
 
 def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int, ours_now=None) -> None:

@@ -1,4 +1,4 @@
-"""What `hotswap bench` times: decode, a serving workload, prefix-cache TTFT and weight updates.
+"""What `hotswap bench` times: start-up, decode, a serving workload, prefix-cache TTFT and weight updates.
 
 Each hotswap workload has its HF transformers twin on the same prompts (drawn from the same
 seeds), so `bench.py` can report ratios measured in one run.
@@ -6,13 +6,76 @@ seeds), so `bench.py` can report ratios measured in one run.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.limits import timeit
+
+# Cache settings of this process that would change what the fresh processes do.
+_CACHE_SETTINGS = (
+    "HOTSWAP_COMPILATION_CACHE",
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+)
+
+# One start-up in a fresh process: `import hotswap`, then LLM construction (load, place, warm-up).
+_STARTUP = """
+import json, sys, time
+t = time.perf_counter()
+from hotswap import LLM
+t1 = time.perf_counter()
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+t2 = time.perf_counter()
+print(json.dumps({"llm_s": t2 - t1, "import_s": t1 - t, "warmup": llm.engine.runner.warmup_counts}))
+"""
+
+
+def startup(model_dir: Path, llm_kwargs: dict, timeout_s: float = 1800) -> dict:
+    """`LLM(model_dir, **llm_kwargs)` in a fresh process, twice: with an empty compilation cache
+    (cold), then with the cache that start filled (warm). Both use a new hotswap cache dir whose
+    `kernels/` is the real one, so the C++ kernels are not rebuilt and only the XLA cache differs.
+    `llm_s`: the `LLM(...)` call (load, place, warm-up); `import_s`: `import hotswap` (JAX too);
+    `process_s`: the whole process, interpreter start included. `speedup` is cold / warm `llm_s`."""
+    from hotswap.cache_dir import ENV, cache_dir
+
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="hotswap-startup-"))
+    try:
+        (root / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
+        env = {k: v for k, v in os.environ.items() if k not in _CACHE_SETTINGS}
+        env[ENV] = str(root)
+        runs = {}
+        for name in ("cold", "warm"):
+            t = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, "-c", _STARTUP, str(model_dir), json.dumps(llm_kwargs)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {name} start-up failed:\n{proc.stderr[-3000:]}")
+            runs[name] = {**json.loads(proc.stdout.splitlines()[-1]), "process_s": time.perf_counter() - t}
+        xla = root / "xla"
+        runs["cache_bytes"] = (
+            sum(f.stat().st_size for f in xla.rglob("*") if f.is_file()) if xla.exists() else 0
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    runs["speedup"] = runs["cold"]["llm_s"] / runs["warm"]["llm_s"]
+    return runs
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -194,6 +194,8 @@ class EngineConfig:
     attention: str = "auto"
     max_waiting: int = 1024  # backpressure: QueueFull beyond this
     drain_timeout_s: float = 60.0
+    # JAX's persistent compilation cache under hotswap's cache dir (engine/compile_cache.py).
+    compilation_cache: bool = True
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite never writes compiled programs into the user's cache, nor loads what an earlier
+# run left there; tests/test_compile_cache.py turns it on, in its own directory.
+os.environ.setdefault("HOTSWAP_COMPILATION_CACHE", "0")
 
 import pytest  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""`hotswap bench`'s limits: the GEMV bandwidth probe and where it runs (next to each timing)."""
+"""`hotswap bench`: the GEMV bandwidth probe, where it runs (next to each timing), and start-up."""
 
 from __future__ import annotations
 
@@ -26,3 +26,13 @@ def test_decode_timing_runs_the_probe_before_each_timed_repeat(tiny_dir):
     )
     assert len(calls) == 3
     assert tok_s > 0
+
+
+def test_startup_measures_a_cold_then_a_warm_process(tiny_dir):
+    """`hotswap bench --only startup`: the second process loads every warm-up step from the cache."""
+    got = workloads.startup(tiny_dir, {"max_model_len": 64, "max_num_seqs": 2, "max_num_batched_tokens": 32})
+    n = sum(got["cold"]["warmup"].values())
+    assert got["cold"]["warmup"]["compiled"] == n > 0
+    assert got["warm"]["warmup"]["from_cache"] == n
+    assert got["cache_bytes"] > 0
+    assert got["speedup"] == got["cold"]["llm_s"] / got["warm"]["llm_s"]

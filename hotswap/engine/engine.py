@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import host_memory, ingest, lifecycle, sources
+from hotswap.engine import compile_cache, host_memory, ingest, lifecycle, sources
 from hotswap.engine.chunks import ChunkStager
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.params import Params, abstract_params
@@ -62,6 +62,7 @@ class Engine:
                 f"num_pages={ecfg.num_pages} cannot hold one max_model_len={ecfg.max_model_len} sequence "
                 f"({ecfg.pages_per_seq} pages of {ecfg.page_size} plus the null page)"
             )
+        compile_cache.enable(ecfg.compilation_cache)  # before anything compiles: warm-up can load
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
         ecfg = dataclasses.replace(ecfg, attention=resolve_attention(ecfg.attention, kv_sharding))

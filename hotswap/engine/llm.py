@@ -43,6 +43,7 @@ class LLM:
         dtype: str | None = None,
         attention: str = "auto",
         warmup: bool = True,
+        compilation_cache: bool = True,
         seed: int = 0,
         weights_root: str | None = None,
         max_waiting: int = 1024,
@@ -66,6 +67,7 @@ class LLM:
             attention=attention,
             max_waiting=max_waiting,
             drain_timeout_s=drain_timeout_s,
+            compilation_cache=compilation_cache,
         )
         tok_path = self.model_dir / "tokenizer.json"
         tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None

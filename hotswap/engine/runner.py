@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import model
+from hotswap.engine import compile_cache, model
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.engine.sampling import SamplingArrays, argmax_logsumexp, sample
@@ -264,13 +264,29 @@ class Runner:
         return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
     def warmup(self, params: Params, pages, progress: bool = True):
-        """Compile every bucket now, so serving never compiles (returns the pages back)."""
+        """Compile every bucket now, so serving never compiles (returns the pages back).
+
+        A bucket whose programs all came from JAX's persistent compilation cache
+        (`compile_cache.py`) is loaded, not compiled: the bar shows both counts, and
+        `warmup_counts` keeps them (`in_memory`: this process had compiled it already)."""
         from tqdm.auto import tqdm
 
         shapes = self.buckets.shapes()
-        it = tqdm(shapes, desc="hotswap: compiling steps", disable=not progress, leave=False)
+        bar = tqdm(total=len(shapes), desc="hotswap: compiling steps", disable=not progress, leave=False)
         impl = self.ecfg.attention
-        for b, c, p in it:
-            pages, _ = run_step(params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl)
+        counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
+        for b, c, p in shapes:
+            with compile_cache.CompileCounter() as n:
+                pages, _ = run_step(
+                    params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl
+                )
+            kind = "compiled" if n.programs > n.loaded else "from_cache" if n.loaded else "in_memory"
+            counts[kind] += 1
+            doing = "loading cached steps" if kind == "from_cache" else "compiling steps"
+            bar.set_description(f"hotswap: {doing}", refresh=False)
+            bar.set_postfix_str(compile_cache.describe(counts), refresh=False)
+            bar.update()
+        bar.close()
         jax.block_until_ready(pages)
+        self.warmup_counts = counts
         return pages

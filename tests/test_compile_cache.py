@@ -1,0 +1,114 @@
+"""JAX's persistent compilation cache (engine/compile_cache.py): a second process loads the
+warm-up's programs, the C++ kernels' custom calls still resolve, and the off switches work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from hotswap.cache_dir import cache_dir
+from hotswap.engine import compile_cache
+
+# Cache settings of this process that would change what the fresh processes do.
+_CACHE_SETTINGS = (
+    "HOTSWAP_COMPILATION_CACHE",
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+)
+# A fresh process: start an LLM on the C++ kernels, report what warm-up did and greedy tokens.
+_START = """
+import json, sys
+from hotswap import LLM, SamplingParams
+llm = LLM(sys.argv[1], attention="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+outs = llm.generate([[5, 6, 7, 8], [9, 10]], sp, use_tqdm=False)
+print(json.dumps({"warmup": llm.engine.runner.warmup_counts,
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def _start(model_dir, root, **env_extra):
+    env = {k: v for k, v in os.environ.items() if k not in _CACHE_SETTINGS}
+    # The tiny model's steps compile in far under JAX's default 1 s threshold: written anyway.
+    env |= {"HOTSWAP_CACHE_DIR": str(root), **env_extra}
+    out = subprocess.run(
+        [sys.executable, "-c", _START, str(model_dir)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+
+@pytest.fixture
+def cache_root(tmp_path):
+    """A fresh hotswap cache dir sharing the real `kernels/`, so the C++ kernels are not rebuilt."""
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
+    return tmp_path
+
+
+def test_a_second_process_loads_every_step_from_the_cache_and_generates_the_same(tiny_dir, cache_root):
+    first, first_err = _start(tiny_dir, cache_root)
+    assert first["warmup"]["compiled"] > 0 and first["warmup"]["from_cache"] == 0
+    assert any((cache_root / "xla").iterdir())  # under the one hotswap cache dir
+    second, second_err = _start(tiny_dir, cache_root)
+    n = sum(first["warmup"].values())
+    # Every bucket loaded, none compiled: the cached programs' custom calls found their targets.
+    assert second["warmup"] == {"compiled": 0, "from_cache": n, "in_memory": 0}
+    assert second["tokens"] == first["tokens"]
+    assert f"{n} from cache" in second_err and f"{n} compiled" in first_err  # the progress bar
+
+
+def test_off_by_env_var_writes_nothing(tiny_dir, cache_root):
+    got, _ = _start(tiny_dir, cache_root, HOTSWAP_COMPILATION_CACHE="0")
+    assert got["warmup"]["compiled"] > 0
+    assert not (cache_root / "xla").exists()
+
+
+_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """Restores JAX's cache settings after the test (nothing compiles meanwhile)."""
+    before = {k: getattr(jax.config, k) for k in _SETTINGS}
+    yield
+    for k, v in before.items():
+        jax.config.update(k, v)
+
+
+def test_enable_respects_the_switches_and_a_users_own_cache(tmp_path, monkeypatch, jax_cache_settings):
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # JAX's default
+    monkeypatch.setenv(compile_cache.ENV, "0")
+    assert compile_cache.enable(True) is None
+    monkeypatch.delenv(compile_cache.ENV)
+    assert compile_cache.enable(False) is None  # EngineConfig(compilation_cache=False)
+    assert jax.config.jax_compilation_cache_dir is None
+    assert compile_cache.enable(True) == tmp_path / "xla"
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every warm-up step is written
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))  # the user's own
+    assert compile_cache.enable(True) == tmp_path / "mine"
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+
+
+def test_a_changed_write_threshold_is_left_as_it_is(tmp_path, monkeypatch, jax_cache_settings):
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.5)
+    assert compile_cache.enable(True) == tmp_path / "xla"
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.5
+
+
+def test_progress_text_leaves_zero_counts_out():
+    assert (
+        compile_cache.describe({"compiled": 3, "from_cache": 8, "in_memory": 0}) == "3 compiled, 8 from cache"
+    )
