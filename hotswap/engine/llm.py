@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.checkpoint import hf
+from hotswap.checkpoint import hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig
 from hotswap.engine import sharding
@@ -23,9 +23,10 @@ from hotswap.errors import RequestError
 
 
 class LLM:
-    """Load an HF-format model directory and generate, score and hot-swap weights.
+    """Load an HF-format model directory (or Hub ID) and generate, score and hot-swap weights.
 
     >>> llm = LLM(model_dir)                                     # doctest: +SKIP
+    >>> llm = LLM("org/name", revision="main")   # Hub ID, through the HF cache  # doctest: +SKIP
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))    # doctest: +SKIP
     >>> llm.update_weights(new_params)   # version + 1, cache emptied, nothing stale  # doctest: +SKIP
     """
@@ -49,8 +50,10 @@ class LLM:
         drain_timeout_s: float = 60.0,
         tensor_parallel_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
+        revision: str | None = None,
     ):
-        self.model_dir = Path(model)
+        self.model_dir = hub.locate(model, revision)  # a local path as is; "org/name" via the HF cache
+        self.model_id = hub.display_name(model, self.model_dir)
         mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
         max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
         pages_per_seq = math.ceil(max_model_len / page_size)
@@ -221,7 +224,7 @@ class LLM:
     def __repr__(self) -> str:
         u = self.cache_usage()
         return (
-            f"LLM({self.model_dir.name}, arch={self.config.arch}, weights_version={self.weights_version}, "
+            f"LLM({self.model_id}, arch={self.config.arch}, weights_version={self.weights_version}, "
             f"asleep={sorted(self.engine.state.asleep)}, pages owned/cached/free={u['owned']}/{u['cached']}/{u['free']})"
         )
 
@@ -231,7 +234,7 @@ class LLM:
             sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.params)) if st.params is not None else 0
         )
         rows = {
-            "model": f"{html.escape(self.model_dir.name)} ({self.config.arch}, {self.config.num_layers} layers)",
+            "model": f"{html.escape(self.model_id)} ({self.config.arch}, {self.config.num_layers} layers)",
             "weights_version": st.weights_version,
             "params": f"{nbytes / 2**20:.1f} MiB" + (" (on host)" if "weights" in st.asleep else ""),
             "asleep": ", ".join(sorted(st.asleep)) or "no",
