@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from hotswap.checkpoint import hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig
 from hotswap.engine import sharding
+from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
 from hotswap.engine.model import token_logprobs_jit
 from hotswap.engine.outputs import RequestOutput
@@ -149,6 +151,35 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or a list of them, rendered by the
+        chat template (or `chat_template`) exactly as /v1/chat/completions renders them, then generated.
+
+        Each output's `prompt` is the rendered text, `prompt_token_ids` the template's ids.
+        """
+        prompts = [
+            chat_prompt(
+                self.tokenizer,
+                conv,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conv in conversations(messages)
+        ]
+        outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm)
+        return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outs, prompts, strict=True)]
 
     def score(self, prompt_token_ids, completion_token_ids=None):
         """Teacher-forced log-probs of completion tokens given the prompt (raw distribution).
