@@ -27,6 +27,13 @@ class CheckpointError(HotswapError):
     code = "bad_checkpoint"
 
 
+class CheckpointNotFound(CheckpointError):
+    """A model is neither a local path nor a Hub ID found online or in the Hub cache (names both)."""
+
+    status = 404
+    code = "checkpoint_not_found"
+
+
 class WeightsMismatch(CheckpointError):
     """A tensor is missing, unexpected, or has the wrong shape/dtype (names it)."""
 

@@ -1,4 +1,4 @@
-"""`hotswap serve [MODEL_DIR]`: the OpenAI-compatible server on uvicorn.
+"""`hotswap serve [MODEL_DIR | org/name]`: the OpenAI-compatible server on uvicorn.
 
 Binds 127.0.0.1 unless told otherwise. On SIGTERM (or Ctrl-C) it stops admitting
 work (503), lets in-flight requests finish within --shutdown-timeout, and exits 0.
@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from hotswap.config import ATTENTION_IMPLS
 
@@ -24,8 +23,12 @@ log = logging.getLogger("hotswap.api")
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API with lifecycle routes")
     p.add_argument(
-        "model_dir", nargs="?", default=None, help="HF-format model directory (default: the tiny model)"
+        "model_dir",
+        nargs="?",
+        default=None,
+        help="HF-format model directory or Hugging Face Hub ID org/name (default: the tiny model)",
     )
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit of a Hub ID (default: main)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("HOTSWAP_API_KEY"), help="protects /v1/*")
@@ -69,11 +72,12 @@ def serve(args: argparse.Namespace) -> int:
     from hotswap.engine.llm import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
+    model = args.model_dir or default_model_dir()  # a Hub ID resolves in LLM (checkpoint/hub.py)
     if not _is_loopback(args.host) and args.admin_key is None:
         log.warning("binding %s without --admin-key: anyone who can reach it may swap the weights", args.host)
     llm = LLM(
-        model_dir,
+        model,
+        revision=args.revision,
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_model_len=args.max_model_len,
@@ -91,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
         llm.engine,
         api_key=args.api_key,
         admin_key=args.admin_key,
-        model_name=args.served_model_name or [model_dir.name],
+        model_name=args.served_model_name or [llm.model_id],
         weights_root=args.weights_root,
     )
     ctx = app.state.ctx

@@ -114,11 +114,6 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def as_template_input(self) -> dict[str, Any]:
-        c = self.content
-        text = "".join(p.text for p in c) if isinstance(c, list) else (c or "")
-        return {"role": self.role, "content": text}
-
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -126,7 +121,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's extra body fields for the chat template (engine/chat.py, the same code as `LLM.chat`).
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and ignored: bookkeeping fields with no effect on generation.
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -31,6 +31,7 @@ from hotswap.api.protocol import (
     usage,
     version_fields,
 )
+from hotswap.engine.chat import chat_prompt
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
 
@@ -249,12 +250,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tok = ctx.engine.tokenizer
     if tok is None:
         raise unsupported("messages", "this model has no tokenizer; use /v1/completions with token ids")
-    ids = tok.apply_chat_template(
-        [m.as_template_input() for m in body.messages],
+    _, ids = chat_prompt(
+        tok,
+        [m.model_dump(exclude_none=True) for m in body.messages],
+        chat_template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,
-        tokenize=True,
+        continue_final_message=body.continue_final_message,
     )
-    queue, rids = await _start(ctx, [list(ids)], sp, body.stream)
+    queue, rids = await _start(ctx, [ids], sp, body.stream)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
 

@@ -9,8 +9,9 @@ so a template renders to the same string in both.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,22 @@ def _jinja_env() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+@functools.lru_cache(maxsize=16)
+def _request_template(source: str) -> jinja2.Template:
+    """A template passed with a request (`chat_template=`): compiled once, and its errors are the request's."""
+    try:
+        return _jinja_env().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise RequestError(f"chat_template: syntax error at line {e.lineno}: {e.message}") from e
+
+
+# transformers 5's way to continue the final message: tag its end, render, cut at the tag. Unlike
+# searching for the message's text, this finds the right place when the text also occurs earlier.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# Set by the chat itself, so a template kwarg may not override them.
+_RESERVED = frozenset({"messages", "add_generation_prompt"})
 
 
 def _token_text(value: Any) -> str | None:
@@ -145,22 +162,58 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> str | list[int]:
-        """Render the chat; with `tokenize=True` return ids (no extra BOS: the template places it)."""
-        if self._template is None:
+        """Render the chat; with `tokenize=True` return ids (no extra BOS: the template places it).
+
+        As in transformers: `chat_template` replaces the model's template, `continue_final_message`
+        ends the text inside the last message (no end-of-turn), so the model continues it,
+        and `template_kwargs` / `extra` are further template variables (they may override
+        `bos_token` and the like; vLLM's `chat_template_kwargs`).
+        """
+        extra = {**(template_kwargs or {}), **extra}
+        template = _request_template(chat_template) if chat_template is not None else self._template
+        if template is None:
             raise RequestError("this model has no chat_template; send a plain prompt instead")
-        try:
-            text = self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                pad_token=self.pad_token or "",
-                **extra,
+        if continue_final_message and add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: the first continues "
+                "the last message, the second starts a new assistant turn"
             )
+        if _RESERVED & extra.keys():
+            raise RequestError(
+                f"chat_template_kwargs: {sorted(_RESERVED & extra.keys())} are set by the chat"
+            )
+        messages = list(messages)
+        if continue_final_message:
+            last = messages[-1] if messages else {}
+            if not isinstance(last.get("content"), str):
+                raise RequestError("continue_final_message needs a final message with text content")
+            messages[-1] = {**last, "content": last["content"] + _CONTINUE_TAG}
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            **extra,
+        }
+        try:
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:
             raise RequestError(f"chat template rejected the messages: {e}") from e
+        except (TypeError, ValueError, LookupError, AttributeError) as e:  # a template fed data it cannot use
+            raise RequestError(f"chat template failed on the messages: {type(e).__name__}: {e}") from e
+        if continue_final_message:
+            tag = text.rfind(_CONTINUE_TAG.strip())
+            if tag < 0:
+                raise RequestError(
+                    "continue_final_message: the chat template does not render the final message's content"
+                )
+            # A template that strips the content also strips the tag's space: strip what precedes it too.
+            text = text[:tag] if text.startswith(_CONTINUE_TAG, tag) else text[:tag].rstrip()
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

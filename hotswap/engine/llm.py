@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from pathlib import Path
@@ -10,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.checkpoint import hf
+from hotswap.checkpoint import hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig
 from hotswap.engine import sharding
+from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
 from hotswap.engine.model import token_logprobs_jit
 from hotswap.engine.outputs import RequestOutput
@@ -23,9 +25,10 @@ from hotswap.errors import RequestError
 
 
 class LLM:
-    """Load an HF-format model directory and generate, score and hot-swap weights.
+    """Load an HF-format model directory (or Hub ID) and generate, score and hot-swap weights.
 
     >>> llm = LLM(model_dir)                                     # doctest: +SKIP
+    >>> llm = LLM("org/name", revision="main")   # Hub ID, through the HF cache  # doctest: +SKIP
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))    # doctest: +SKIP
     >>> llm.update_weights(new_params)   # version + 1, cache emptied, nothing stale  # doctest: +SKIP
     """
@@ -50,8 +53,10 @@ class LLM:
         drain_timeout_s: float = 60.0,
         tensor_parallel_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
+        revision: str | None = None,
     ):
-        self.model_dir = Path(model)
+        self.model_dir = hub.locate(model, revision)  # a local path as is; "org/name" via the HF cache
+        self.model_id = hub.display_name(model, self.model_dir)
         mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
         max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
         pages_per_seq = math.ceil(max_model_len / page_size)
@@ -149,6 +154,35 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or a list of them, rendered by the
+        chat template (or `chat_template`) exactly as /v1/chat/completions renders them, then generated.
+
+        Each output's `prompt` is the rendered text, `prompt_token_ids` the template's ids.
+        """
+        prompts = [
+            chat_prompt(
+                self.tokenizer,
+                conv,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conv in conversations(messages)
+        ]
+        outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm)
+        return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outs, prompts, strict=True)]
+
     def score(self, prompt_token_ids, completion_token_ids=None):
         """Teacher-forced log-probs of completion tokens given the prompt (raw distribution).
 
@@ -223,7 +257,7 @@ class LLM:
     def __repr__(self) -> str:
         u = self.cache_usage()
         return (
-            f"LLM({self.model_dir.name}, arch={self.config.arch}, weights_version={self.weights_version}, "
+            f"LLM({self.model_id}, arch={self.config.arch}, weights_version={self.weights_version}, "
             f"asleep={sorted(self.engine.state.asleep)}, pages owned/cached/free={u['owned']}/{u['cached']}/{u['free']})"
         )
 
@@ -233,7 +267,7 @@ class LLM:
             sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st.params)) if st.params is not None else 0
         )
         rows = {
-            "model": f"{html.escape(self.model_dir.name)} ({self.config.arch}, {self.config.num_layers} layers)",
+            "model": f"{html.escape(self.model_id)} ({self.config.arch}, {self.config.num_layers} layers)",
             "weights_version": st.weights_version,
             "params": f"{nbytes / 2**20:.1f} MiB" + (" (on host)" if "weights" in st.asleep else ""),
             "asleep": ", ".join(sorted(st.asleep)) or "no",
