@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.checkpoint import hf
+from hotswap.checkpoint import gguf_io, hf
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig
 from hotswap.engine import sharding
@@ -23,7 +23,7 @@ from hotswap.errors import RequestError
 
 
 class LLM:
-    """Load an HF-format model directory and generate, score and hot-swap weights.
+    """Load an HF-format model directory (or a GGUF file) and generate, score and hot-swap weights.
 
     >>> llm = LLM(model_dir)                                     # doctest: +SKIP
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))    # doctest: +SKIP
@@ -51,7 +51,12 @@ class LLM:
         mesh: jax.sharding.Mesh | None = None,
     ):
         self.model_dir = Path(model)
-        mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
+        if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
+            mcfg, params, tokenizer = gguf_io.load_gguf(self.model_dir, dtype=dtype)
+        else:
+            mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
+            has_tok = (self.model_dir / "tokenizer.json").exists()
+            tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
         max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
         pages_per_seq = math.ceil(max_model_len / page_size)
         if num_pages is None:
@@ -67,8 +72,6 @@ class LLM:
             max_waiting=max_waiting,
             drain_timeout_s=drain_timeout_s,
         )
-        tok_path = self.model_dir / "tokenizer.json"
-        tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None
         shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
         self.engine = Engine(
             mcfg,
@@ -189,7 +192,7 @@ class LLM:
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
     ) -> int:
-        """Swap in new weights (pytree, HF-named dict, checkpoint dir or safetensors bytes).
+        """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file or safetensors bytes).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
