@@ -1,4 +1,7 @@
-"""`hotswap serve [MODEL_DIR]`: the OpenAI-compatible server on uvicorn.
+"""`hotswap serve [MODEL]`: the OpenAI-compatible server on uvicorn.
+
+MODEL is an HF directory, a .gguf file or `tiny`; without one it is SmolLM2-135M-Instruct
+(`cli.serve_model`).
 
 Binds 127.0.0.1 unless told otherwise. On SIGTERM (or Ctrl-C) it stops admitting
 work (503), lets in-flight requests finish within --shutdown-timeout, and exits 0.
@@ -14,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from hotswap.config import ATTENTION_IMPLS
 
@@ -24,8 +26,12 @@ log = logging.getLogger("hotswap.api")
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API with lifecycle routes")
     p.add_argument(
-        "model_dir", nargs="?", default=None, help="HF-format model directory (default: the tiny model)"
+        "model_dir",
+        nargs="?",
+        default=None,
+        help="HF-format model directory, .gguf file, or 'tiny' (default: SmolLM2-135M-Instruct)",
     )
+    p.add_argument("--model", default=None, help="the same as MODEL_DIR")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("HOTSWAP_API_KEY"), help="protects /v1/*")
@@ -65,11 +71,11 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hotswap.api.server import create_app
-    from hotswap.cli import default_model_dir
+    from hotswap.cli import serve_model
     from hotswap.engine.llm import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model_dir = Path(args.model_dir) if args.model_dir else default_model_dir()
+    model_dir, name = serve_model(args.model or args.model_dir)
     if not _is_loopback(args.host) and args.admin_key is None:
         log.warning("binding %s without --admin-key: anyone who can reach it may swap the weights", args.host)
     llm = LLM(
@@ -91,7 +97,7 @@ def serve(args: argparse.Namespace) -> int:
         llm.engine,
         api_key=args.api_key,
         admin_key=args.admin_key,
-        model_name=args.served_model_name or [model_dir.name],
+        model_name=args.served_model_name or [name],
         weights_root=args.weights_root,
     )
     ctx = app.state.ctx
