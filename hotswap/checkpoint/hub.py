@@ -92,8 +92,10 @@ def locate(model: str | Path, revision: str | None = None) -> Path:
 
 
 def display_name(model: str | Path, located: Path) -> str:
-    """How to call the model: the Hub ID as given, else the directory's (or file's) name."""
-    return str(model) if Path(model).expanduser() != located else located.name
+    """How to call the model: the Hub ID as given, else the directory's name (a file's stem)."""
+    if Path(model).expanduser() != located:
+        return str(model)
+    return located.stem if located.is_file() else located.name
 
 
 def _snapshot(repo_id: str, revision: str | None) -> Path:

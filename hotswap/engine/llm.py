@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.checkpoint import hf, hub
+from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig
 from hotswap.engine import sharding
@@ -25,7 +25,7 @@ from hotswap.errors import RequestError
 
 
 class LLM:
-    """Load an HF-format model directory (or Hub ID) and generate, score and hot-swap weights.
+    """Load an HF-format model directory, a GGUF file or a Hub ID, and generate, score and hot-swap weights.
 
     >>> llm = LLM(model_dir)                                     # doctest: +SKIP
     >>> llm = LLM("org/name", revision="main")   # Hub ID, through the HF cache  # doctest: +SKIP
@@ -57,7 +57,12 @@ class LLM:
     ):
         self.model_dir = hub.locate(model, revision)  # a local path as is; "org/name" via the HF cache
         self.model_id = hub.display_name(model, self.model_dir)
-        mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
+        if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
+            mcfg, params, tokenizer = gguf_io.load_gguf(self.model_dir, dtype=dtype)
+        else:
+            mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
+            has_tok = (self.model_dir / "tokenizer.json").exists()
+            tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
         max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
         pages_per_seq = math.ceil(max_model_len / page_size)
         if num_pages is None:
@@ -74,8 +79,6 @@ class LLM:
             drain_timeout_s=drain_timeout_s,
             compilation_cache=compilation_cache,
         )
-        tok_path = self.model_dir / "tokenizer.json"
-        tokenizer = Tokenizer.from_dir(self.model_dir) if tok_path.exists() else None
         shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
         self.engine = Engine(
             mcfg,
@@ -225,7 +228,7 @@ class LLM:
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
     ) -> int:
-        """Swap in new weights (pytree, HF-named dict, checkpoint dir or safetensors bytes).
+        """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file or safetensors bytes).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.

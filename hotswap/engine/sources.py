@@ -2,8 +2,8 @@
 engine's devices (`stage_source`, the update path).
 
 Sources: an in-process params pytree (used as is), a mapping of HF tensor names
-(as a trainer would save them), a local HF safetensors directory, an orbax
-checkpoint directory, or safe payload bytes (safetensors). Paths must resolve
+(as a trainer would save them), a local HF safetensors directory, a GGUF file,
+an orbax checkpoint directory, or safe payload bytes (safetensors). Paths must resolve
 under the allowed weights root when one is set. Nothing is ever unpickled.
 
 Update payloads (REST bodies, `update_weights(bytes)`, chunks) are decoded in one
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hotswap.checkpoint import hf, orbax_io, payload
+from hotswap.checkpoint import gguf_io, hf, orbax_io, payload
 from hotswap.config import ModelConfig
 from hotswap.engine import hf_device
 from hotswap.engine.ingest import StagedParams, place_params, stage_params
@@ -32,8 +32,7 @@ def is_params_tree(obj: Any) -> bool:
     return isinstance(obj, Mapping) and "layers" in obj and "embed" in obj
 
 
-def _check_same_model(model_dir: Path, cfg: ModelConfig) -> None:
-    theirs = ModelConfig.from_dir(model_dir)
+def _check_same_model(where: str, theirs: ModelConfig, cfg: ModelConfig) -> None:
     for field in (
         "arch",
         "vocab_size",
@@ -47,7 +46,7 @@ def _check_same_model(model_dir: Path, cfg: ModelConfig) -> None:
     ):
         if getattr(theirs, field) != getattr(cfg, field):
             raise WeightsMismatch(
-                f"{model_dir}/config.json: {field}={getattr(theirs, field)!r} but the engine serves "
+                f"{where}: {field}={getattr(theirs, field)!r} but the engine serves "
                 f"{getattr(cfg, field)!r}; a weight update must keep the architecture"
             )
 
@@ -80,12 +79,17 @@ def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any
     None for a params tree or an orbax directory."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return wire_tensors(source)
+    if isinstance(source, (str, os.PathLike)) and gguf_io.is_gguf(source):
+        path = orbax_io.resolve_weights_path(source, weights_root)
+        _, theirs, tensors = gguf_io.read_gguf(path, dtype=cfg.dtype)
+        _check_same_model(str(path), theirs, cfg)
+        return tensors
     if isinstance(source, (str, os.PathLike)):
         path = _checkpoint_dir(source, weights_root)
         if not ((path / "config.json").exists() or any(path.glob("*.safetensors"))):
             return None
         if (path / "config.json").exists():
-            _check_same_model(path, cfg)
+            _check_same_model(f"{path}/config.json", ModelConfig.from_dir(path), cfg)
         return hf.read_hf_tensors(path)
     if is_params_tree(source):
         return None
@@ -93,7 +97,7 @@ def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any
         return wire_tensors(source)
     raise ConfigError(
         f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
-        "tensors, a checkpoint directory path, or safetensors bytes"
+        "tensors, a checkpoint directory or .gguf file path, or safetensors bytes"
     )
 
 

