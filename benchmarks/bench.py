@@ -174,14 +174,25 @@ def run(args) -> int:
 
 
 def _startup(model_dir: Path, engine: dict) -> dict:
-    """Start-up of `LLM(model_dir, **engine)` in fresh processes, cold and warm; prints one row."""
-    got = startup(model_dir, engine)
-    print(
-        f"startup | cold_s={got['cold']['llm_s']:.3g} | warm_s={got['warm']['llm_s']:.3g} | "
-        f"speedup={got['speedup']:.3g} | warm-up cold: {got['cold']['warmup']} | warm: {got['warm']['warmup']}",
-        flush=True,
-    )
-    return got
+    """Start-up of `LLM(model, **engine)` in fresh processes, cold and warm, for the bench model
+    and for the default chat model (SmolLM2, when its wheel is installed); one row each."""
+    from hotswap.cli import DEFAULT_MODEL_NAME, SMOLLM2_INSTALL, smollm2_gguf
+
+    models = {model_dir.name: model_dir}
+    smol = smollm2_gguf()
+    if smol is not None:
+        models[DEFAULT_MODEL_NAME] = smol
+    else:
+        print(f"startup | {DEFAULT_MODEL_NAME}: not installed ({SMOLLM2_INSTALL})", flush=True)
+    runs = {}
+    for name, path in models.items():
+        got = runs[name] = startup(path, engine)
+        print(
+            f"startup {name} | cold_s={got['cold']['llm_s']:.3g} | warm_s={got['warm']['llm_s']:.3g} | "
+            f"speedup={got['speedup']:.3g} | warm-up cold: {got['cold']['warmup']} | warm: {got['warm']['warmup']}",
+            flush=True,
+        )
+    return runs
 
 
 def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int, ours_now=None) -> None:

