@@ -307,3 +307,38 @@ def test_the_wheel_is_found_without_importing_it_and_its_absence_falls_back_to_t
     with caplog.at_level(logging.WARNING, logger="hotswap"):
         assert cli.serve_model(None) == (tmp_path / "tiny-llama-seed0", "tiny-llama-seed0")
     assert cli.SMOLLM2_INSTALL in caplog.text
+
+
+def test_the_parsed_header_is_cached_and_read_back_identically(seeded, tmp_path, monkeypatch):
+    """The second open of an unchanged file takes metadata and tensors from the header cache:
+    the same values, bit for bit; a file that changed (size or mtime) is parsed again."""
+    from hotswap.checkpoint import gguf_header
+
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_header, "WORTH_CACHING_S", 0.0)
+    path = write_gguf(seeded["seed0"], tmp_path / "m.gguf", Q.Q8_0)
+    cold = gguf_io.GGUFFile(path)
+    (entry,) = (tmp_path / "cache" / "gguf").iterdir()
+    warm = gguf_io.GGUFFile(path)
+    assert gguf_header.load(path) is not None
+    assert warm.metadata == cold.metadata and list(warm.tensors) == list(cold.tensors)
+    for name, t in cold.tensors.items():
+        w = warm.tensors[name]
+        assert (w.tensor_type, w.shape, w.data.dtype, w.data.shape) == (
+            t.tensor_type,
+            t.shape,
+            t.data.dtype,
+            t.data.shape,
+        )
+        np.testing.assert_array_equal(np.asarray(w.data), np.asarray(t.data))
+    params0 = gguf_io.load_gguf(path)[1]
+    write_gguf(seeded["seed1"], path, Q.Q8_0)  # other weights, same name
+    os.utime(path, ns=(entry.stat().st_mtime_ns + 10**9,) * 2)
+    assert gguf_header.load(path) is None  # the old entry no longer fits the file
+    _, params1, _ = gguf_io.load_gguf(path)
+    assert not np.array_equal(params0["layers"][0]["wq"], params1["layers"][0]["wq"])
+    current = gguf_header._entry(path)
+    assert current.exists() and current != entry
+    current.write_text("{not json")  # an unreadable entry: the file is parsed again
+    assert gguf_header.load(path) is None
+    np.testing.assert_array_equal(gguf_io.load_gguf(path)[1]["layers"][0]["wq"], params1["layers"][0]["wq"])

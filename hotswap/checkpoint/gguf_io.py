@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import gguf
 import ml_dtypes
 import numpy as np
 
-from hotswap.checkpoint import hf
+from hotswap.checkpoint import gguf_header, hf
 from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import ModelConfig
@@ -78,25 +79,37 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 class GGUFFile:
-    """An opened GGUF file: its metadata (scalars and arrays as Python values) and tensors."""
+    """An opened GGUF file: its metadata (scalars and arrays as Python values) and tensors
+    (`gguf_header.Tensor`, read through the header cache)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: not found (expected a .gguf file)")
+        cached = gguf_header.load(self.path)
+        if cached is not None:
+            self.metadata, self.tensors = cached
+            return
+        start = time.perf_counter()
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            reader = gguf.GGUFReader(self.path, "r")
         except (ValueError, OSError) as e:  # bad magic, truncated header, ...
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self.metadata: dict[str, Any] = {}
-        for name, field in self._reader.fields.items():
+        for name, field in reader.fields.items():
             if name.startswith("GGUF."):
                 continue
             try:
-                self.metadata[name] = field.contents()
+                self.metadata[name] = gguf_header.plain(field.contents())
             except (ValueError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: metadata {name} cannot be read ({e})") from e
-        self.tensors = {t.name: t for t in self._reader.tensors}
+        self.tensors = {
+            t.name: gguf_header.Tensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), t.data)
+            for t in reader.tensors
+        }
+        if time.perf_counter() - start > gguf_header.WORTH_CACHING_S:
+            offsets = {t.name: t.data_offset for t in reader.tensors}
+            gguf_header.store(self.path, self.metadata, self.tensors, offsets)
 
     def need(self, key: str) -> Any:
         if key not in self.metadata:
