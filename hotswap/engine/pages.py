@@ -9,9 +9,11 @@ reconcile by hand.
 
 The pool also holds each sequence's block table (`tables[seq_id]`, page i
 holding tokens [i*ps, (i+1)*ps)) and the chain keys of its pages registered in
-the prefix index (`keys[seq_id]`). A transition edits a private copy
-(`edit()`) and returns it inside the new `EngineState`; a pool that a state
-holds is never edited again, so an old state stays a valid value.
+the prefix index (`keys[seq_id]`), both tuples. A transition edits a private
+copy (`edit()`) and returns it inside the new `EngineState`; a pool that a state
+holds is never edited again, so an old state stays a valid value. The copy is
+O(sequences) plus the refcounts: tables and keys are immutable and replaced,
+not extended, when they grow (once per page of tokens).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class PagePool:
     def __init__(
         self,
         refcount: np.ndarray,
-        tables: dict[int, list[int]] | None = None,
-        keys: dict[int, list[int]] | None = None,
+        tables: dict[int, tuple[int, ...]] | None = None,
+        keys: dict[int, tuple[int, ...]] | None = None,
         tick: int = 0,
     ):
         self.refcount = refcount  # int32[num_pages]; refcount[0] stays 0 (null page)
@@ -41,31 +43,31 @@ class PagePool:
         return PagePool(np.zeros(num_pages, np.int32))
 
     @staticmethod
-    def holding(num_pages: int, tables: dict[int, list[int]], tick: int = 0) -> PagePool:
+    def holding(num_pages: int, tables: dict[int, tuple[int, ...]], tick: int = 0) -> PagePool:
         """A pool whose only owners are `tables` (refcounts counted from them), no keys."""
         refcount = np.zeros(num_pages, np.int32)
         for table in tables.values():
             np.add.at(refcount, np.asarray(table, np.int64), 1)
-        return PagePool(refcount, {s: list(t) for s, t in tables.items()}, {}, tick)
+        return PagePool(refcount, dict(tables), {}, tick)
 
     def edit(self) -> PagePool:
         """A private copy for one transition to edit in place."""
-        return PagePool(
-            self.refcount.copy(),
-            {s: list(t) for s, t in self.tables.items()},
-            {s: list(k) for s, k in self.keys.items()},
-            self.tick,
-        )
+        return PagePool(self.refcount.copy(), dict(self.tables), dict(self.keys), self.tick)
 
     @property
     def num_pages(self) -> int:
         return len(self.refcount)
 
-    def table(self, seq_id: int) -> list[int]:
-        return self.tables.get(seq_id, [])
+    def table(self, seq_id: int) -> tuple[int, ...]:
+        return self.tables.get(seq_id, ())
 
-    def seq_keys(self, seq_id: int) -> list[int]:
-        return self.keys.setdefault(seq_id, [])
+    def seq_keys(self, seq_id: int) -> tuple[int, ...]:
+        return self.keys.get(seq_id, ())
+
+    def add_keys(self, seq_id: int, keys: list[int]) -> None:
+        """Record the chain keys of seq's next pages, registered in the prefix index (or found there)."""
+        if keys:
+            self.keys[seq_id] = self.seq_keys(seq_id) + tuple(keys)
 
     def next_tick(self) -> int:
         self.tick += 1
@@ -93,18 +95,20 @@ class PagePool:
             prefix = prefix.remove(lru.tolist())
             pages = np.concatenate([pages, lru])
         self.refcount[pages] = 1
-        self.tables.setdefault(seq_id, []).extend(int(p) for p in pages)
+        self.tables[seq_id] = self.table(seq_id) + tuple(int(p) for p in pages)
         return True, prefix
 
-    def share(self, seq_id: int, pages: list[int]) -> None:
+    def share(self, seq_id: int, pages: list[int] | tuple[int, ...]) -> None:
         """Append pages another owner (or the prefix index) holds to seq's table."""
+        if not pages:
+            return
         for page in pages:
             self.refcount[page] += 1
-        self.tables.setdefault(seq_id, []).extend(pages)
+        self.tables[seq_id] = self.table(seq_id) + tuple(pages)
 
     def release(self, seq_id: int) -> None:
         """Drop seq's table and keys; its pages lose one reference each."""
-        table = self.tables.pop(seq_id, [])
+        table = self.tables.pop(seq_id, ())
         self.keys.pop(seq_id, None)
         if table:
             idx = np.asarray(table, np.int64)

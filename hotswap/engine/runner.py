@@ -29,7 +29,7 @@ from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import EngineState
 from hotswap.kernels import READ_THEN_WRITE, READS_BEFORE_STEP, cpu_sampling
 
-Tables = Mapping[int, list[int]]  # seq_id -> block table (the state's page pool)
+Tables = Mapping[int, tuple[int, ...]]  # seq_id -> block table (the state's page pool)
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
 
 
@@ -168,7 +168,7 @@ class Runner:
         return np.asarray(table)[pos // self.ps] * self.ps + pos % self.ps
 
     @staticmethod
-    def _list_pages(bt: Batch, reads: list[tuple[list[int], int]]) -> None:
+    def _list_pages(bt: Batch, reads: list[tuple[tuple[int, ...], int]]) -> None:
         """Fill the flat page list: for each (block table, k), its first k pages, tagged with the
         sequence's index in `reads` (its row in a decode batch, its segment in a prefill)."""
         at = 0

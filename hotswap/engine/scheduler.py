@@ -118,17 +118,17 @@ class Scheduler:
             w.pool.share(sid, w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)])
         table = w.pool.table(sid)
         if self.cfg.enable_prefix_caching:
-            keys = w.pool.seq_keys(sid)
-            key = keys[-1] if keys else 0
+            known = w.pool.seq_keys(sid)
+            key = known[-1] if known else 0
             hits = []
-            for i in range(len(keys), max_pages):
+            for i in range(len(known), max_pages):
                 key = page_key(key, ids[i * self.ps : (i + 1) * self.ps], w.version)
                 page = w.prefix.find(key, w.version)
                 if page == 0 or i < len(table):
                     break
                 hits.append((page, key))
             w.pool.share(sid, [p for p, _ in hits])
-            keys.extend(k for _, k in hits)
+            w.pool.add_keys(sid, [k for _, k in hits])
             if hits:
                 w.prefix = w.prefix.touch([p for p, _ in hits], w.pool.next_tick())
         seq.num_computed = len(w.pool.table(sid)) * self.ps
@@ -162,16 +162,19 @@ class Scheduler:
         """Index every page of seq that is now full (prompt or generated tokens)."""
         if not self.cfg.enable_prefix_caching or seq.mixed_kv:
             return
-        table, keys = w.pool.table(seq.seq_id), w.pool.seq_keys(seq.seq_id)
+        table, known = w.pool.table(seq.seq_id), w.pool.seq_keys(seq.seq_id)
         full = min(seq.num_computed // self.ps, len(table))
-        while len(keys) < full:  # rarely true: once per page_size tokens
-            i = len(keys)
-            parent = keys[-1] if keys else 0
+        if len(known) >= full:  # the usual case: a page fills once per page_size tokens
+            return
+        parent, new = (known[-1] if known else 0), []
+        for i in range(len(known), full):
             key = page_key(parent, seq.token_slice(i * self.ps, self.ps), w.version)
             page = table[i]
             if w.prefix.key[page] == 0 and w.prefix.find(key, w.version) == 0:
                 w.prefix = w.prefix.insert(page, key, w.version, w.pool.next_tick())
-            keys.append(key)
+            new.append(key)
+            parent = key
+        w.pool.add_keys(seq.seq_id, new)
 
     # ---- the schedule ----------------------------------------------------------
 
@@ -254,7 +257,7 @@ class Scheduler:
         for i, (seq, n) in enumerate(rows):
             table = w.pool.table(seq.seq_id)
             first, last = seq.num_computed // self.ps, (seq.num_computed + n - 1) // self.ps
-            page_version[table[first : last + 1]] = w.version
+            page_version[list(table[first : last + 1])] = w.version
             seq.num_computed += n
             # Index newly full pages before a finish can release them (then they stay cached).
             self._register_full_pages(w, seq)
