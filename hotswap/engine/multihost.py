@@ -190,8 +190,9 @@ class Driver:
                 e = self.engine
                 tree = sources.resolve_source(source, e.mcfg, current=None, abstract=e.abstract)
                 tree = jax.tree.map(np.asarray, tree)  # host copies; global arrays must be replicated
-                # Shapes must be right before the broadcast: followers receive into engine-shaped buffers.
-                ingest.validate_params(tree, e.abstract)
+                # Shapes must be right before the broadcast: followers receive into engine-shaped
+                # buffers. Finiteness is checked once, by the update itself, on every process.
+                ingest.validate_params(tree, e.abstract, check_finite=False)
                 self._send("update_weights", kind="tree", **args)
                 source = _broadcast_weights(e, "tree", tree)
             return self.engine.update_weights(source, **args, drain_timeout_s=math.inf)
