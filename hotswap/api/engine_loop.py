@@ -112,7 +112,7 @@ class EngineLoop:
             self._wake.clear()
             while self._aborts:
                 engine.abort(self._aborts.popleft())
-            if not engine.has_unfinished():
+            if not engine.has_unfinished() or engine.is_paused:  # paused: requests wait, queued
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             before = engine.stats["steps"]
