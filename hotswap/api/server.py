@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.api import management, routes_openai
+from hotswap.api import management, routes_openai, routes_sglang, routes_vllm
 from hotswap.api.engine_loop import (
     OUTCOMES,
     TALLY_KEY,
@@ -194,7 +194,12 @@ def _open_routes() -> APIRouter:
     return router
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",  # SGLang's
+    *(routes_vllm.PREFIX + p for p in ("/v1/completions", "/v1/chat/completions")),
+)
 
 
 class _RequestTally:
@@ -302,4 +307,9 @@ def create_app(
     app.include_router(_open_routes())
     app.include_router(routes_openai.router)
     app.include_router(management.router)
+    # RL controllers written for SGLang (its names are free here) and vLLM (under /vllm, where
+    # the OpenAI routes are mounted again so one base URL serves generation and control).
+    app.include_router(routes_sglang.router)
+    app.include_router(routes_vllm.router)
+    app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX)
     return app
