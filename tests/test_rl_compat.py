@@ -20,14 +20,14 @@ from hotswap.checkpoint.hf import read_hf_tensors
 from hotswap.checkpoint.payload import encode_safetensors
 
 KNOBS = {
-    "max_model_len": 256,
+    "max_model_len": 512,
     "max_num_seqs": 4,
     "max_num_batched_tokens": 32,
     "page_size": 16,
-    "num_pages": 64,
+    "num_pages": 96,
 }
 PROMPTS = [list(range(30 + 7 * i, 46 + 7 * i)) for i in range(3)]  # 16 tokens: one full page
-NEW = 200  # long enough to still be running when the pause lands
+NEW = 400  # long enough to still be running when the pause lands
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def oracle(ckpts):
 
     def get(name):
         if name not in cache:
-            cache[name] = LLM(ckpts[name], max_model_len=256, num_pages=48, warmup=False)
+            cache[name] = LLM(ckpts[name], max_model_len=512, num_pages=48, warmup=False)
         return cache[name]
 
     return get
