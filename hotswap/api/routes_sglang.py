@@ -6,8 +6,9 @@ What AReaL and slime call on an SGLang server, mapped onto hotswap's transitions
 `/release_memory_occupation` and `/resume_memory_occupation` (sleep / wakeup),
 `/get_weight_version`, `/update_weight_version`, and a single-prompt `/generate` whose
 `meta_info` carries `weight_version` and per-token `weight_versions` spans. None of these
-names is one of hotswap's own routes, so they live at the root. The lifecycle routes take
-the admin key (as hotswap's own do); `/generate` takes the api key.
+names is one of hotswap's own routes, so they live at the root. Every route here takes the
+admin key, `/generate` included: the api key opens `/v1/*` only, and an RL controller that
+pauses and updates holds the admin key anyway.
 
 Failures answer SGLang's `{"success": false, "message": ...}` with the status of hotswap's
 error table (api/errors.py); a pickled body gets 415 and is never unpickled.
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 
 from hotswap.api import rl_common
-from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin, require_api_key, settle
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin, settle
 from hotswap.api.errors import HotswapError, RequestError, WeightsPathNotAllowed, exception_body
 from hotswap.engine.lifecycle import SLEEP_TAGS
 from hotswap.engine.outputs import RequestOutput
@@ -84,6 +85,8 @@ async def update_weights_from_disk(body: _UpdateFromDisk, request: Request) -> J
             raise WeightsPathNotAllowed(
                 "updates from a path are disabled: start the server with --weights-root DIR"
             )
+        if "\x00" in body.model_path:
+            raise RequestError("model_path contains a NUL byte")
         if body.abort_all_requests:
             await _abort_all(ctx)
         paused = _in_flight(ctx) if ctx.engine.is_paused else 0
@@ -293,7 +296,7 @@ def _body(ctx: ServerContext, out: RequestOutput, return_logprob: bool) -> dict[
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 
-@router.post("/generate", dependencies=[Depends(require_api_key)])
+@router.post("/generate", dependencies=admin)
 async def generate(body: _Generate, request: Request) -> Response:
     ctx = ctx_of(request)
     ctx.check_admitting()

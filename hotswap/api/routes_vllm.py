@@ -172,10 +172,10 @@ def _open(ctx: ServerContext) -> str:
 async def update_weights(request: Request) -> JSONResponse:
     """One chunk: JSON `{"update_info": {"tensors": [entries]}}` or safetensors bytes."""
     ctx = ctx_of(request)
-    uid = _open(ctx)
     content_type = request.headers.get("content-type", "application/octet-stream")
     raw = await request.body()
-    rl_common.refuse_pickle(raw)
+    rl_common.refuse_pickle(raw)  # first: a pickle is refused whatever state the update is in
+    uid = _open(ctx)
     payload: Any = raw
     if content_type.split(";", 1)[0].strip().lower() == "application/json":
         data = rl_common.json_body(raw)

@@ -29,6 +29,7 @@ from hotswap.api.engine_loop import (
     ServerContext,
     Tally,
     ctx_of,
+    require_admin,
     require_api_key,
 )
 from hotswap.api.errors import HotswapError, ShuttingDown, error_body, exception_body
@@ -311,5 +312,6 @@ def create_app(
     # the OpenAI routes are mounted again so one base URL serves generation and control).
     app.include_router(routes_sglang.router)
     app.include_router(routes_vllm.router)
-    app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX)
+    # The admin key there, as on every route outside /v1/: the api key opens /v1/* only.
+    app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX, dependencies=[Depends(require_admin)])
     return app
