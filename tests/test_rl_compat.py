@@ -291,3 +291,40 @@ def test_compat_routes_take_the_admin_key(server):
         assert httpx.post(f"{server.base}{path}", json={}, headers=AUTH, timeout=30).status_code == 403, path
     assert httpx.post(f"{server.base}/pause_generation", json={}, timeout=30).status_code == 401
     assert httpx.get(f"{server.base}/vllm/is_paused", headers=ADMIN).json() == {"is_paused": False}
+
+
+def test_sglang_update_from_tensor_safe_formats_and_refusals(server, ckpts, oracle):
+    blob = encode_safetensors(read_hf_tensors(ckpts["seed1"]))
+    r = _post(
+        server,
+        "/update_weights_from_tensor",
+        content=blob,
+        params={"weight_version": "step-5"},
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    assert httpx.get(f"{server.base}/get_weight_version", headers=ADMIN).json() == {
+        "weight_version": "step-5"
+    }
+    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    out = httpx.post(f"{server.base}/generate", json=body, headers=ADMIN, timeout=60).json()
+    assert out["output_ids"] == _greedy_continuation(oracle("seed1"), PROMPTS[1], 4)
+    assert out["meta_info"]["weight_versions"] == [{"version": "step-5", "start": 0, "end": 4}]
+    r = _post(server, "/update_weights_from_disk", json={"model_path": "../../etc", "weight_version": "x"})
+    assert r.status_code == 403 and r.json()["success"] is False
+    r = _post(server, "/update_weights_from_disk", json={"model_path": "missing"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert httpx.get(f"{server.base}/get_weight_version", headers=ADMIN).json() == {
+        "weight_version": "step-5"
+    }
+    # abort_all_requests during a pause ends what is in flight and stays paused, in its mode
+    assert _post(server, "/pause_generation", json={"mode": "in_place"}).status_code == 200
+    body = {"model_path": "seed0", "abort_all_requests": True, "weight_version": "step-6"}
+    r = _post(server, "/update_weights_from_disk", json=body)
+    assert r.json() == {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "num_paused_requests": 0,
+    }
+    assert httpx.get(f"{server.base}/vllm/is_paused", headers=ADMIN).json() == {"is_paused": True}
+    assert _post(server, "/continue_generation").status_code == 200

@@ -71,6 +71,8 @@ async def _abort_all(ctx: ServerContext) -> None:
         ctx.engine.pause("abort")
         if was is None:
             ctx.engine.resume()
+        else:
+            ctx.engine.pause(was)  # still paused, in the mode the controller chose
 
     await ctx.run_sync(run)
 
