@@ -138,3 +138,29 @@ def test_max_version_lag_bounds_kv_age(tiny_dir, params_a, params_b, paused):
         assert all(v - kv <= 1 for v, kv in zip(c.weights_versions, c.kv_versions, strict=True))
         assert 2 in c.weights_versions and c.weights_versions[-1] == 3
     llm.engine.check_invariants()
+
+
+def test_pause_during_a_drain_stops_it_and_the_update_follows_the_mode(tiny_dir, params_b):
+    import threading
+
+    llm = LLM(tiny_dir, **KW)
+    got = _start(llm)
+    seen_paused = threading.Event()
+    real_step = llm.engine._step_locked
+
+    def step_then_pause():
+        out = real_step()
+        if not seen_paused.is_set():
+            seen_paused.set()
+            llm.engine._pause_mode = "retract"  # as pause() would, from another thread, mid-drain
+            llm.engine.state = llm.engine.sched.preempt_running(llm.engine.state)
+        return out
+
+    llm.engine._step_locked = step_then_pause
+    assert llm.engine.update_weights(params_b) == 2  # policy drain; the pause stops the drain
+    llm.engine._step_locked = real_step
+    assert seen_paused.is_set() and llm.engine.num_running() == 0 and llm.engine.num_waiting() == 3
+    llm.engine.check_invariants()
+    llm.engine.resume()
+    for c in _finish(llm, got):
+        assert len(c.token_ids) == 30 and c.weights_versions[-1] == 2 and c.kv_versions[-1] == 2

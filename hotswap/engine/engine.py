@@ -299,6 +299,9 @@ class Engine:
             self._drain(drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s)
         with self._lock:
             try:
+                if policy == "drain" and self._pause_mode is not None:
+                    # A pause landed during the drain: what still runs follows the pause's mode.
+                    policy = pausing.PAUSE_POLICY[self._pause_mode]
                 keep = [s.seq_id for s in self.sched.running] if policy == "keep" else []
                 new = lifecycle.update_weights(
                     self.state, staged, abstract=self.abstract, version=version, keep=keep
@@ -319,8 +322,8 @@ class Engine:
         while True:
             with self._lock:
                 started = self.sched.started()
-                if not started or self.state.params is None or self.state.asleep:
-                    return
+                if not started or self.state.params is None or self.state.asleep or self.is_paused:
+                    return  # paused: the engine must not step (the caller applies the pause's mode)
                 if time.monotonic() > deadline:
                     self._abort_seqs(started)
                     return
