@@ -194,6 +194,9 @@ class EngineConfig:
     attention: str = "auto"
     max_waiting: int = 1024  # backpressure: QueueFull beyond this
     drain_timeout_s: float = 60.0
+    # Staleness bound under the `keep` policy (AReaL's max_head_offpolicyness): a running sequence
+    # whose oldest KV is more than this many versions behind the weights is recomputed. None: no bound.
+    max_version_lag: int | None = None
     # JAX's persistent compilation cache under hotswap's cache dir (engine/compile_cache.py).
     compilation_cache: bool = True
 
@@ -201,6 +204,8 @@ class EngineConfig:
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_version_lag is not None and int(self.max_version_lag) < 0:
+            raise ConfigError(f"max_version_lag must be >= 0 (or None), got {self.max_version_lag}")
         if self.num_pages < 2:
             raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
         if self.attention not in ATTENTION_IMPLS:

@@ -54,6 +54,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-waiting", type=int, default=1024, help="queue bound; beyond it requests get 429")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds a 'drain' update waits")
     p.add_argument(
+        "--max-version-lag",
+        type=int,
+        default=None,
+        help="under the 'keep' update policy, recompute a running sequence whose oldest KV is more than "
+        "this many weights versions old (AReaL's max_head_offpolicyness)",
+    )
+    p.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight work gets on SIGTERM"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -94,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
         weights_root=args.weights_root,
         max_waiting=args.max_waiting,
         drain_timeout_s=args.drain_timeout,
+        max_version_lag=args.max_version_lag,
     )
     app = create_app(
         llm.engine,

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -112,7 +113,7 @@ class EngineLoop:
             self._wake.clear()
             while self._aborts:
                 engine.abort(self._aborts.popleft())
-            if not engine.has_unfinished():
+            if not engine.has_unfinished() or engine.is_paused:  # paused: requests wait, queued
                 self._wake.wait(IDLE_WAIT_S)
                 continue
             before = engine.stats["steps"]
@@ -152,6 +153,9 @@ class ServerContext:
     # Generation requests: received, and how they ended (total = sum(outcomes) + in flight).
     requests_total: int = 0
     outcomes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    # SGLang / vLLM name weights versions with strings; hotswap's are ints (api/rl_common.py).
+    version_labels: dict[int, str] = dataclasses.field(default_factory=dict)
+    vllm_transfer: Any = None  # the vLLM four-phase update in progress (api/routes_vllm.py)
 
     @property
     def model_name(self) -> str:

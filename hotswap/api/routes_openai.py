@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hotswap.api import rl_common
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key, settle
 from hotswap.api.errors import EngineAsleep, PromptTooLong, exception_body
 from hotswap.api.protocol import (
@@ -194,6 +195,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ]
     queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    wire = rl_common.wire_version_fields(ctx, request.url.path)
 
     def wrap(choices: list[dict], version: int) -> dict:
         return {
@@ -210,7 +212,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         lp = completion_logprobs(tok, comp, start, offset, as_ids) if body.logprobs is not None else None
         out = {"index": ci, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
         if comp.finish_reason is not None:
-            out.update(stop_reason=comp.stop_reason, **version_fields(comp))
+            out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
 
     if body.stream:
@@ -260,6 +262,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     queue, rids = await _start(ctx, [ids], sp, body.stream)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
+    wire = rl_common.wire_version_fields(ctx, request.url.path)
 
     def wrap(choices: list[dict], version: int) -> dict:
         return {
@@ -278,7 +281,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         out = {"index": ci, "delta": {"content": text}, "logprobs": logprobs(comp, start)}
         out["finish_reason"] = comp.finish_reason
         if comp.finish_reason is not None:
-            out.update(stop_reason=comp.stop_reason, **version_fields(comp))
+            out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
 
     if body.stream:
@@ -312,6 +315,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             **version_fields(c),
+            **wire(c),
         }
         for c in outs[0].outputs
     ]

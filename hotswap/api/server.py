@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.api import management, routes_openai
+from hotswap.api import management, routes_openai, routes_sglang, routes_vllm
 from hotswap.api.engine_loop import (
     OUTCOMES,
     TALLY_KEY,
@@ -29,6 +29,7 @@ from hotswap.api.engine_loop import (
     ServerContext,
     Tally,
     ctx_of,
+    require_admin,
     require_api_key,
 )
 from hotswap.api.errors import HotswapError, ShuttingDown, error_body, exception_body
@@ -194,7 +195,12 @@ def _open_routes() -> APIRouter:
     return router
 
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",  # SGLang's
+    *(routes_vllm.PREFIX + p for p in ("/v1/completions", "/v1/chat/completions")),
+)
 
 
 class _RequestTally:
@@ -302,4 +308,10 @@ def create_app(
     app.include_router(_open_routes())
     app.include_router(routes_openai.router)
     app.include_router(management.router)
+    # RL controllers written for SGLang (its names are free here) and vLLM (under /vllm, where
+    # the OpenAI routes are mounted again so one base URL serves generation and control).
+    app.include_router(routes_sglang.router)
+    app.include_router(routes_vllm.router)
+    # The admin key there, as on every route outside /v1/: the api key opens /v1/* only.
+    app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX, dependencies=[Depends(require_admin)])
     return app

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import compile_cache, host_memory, ingest, lifecycle, sources
+from hotswap.engine import compile_cache, host_memory, ingest, lifecycle, pausing, sources
 from hotswap.engine.chunks import ChunkStager
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.params import Params, abstract_params
@@ -92,6 +92,7 @@ class Engine:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_ids = tuple(sorted(eos))
         self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "steps": 0}
+        self._pause_mode: str | None = None  # set by pause(): the engine does not step
         if warmup:
             self.runner.warmup(self.state.params, self.state.kv.pages, progress)
 
@@ -210,7 +211,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, postprocess. Returns outputs of finished (and streaming) requests."""
         with self._lock:
-            if self.state.asleep or self.state.params is None:
+            if self.state.asleep or self.state.params is None or self._pause_mode is not None:
                 return []
             return self._step_locked()
 
@@ -283,6 +284,9 @@ class Engine:
                 raise EngineAsleep(
                     "weights are asleep (level 1): call wakeup(['weights']) before update_weights"
                 )
+            if self._pause_mode is not None and policy == "drain":
+                # Paused: the pause already decided what happens to in-flight work; no drain.
+                policy = pausing.PAUSE_POLICY[self._pause_mode]
             if policy == "reject":
                 busy = len(self.sched.running) + len(self.sched.waiting)
                 if busy or self.state.prefix.num_cached:
@@ -295,12 +299,17 @@ class Engine:
             self._drain(drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s)
         with self._lock:
             try:
+                if policy == "drain" and self._pause_mode is not None:
+                    # A pause landed during the drain: what still runs follows the pause's mode.
+                    policy = pausing.PAUSE_POLICY[self._pause_mode]
                 keep = [s.seq_id for s in self.sched.running] if policy == "keep" else []
                 new = lifecycle.update_weights(
                     self.state, staged, abstract=self.abstract, version=version, keep=keep
                 )
                 self._apply_policy(policy)  # requests only: the new state already holds no other page
                 self.state = new
+                if policy == "keep":
+                    self._recompute_stale()
             finally:
                 self.sched.hold_admission = False
             return self.state.weights_version
@@ -313,12 +322,19 @@ class Engine:
         while True:
             with self._lock:
                 started = self.sched.started()
-                if not started or self.state.params is None or self.state.asleep:
-                    return
+                if not started or self.state.params is None or self.state.asleep or self.is_paused:
+                    return  # paused: the engine must not step (the caller applies the pause's mode)
                 if time.monotonic() > deadline:
                     self._abort_seqs(started)
                     return
                 self._step_locked()
+
+    def _recompute_stale(self) -> None:
+        """The staleness bound: kept sequences whose oldest KV is more than max_version_lag
+        versions behind are recomputed (their pages released, tokens kept)."""
+        old = pausing.stale(self.sched.running, self.state.weights_version, self.ecfg.max_version_lag)
+        if old:
+            self.state = self.sched.preempt(self.state, old)
 
     def _abort_seqs(self, seqs: list[Sequence]) -> None:
         self.state = self.sched.finish(self.state, seqs, "abort")
@@ -336,6 +352,40 @@ class Engine:
         elif policy == "keep":
             for s in self.sched.running:
                 s.mixed_kv = True
+
+    # ---- pause / resume -------------------------------------------------------
+
+    def pause(self, mode: str = "abort", *, clear_cache: bool = False) -> None:
+        """Stop stepping until `resume()`; `mode` decides what happens to in-flight requests
+        (pausing.py). Updates made while paused apply without their own drain. `clear_cache`
+        empties the prefix index (running sequences keep their pages)."""
+        pausing.check_mode(mode)
+        if mode == "wait":
+            self._drain(self.ecfg.drain_timeout_s)
+        with self._lock:
+            try:
+                if mode == "abort":
+                    self._abort_seqs([s for req in self.requests.values() for s in req.seqs])
+                elif mode == "retract":
+                    self.state = self.sched.preempt_running(self.state)
+                if clear_cache:
+                    self.state = lifecycle.reset_prefix_cache(self.state)
+                self._pause_mode = mode
+            finally:
+                self.sched.hold_admission = False
+
+    def resume(self) -> None:
+        """Step again: held, retracted and newly queued requests go on under the current weights."""
+        with self._lock:
+            self._pause_mode = None
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self._pause_mode
 
     def update_weights_chunk(
         self,

@@ -51,6 +51,7 @@ class LLM:
         weights_root: str | None = None,
         max_waiting: int = 1024,
         drain_timeout_s: float = 60.0,
+        max_version_lag: int | None = None,
         tensor_parallel_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
         revision: str | None = None,
@@ -77,6 +78,7 @@ class LLM:
             attention=attention,
             max_waiting=max_waiting,
             drain_timeout_s=drain_timeout_s,
+            max_version_lag=max_version_lag,
             compilation_cache=compilation_cache,
         )
         shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device

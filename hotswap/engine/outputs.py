@@ -40,6 +40,9 @@ class CompletionOutput:
     # The text since this sample's previous output: what a stream sends next. The deltas of
     # a sample's outputs concatenate to its final `text`.
     text_delta: str = ""
+    # kv_versions[i]: the weights version of the oldest KV token i was computed over (equal to
+    # weights_versions[i] unless a `keep` update landed while the sample ran).
+    kv_versions: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -206,6 +209,7 @@ def _completion(seq: Sequence) -> CompletionOutput:
         top_logprobs=top,
         mixed_weights_kv=seq.tokens_over_mixed_kv,
         text_delta=delta,
+        kv_versions=list(seq.output_kv_versions),
     )
 
 

@@ -103,6 +103,7 @@ class Scheduler:
         w.pool.release(seq.seq_id)
         seq.num_computed = 0
         seq.mixed_kv = False  # its KV will be rebuilt under the current weights
+        seq.kv_version = None
         seq.status = Status.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -230,6 +231,7 @@ class Scheduler:
             if caching and not seq.mixed_kv:
                 pending.update(self._prompt_keys(seq, w.version)[seq.num_computed // self.ps :])
             seq.status = Status.RUNNING
+            seq.kv_version = w.version
             self.running.append(seq)
             budget -= n
             if seq.total_len - seq.num_computed > 1 or n > 1:
@@ -300,7 +302,12 @@ class Scheduler:
 
     def preempt_running(self, state: EngineState) -> EngineState:
         """Every running sequence back to the queue, to be recomputed (its pages released)."""
+        return self.preempt(state, list(self.running))
+
+    def preempt(self, state: EngineState, seqs: list[Sequence]) -> EngineState:
+        """These running sequences back to the queue, to be recomputed (their pages released)."""
         w = _Work.of(state)
-        for seq in list(self.running):
-            self._preempt(w, seq)
+        for seq in seqs:
+            if seq in self.running:
+                self._preempt(w, seq)
         return w.into(state)

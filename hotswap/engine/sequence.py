@@ -56,6 +56,11 @@ class Sequence:
     # Sticky: some output token was computed over KV that mixed weights versions (`keep`).
     tokens_over_mixed_kv: bool = False
     admitted_once: bool = False
+    # The weights version of this sequence's oldest KV: set when it is admitted (prefix hits
+    # are of the current version only), None while it holds no KV. Under `keep` it falls
+    # behind the serving version; `max_version_lag` bounds how far (engine.py).
+    kv_version: int | None = None
+    output_kv_versions: list[int] = dataclasses.field(default_factory=list)  # kv_version per token
     prompt_keys: tuple[int, list[int]] | None = None  # (version, chain keys of full prompt pages)
 
     def append_token(self, token: int, logprob: float, version: int, top) -> None:
@@ -63,6 +68,7 @@ class Sequence:
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)
+        self.output_kv_versions.append(version if self.kv_version is None else self.kv_version)
         self.tokens_over_mixed_kv |= self.mixed_kv
         if top is not None:
             self.output_top.append(top)

@@ -1,0 +1,340 @@
+"""SGLang-compatible RL routes, with SGLang's names, bodies and response shapes.
+
+What AReaL and slime call on an SGLang server, mapped onto hotswap's transitions:
+`/update_weights_from_disk`, `/update_weights_from_tensor` (safe encodings only),
+`/pause_generation` and `/continue_generation` (Engine.pause / resume), `/flush_cache`,
+`/release_memory_occupation` and `/resume_memory_occupation` (sleep / wakeup),
+`/get_weight_version`, `/update_weight_version`, and a single-prompt `/generate` whose
+`meta_info` carries `weight_version` and per-token `weight_versions` spans. None of these
+names is one of hotswap's own routes, so they live at the root. Every route here takes the
+admin key, `/generate` included: the api key opens `/v1/*` only, and an RL controller that
+pauses and updates holds the admin key anyway.
+
+Failures answer SGLang's `{"success": false, "message": ...}` with the status of hotswap's
+error table (api/errors.py); a pickled body gets 415 and is never unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from hotswap.api import rl_common
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin, settle
+from hotswap.api.errors import HotswapError, RequestError, WeightsPathNotAllowed, exception_body
+from hotswap.engine.lifecycle import SLEEP_TAGS
+from hotswap.engine.outputs import RequestOutput
+from hotswap.engine.sampling import SamplingParams
+
+router = APIRouter()
+admin = [Depends(require_admin)]
+
+
+def _fail(e: HotswapError) -> JSONResponse:
+    # SGLang's shape, plus hotswap's `error` object (every 4xx/5xx body here carries one).
+    status, body, headers = exception_body(e)
+    return JSONResponse({**body, "success": False, "message": str(e)}, status_code=status, headers=headers)
+
+
+class _UpdateFromDisk(BaseModel):
+    """SGLang's UpdateWeightFromDiskReqInput. CUDA-side knobs are accepted and have no effect
+    here (there is no CUDA graph to recapture nor torch cache to empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True  # always true here: an update empties the prefix cache by construction
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int | None = None
+
+
+def _in_flight(ctx: ServerContext) -> int:
+    return ctx.engine.num_running() + ctx.engine.num_waiting()
+
+
+async def _abort_all(ctx: ServerContext) -> None:
+    """SGLang's abort_all_requests: every request ends now (pause(abort) without staying paused)."""
+    was = ctx.engine.pause_mode
+
+    def run():
+        ctx.engine.pause("abort")
+        if was is None:
+            ctx.engine.resume()
+        else:
+            ctx.engine.pause(was)  # still paused, in the mode the controller chose
+
+    await ctx.run_sync(run)
+
+
+@router.post("/update_weights_from_disk", dependencies=admin)
+async def update_weights_from_disk(body: _UpdateFromDisk, request: Request) -> JSONResponse:
+    """Not paused: waits for in-flight requests (drain), as SGLang does; paused: applies now."""
+    ctx = ctx_of(request)
+    try:
+        ctx.check_admitting()
+        if ctx.engine.weights_root is None:
+            raise WeightsPathNotAllowed(
+                "updates from a path are disabled: start the server with --weights-root DIR"
+            )
+        if "\x00" in body.model_path:
+            raise RequestError("model_path contains a NUL byte")
+        if body.abort_all_requests:
+            await _abort_all(ctx)
+        paused = _in_flight(ctx) if ctx.engine.is_paused else 0
+        version = await ctx.run_sync(ctx.engine.update_weights, body.model_path)
+    except HotswapError as e:
+        return _fail(e)
+    rl_common.set_label(ctx, version, body.weight_version)
+    ctx.weight_updates += 1
+    return JSONResponse(
+        {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": paused}
+    )
+
+
+@router.post("/update_weights_from_tensor", dependencies=admin)
+async def update_weights_from_tensor(request: Request) -> JSONResponse:
+    """JSON `{"tensors": [...], "weight_version", "flush_cache", "abort_all_requests"}`, or
+    safetensors bytes with those as query parameters. `serialized_named_tensors`: 415."""
+    ctx = ctx_of(request)
+    content_type = request.headers.get("content-type", "application/octet-stream")
+    raw = await request.body()
+    try:
+        ctx.check_admitting()
+        rl_common.refuse_pickle(raw)  # whatever the content type says
+        opts: dict[str, Any] = dict(request.query_params)
+        if content_type.split(";", 1)[0].strip().lower() == "application/json":
+            data = rl_common.json_body(raw)
+            rl_common.refuse_serialized(data)
+            if "tensors" not in data:
+                raise RequestError(
+                    f'update_weights_from_tensor JSON needs "tensors"; send {rl_common.SAFE_FORMATS}'
+                )
+            payload, opts = data.pop("tensors"), {**opts, **data}
+            if not isinstance(payload, list) or not all(isinstance(t, dict) for t in payload):
+                raise RequestError('"tensors" must be a list of {name, dtype, shape, data} entries')
+        else:
+            payload = raw
+        if str(opts.get("abort_all_requests", "")).lower() in ("1", "true"):
+            await _abort_all(ctx)
+        version = await ctx.run_sync(
+            ctx.engine.update_weights_chunk, payload, finished=True, content_type=content_type
+        )
+    except HotswapError as e:
+        return _fail(e)
+    rl_common.set_label(ctx, version, opts.get("weight_version"))
+    ctx.weight_updates += 1
+    return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+
+class _Pause(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: str = "abort"  # abort | retract | in_place
+
+
+@router.post("/pause_generation", dependencies=admin)
+async def pause_generation(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    try:
+        body = _Pause.model_validate(rl_common.json_body(await request.body()))
+        if body.mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"unknown pause mode {body.mode!r}; use abort, retract or in_place")
+        await ctx.run_sync(ctx.engine.pause, body.mode)
+    except HotswapError as e:
+        return _fail(e)
+    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation", dependencies=admin)
+async def continue_generation(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.resume)
+    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
+async def flush_cache(request: Request) -> Response:
+    """Succeeds even while requests run: they keep their pages, only the index is emptied."""
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.reset_prefix_cache)
+    return PlainTextResponse("Cache flushed.\n")
+
+
+class _Tags(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tags: list[str] | None = None
+
+
+def _tags(body: _Tags) -> frozenset[str]:
+    tags = frozenset(body.tags) if body.tags else SLEEP_TAGS
+    if tags - SLEEP_TAGS:
+        raise RequestError(f"unknown tag(s) {sorted(tags - SLEEP_TAGS)}; use 'weights' and/or 'kv_cache'")
+    return tags
+
+
+@router.post("/release_memory_occupation", dependencies=admin)
+async def release_memory_occupation(request: Request) -> JSONResponse:
+    """Sleep level 1 (weights to host memory, KV dropped: in-flight requests end), then wake
+    what was not asked to be released, so exactly `tags` stay released."""
+    ctx = ctx_of(request)
+    try:
+        tags = _tags(_Tags.model_validate(rl_common.json_body(await request.body())))
+
+        def run():
+            ctx.engine.sleep(1)
+            if SLEEP_TAGS - tags:
+                ctx.engine.wakeup(sorted(SLEEP_TAGS - tags))
+
+        await ctx.run_sync(run)
+    except HotswapError as e:
+        return _fail(e)
+    return JSONResponse({"success": True, "message": f"Released {', '.join(sorted(tags))}."})
+
+
+@router.post("/resume_memory_occupation", dependencies=admin)
+async def resume_memory_occupation(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    try:
+        tags = _tags(_Tags.model_validate(rl_common.json_body(await request.body())))
+        await ctx.run_sync(ctx.engine.wakeup, sorted(tags))
+    except HotswapError as e:
+        return _fail(e)
+    return JSONResponse({"success": True, "message": f"Resumed {', '.join(sorted(tags))}."})
+
+
+@router.get("/get_weight_version", dependencies=admin)
+async def get_weight_version(request: Request) -> dict[str, Any]:
+    ctx = ctx_of(request)
+    return {"weight_version": rl_common.label(ctx, ctx.engine.weights_version)}
+
+
+class _NewVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    new_version: str
+    abort_all_requests: bool = False
+
+
+@router.post("/update_weight_version", dependencies=admin)
+async def update_weight_version(body: _NewVersion, request: Request) -> JSONResponse:
+    """Relabel the serving version (the weights do not change)."""
+    ctx = ctx_of(request)
+    if body.abort_all_requests:
+        await _abort_all(ctx)
+    rl_common.set_label(ctx, ctx.engine.weights_version, body.new_version)
+    return JSONResponse({"success": True, "new_version": body.new_version})
+
+
+# --------------------------------------------------------------------------- /generate
+
+
+class _SGLangSampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    def engine(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.sampling_seed,
+            max_tokens=self.max_new_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class _Generate(BaseModel):
+    """One prompt (`text` or `input_ids`); batches are not taken here."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: _SGLangSampling = _SGLangSampling()
+    stream: bool = False
+    return_logprob: bool = False
+    rid: str | None = None
+
+
+def _body(ctx: ServerContext, out: RequestOutput, return_logprob: bool) -> dict[str, Any]:
+    c = out.outputs[0]
+    finish = None if c.finish_reason is None else {"type": c.finish_reason}
+    if finish is not None and c.stop_reason is not None:
+        finish["matched"] = c.stop_reason
+    versions = c.weights_versions
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "finish_reason": finish,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(c.token_ids),
+        "cached_tokens": out.num_cached_tokens,
+        "weight_version": rl_common.label(ctx, versions[-1] if versions else out.weights_version),
+        "weight_versions": rl_common.spans(ctx, versions),
+        "kv_weight_versions": rl_common.spans(ctx, c.kv_versions),  # hotswap: oldest KV per token
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+
+
+@router.post("/generate", dependencies=admin)
+async def generate(body: _Generate, request: Request) -> Response:
+    ctx = ctx_of(request)
+    ctx.check_admitting()
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError('/generate takes exactly one of "text" or "input_ids" (one prompt)')
+    _, ids = ctx.engine.tokenize(body.text if body.text is not None else body.input_ids)
+    queue: asyncio.Queue = asyncio.Queue()
+    rid = await ctx.submit(ids, body.sampling_params.engine(), body.stream, queue)
+
+    async def outputs():
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            ctx.loop.abort(rid)  # a no-op once finished; ends it if the client went away
+
+    def ended(out: RequestOutput) -> None:
+        settle(request, "aborted" if out.outputs[0].finish_reason == "abort" else "completed")
+
+    if not body.stream:
+        final = None
+        async for out in outputs():
+            final = out
+        ended(final)
+        return JSONResponse(_body(ctx, final, body.return_logprob))
+
+    async def sse():
+        async for out in outputs():
+            if out.finished:
+                ended(out)
+            yield f"data: {json.dumps(_body(ctx, out, body.return_logprob))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,214 @@
+"""vLLM-compatible RL routes under the `/vllm` prefix, with vLLM's names, bodies and shapes.
+
+Why a prefix: four of vLLM's names (`/sleep`, `/is_sleeping`, `/reset_prefix_cache`,
+`/update_weights`) are already hotswap's own routes with other semantics (hotswap's
+`/update_weights` is one request carrying the weights; vLLM's is one chunk of a four-phase
+update). A prefix keeps both sets whole, documented and tested, selectable per request;
+a vLLM controller points its base URL at `http://host:port/vllm`, and the OpenAI routes are
+mounted there too (`/vllm/v1/completions`), where each finished choice carries vLLM's
+`weight_versions` spans (server.py mounts them; protocol.version_fields builds them).
+
+The four-phase update: `/init_weight_transfer_engine` accepts only the `http` backend
+(hotswap's safe payloads over this connection: JSON tensor entries or safetensors bytes);
+NCCL, CUDA IPC and the others are refused with a 400 naming what exists. `/start_weight_update`
+opens a staged update, each `/update_weights` stages one chunk, `/finish_weight_update`
+commits them all at once (validate -> swap; nothing changes if anything is wrong).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from hotswap.api import rl_common
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
+from hotswap.api.errors import LifecycleConflict, RequestError
+
+PREFIX = rl_common.VLLM_PREFIX
+BACKENDS = {"http": "hotswap's safe payloads over HTTP: " + rl_common.SAFE_FORMATS}
+REFUSED_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt")
+
+router = APIRouter(prefix=PREFIX, dependencies=[Depends(require_admin)])
+
+
+@dataclasses.dataclass
+class TransferState:
+    """The four-phase update's host bookkeeping (one per server)."""
+
+    backend: str | None = None
+    update_id: str | None = None  # set between start_weight_update and finish_weight_update
+
+
+def _transfer(ctx: ServerContext) -> TransferState:
+    if ctx.vllm_transfer is None:
+        ctx.vllm_transfer = TransferState()
+    return ctx.vllm_transfer
+
+
+# --------------------------------------------------------------------------- pause / resume
+
+
+@router.post("/pause")
+async def pause(
+    request: Request, mode: str = Query("abort"), clear_cache: bool = Query(True)
+) -> JSONResponse:
+    """abort | wait | keep. `clear_cache` empties the prefix index; running sequences keep
+    their pages (under `keep` they resume over their old KV, labelled mixed)."""
+    if mode not in ("abort", "wait", "keep"):
+        raise RequestError(f"unknown pause mode {mode!r}; use abort, wait or keep")
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.pause, mode, clear_cache=clear_cache)
+    return JSONResponse({"status": "paused"})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.resume)
+    return JSONResponse({"status": "resumed"})
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> JSONResponse:
+    return JSONResponse({"is_paused": ctx_of(request).engine.is_paused})
+
+
+# --------------------------------------------------------------------------- sleep / wake_up
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")) -> Response:
+    if level not in (1, 2):
+        raise RequestError(f"level must be 1 or 2, got {level}")
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.sleep, level, mode)
+    return Response(status_code=200)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, tags: list[str] | None = Query(None)) -> Response:
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.wakeup, tags or None)
+    return Response(status_code=200)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> JSONResponse:
+    return JSONResponse({"is_sleeping": ctx_of(request).engine.is_sleeping})
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    ctx = ctx_of(request)
+    await ctx.run_sync(ctx.engine.reset_prefix_cache)
+    return Response(status_code=200)
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    return JSONResponse({"weight_version": rl_common.label(ctx, ctx.engine.weights_version)})
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    data = rl_common.json_body(await request.body())
+    if not isinstance(data.get("new_version"), str):
+        raise RequestError('update_weight_version needs {"new_version": "<label>"}')
+    rl_common.set_label(ctx, ctx.engine.weights_version, data["new_version"])
+    return JSONResponse({"success": True, "new_version": data["new_version"]})
+
+
+# --------------------------------------------------------------------------- four-phase update
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    data = rl_common.json_body(await request.body())
+    init_info = data.get("init_info")
+    if not isinstance(init_info, dict):
+        raise RequestError("Missing 'init_info' in request body")
+    backend = str(init_info.get("backend", "http"))
+    if backend not in BACKENDS:
+        known = "; ".join(f"{k!r} ({v})" for k, v in BACKENDS.items())
+        why = " (a GPU transport this engine does not have)" if backend in REFUSED_BACKENDS else ""
+        raise RequestError(
+            f"weight transfer backend {backend!r} is not available here{why}; available: {known}"
+        )
+    _transfer(ctx).backend = backend
+    return JSONResponse({"message": "Weight transfer initialized"})
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> JSONResponse:
+    ctx = ctx_of(request)
+    t = _transfer(ctx)
+    if t.backend is None:
+        raise LifecycleConflict("call /vllm/init_weight_transfer_engine first")
+    if t.update_id is not None:
+        raise LifecycleConflict(
+            "start_weight_update called while a weight update is already in progress. "
+            "Call finish_weight_update first."
+        )
+    ctx.engine.stager.abort()  # a fresh staging area: nothing half-sent from before is committed
+    t.update_id = f"vllm-{uuid.uuid4().hex}"
+    return JSONResponse({"message": "Weight update started"})
+
+
+def _open(ctx: ServerContext) -> str:
+    t = _transfer(ctx)
+    if t.update_id is None:
+        raise LifecycleConflict("no weight update in progress: call /vllm/start_weight_update first")
+    return t.update_id
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> JSONResponse:
+    """One chunk: JSON `{"update_info": {"tensors": [entries]}}` or safetensors bytes."""
+    ctx = ctx_of(request)
+    content_type = request.headers.get("content-type", "application/octet-stream")
+    raw = await request.body()
+    rl_common.refuse_pickle(raw)  # first: a pickle is refused whatever state the update is in
+    uid = _open(ctx)
+    payload: Any = raw
+    if content_type.split(";", 1)[0].strip().lower() == "application/json":
+        data = rl_common.json_body(raw)
+        info = data.get("update_info")
+        if not isinstance(info, dict):
+            raise RequestError("Missing 'update_info' in request body")
+        rl_common.refuse_serialized(info)
+        if "tensors" not in info:
+            raise RequestError(
+                'the http backend takes update_info {"tensors": [{name, dtype, shape, data (base64)}]} '
+                "(names/dtype_names/shapes describe an NCCL broadcast, which is not available here)"
+            )
+        payload = info["tensors"]
+        if not isinstance(payload, list) or not all(isinstance(t, dict) for t in payload):
+            raise RequestError('"tensors" must be a list of {name, dtype, shape, data} entries')
+    await ctx.run_sync(
+        ctx.engine.update_weights_chunk, payload, finished=False, update_id=uid, content_type=content_type
+    )
+    return JSONResponse({"message": "Weights updated"})
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> JSONResponse:
+    """Commit every staged chunk as one update; `weight_version` labels the new version."""
+    ctx = ctx_of(request)
+    uid = _open(ctx)
+    data = rl_common.json_body(await request.body())
+    t = _transfer(ctx)
+    try:
+        version = await ctx.run_sync(ctx.engine.update_weights_chunk, {}, finished=True, update_id=uid)
+    finally:
+        t.update_id = None  # committed or refused: either way this update is over
+        ctx.engine.stager.abort()
+    rl_common.set_label(ctx, version, data.get("weight_version"))
+    ctx.weight_updates += 1
+    return JSONResponse({"message": "Weight update finished"})
