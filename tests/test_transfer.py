@@ -234,3 +234,47 @@ def test_llm_update_weights_takes_a_ref(dirs, oracle):
         trainer.close()
     out = llm.generate([PROMPT], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0]
     assert out.text == oracle["seed1"]
+
+
+SHARDED_ENGINE = """
+import json, sys
+import jax
+from hotswap import LLM, SamplingParams
+from hotswap.transfer import TransferRef, pull
+
+seed0, seed1, direct, whole = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+kw = dict(tensor_parallel_size=2, max_model_len=64, num_pages=16, warmup=False)
+llm = LLM(seed0, **kw)
+abstract = llm.engine.abstract
+tree = pull(TransferRef(**direct), abstract)  # the trainer's shards are the engine's: no copy after
+same = jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s.sharding, x.ndim), tree, abstract))
+v = llm.update_weights(TransferRef(**whole))  # whole arrays: pulled to one device, resharded there
+sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+got = llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids
+want = LLM(seed1, **kw).generate([[5, 6, 7, 8]], sp, use_tqdm=False)[0].outputs[0].token_ids
+print(json.dumps({"direct_on_engine_shardings": all(same), "version": v, "equal": got == want}))
+"""
+
+
+def test_sharded_engine_pulls_into_its_own_shardings(dirs):
+    """A tensor_parallel_size=2 engine (2 fake CPU devices): a trainer sharded the same way is
+    pulled straight into the engine's shardings; one holding whole arrays is resharded after."""
+    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    trainers = []
+    try:
+        for mode in ("tp2", "ok"):
+            args = [sys.executable, str(TRAINER), str(dirs["seed1"]), mode]
+            trainers.append(
+                subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            )
+        refs = [t.stdout.readline().strip() for t in trainers]
+        assert all(refs), "a trainer exited early"
+        cmd = [sys.executable, "-c", SHARDED_ENGINE, str(dirs["seed0"]), str(dirs["seed1"]), *refs]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        for t in trainers:
+            t.stdin.close()
+            t.wait(30)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"direct_on_engine_shardings": True, "version": 2, "equal": True}

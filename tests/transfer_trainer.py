@@ -4,8 +4,9 @@ the offer) until its stdin closes.
 
     python tests/transfer_trainer.py CHECKPOINT_DIR MODE
 
-MODE: ok | shape (one tensor transposed) | nan (one NaN) | stall (header and manifest
-are offered, the weights never are: killing this process then is a kill mid-pull).
+MODE: ok | tp2 (sharded as a tensor_parallel_size=2 engine shards them; needs 2 devices) |
+shape (one tensor transposed) | nan (one NaN) | stall (header and manifest are offered, the
+weights never are: killing this process then is a kill mid-pull).
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import numpy as np
 
 from hotswap import transfer
 from hotswap.config import ModelConfig
+from hotswap.engine import sharding
 from hotswap.engine.sources import resolve_source
 
 
 def main(path: str, mode: str) -> None:
     cfg = ModelConfig.from_dir(path)
     params = jax.tree.map(jnp.asarray, resolve_source(path, cfg, current=None))
+    if mode == "tp2":
+        shardings, _ = sharding.engine_shardings(cfg, 2)
+        params = jax.tree.map(jax.device_put, params, shardings)
     if mode == "shape":
         params["layers"][0]["wq"] = params["layers"][0]["wq"].T[:, :-1]
     if mode == "nan":
