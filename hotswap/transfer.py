@@ -70,7 +70,8 @@ class TransferRef:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
-        if not isinstance(self.address, str) or ":" not in self.address:
+        host, _, port = self.address.rpartition(":") if isinstance(self.address, str) else ("", "", "")
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
             raise TransferError(f"transfer address must be 'host:port', got {self.address!r}")
         if isinstance(self.uuid, bool) or not isinstance(self.uuid, int) or not 0 <= self.uuid < 2**62:
             raise TransferError(f"transfer uuid must be an integer in [0, 2**62), got {self.uuid!r}")
@@ -179,7 +180,7 @@ def _reachable(ref: TransferRef, deadline: float) -> None:
         socket.create_connection(
             (host.strip("[]"), int(port)), timeout=max(0.1, deadline - time.monotonic())
         ).close()
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: cannot connect: {e}") from None
 
 

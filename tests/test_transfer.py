@@ -211,6 +211,8 @@ def test_transfer_body_validation(server):
     cases = [
         ({"transfer": {"address": "127.0.0.1:1"}}, "transfer"),
         ({"transfer": {**ok, "uuid": -1}}, "uuid"),
+        ({"transfer": {**ok, "address": "127.0.0.1:70000"}}, "host:port"),
+        ({"transfer": {**ok, "address": 5}}, "host:port"),
         ({"transfer": {**ok, "timeout_s": 0}}, "timeout_s"),
         ({"transfer": {**ok, "extra": 1}}, "unknown field"),
         ({"transfer": ok, "path": "x"}, "exactly one of"),
