@@ -58,6 +58,12 @@ class PickleRefused(PayloadError):
     code = "pickle_refused"
 
 
+class TransferError(PayloadError):
+    """A device-to-device weight pull failed: unreachable peer, timeout, peer gone, bad offer."""
+
+    code = "transfer_failed"
+
+
 class WeightsPathNotAllowed(HotswapError):
     """A weights path lies outside the allowed root."""
 

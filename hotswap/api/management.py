@@ -95,6 +95,10 @@ class _TensorsUpdate(_ChunkOptions):
     tensors: list[dict[str, Any]]
 
 
+class _TransferUpdate(_UpdateOptions):
+    transfer: dict[str, Any]  # a TransferRef: {"address", "uuid", "timeout_s"?}
+
+
 async def _apply_chunk(ctx: ServerContext, payload, opts: _ChunkOptions, content_type: str) -> dict[str, Any]:
     """Stage a chunk (body bytes or the parsed `tensors` list; the engine decodes it, in the
     worker thread); on `finished`, commit every staged tensor as one update."""
@@ -122,9 +126,11 @@ async def _apply_chunk(ctx: ServerContext, payload, opts: _ChunkOptions, content
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict[str, Any]:
-    """Three body forms:
+    """Four body forms:
 
     - JSON `{"path": ..., "policy", "version", "partial"}`: a checkpoint directory under --weights-root;
+    - JSON `{"transfer": {"address", "uuid", "timeout_s"}, "policy", "version"}`: a tree another JAX
+      process published with `hotswap.transfer.publish`, pulled device to device;
     - JSON `{"tensors": [{name, dtype, shape, data (base64)}], "finished", "update_id", ...}`;
     - safetensors bytes (`application/octet-stream`) with the options as query parameters.
 
@@ -153,10 +159,19 @@ async def update_weights(request: Request) -> dict[str, Any]:
             'JSON {"path": dir} or {"tensors": [{name, dtype, shape, data (base64)}]}, or safetensors '
             "bytes as application/octet-stream"
         )
-    if not isinstance(data, dict) or ("path" in data) == ("tensors" in data):
+    if not isinstance(data, dict) or sum(k in data for k in ("path", "tensors", "transfer")) != 1:
         raise PayloadError(
-            'update_weights JSON needs exactly one of "path" (a directory) or "tensors" (entries)'
+            'update_weights JSON needs exactly one of "path" (a directory), "tensors" (entries) or '
+            '"transfer" (a hotswap.transfer reference)'
         )
+    if "transfer" in data:
+        from hotswap.transfer import TransferRef  # imports jax: only when this form is used
+
+        xupd = _TransferUpdate.model_validate({**query, **data})
+        ref = TransferRef.from_json(xupd.transfer)
+        version = await ctx.run_sync(ctx.engine.update_weights, ref, **xupd.engine_kwargs())
+        ctx.weight_updates += 1
+        return {"weights_version": version, "policy": xupd.policy}
     if "path" in data:
         upd = _PathUpdate.model_validate({**query, **data})
         if ctx.engine.weights_root is None:

@@ -230,7 +230,8 @@ class LLM:
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
     ) -> int:
-        """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file or safetensors bytes).
+        """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
+        or a `hotswap.transfer.TransferRef` another JAX process published: pulled device to device).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.

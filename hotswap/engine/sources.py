@@ -3,7 +3,8 @@ engine's devices (`stage_source`, the update path).
 
 Sources: an in-process params pytree (used as is), a mapping of HF tensor names
 (as a trainer would save them), a local HF safetensors directory, a GGUF file,
-an orbax checkpoint directory, or safe payload bytes (safetensors). Paths must resolve
+an orbax checkpoint directory, safe payload bytes (safetensors), or a `TransferRef` to a
+tree another JAX process published (`hotswap/transfer.py`: pulled device to device). Paths must resolve
 under the allowed weights root when one is set. Nothing is ever unpickled.
 
 Update payloads (REST bodies, `update_weights(bytes)`, chunks) are decoded in one
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from hotswap import transfer
 from hotswap.checkpoint import gguf_io, hf, orbax_io, payload
 from hotswap.config import ModelConfig
 from hotswap.engine import hf_device
@@ -76,7 +78,9 @@ def wire_tensors(
 
 def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any] | None:
     """The HF-named tensors a source holds, unconverted (views of the file or payload);
-    None for a params tree or an orbax directory."""
+    None for a params tree, a transfer reference or an orbax directory."""
+    if isinstance(source, transfer.TransferRef):
+        return None
     if isinstance(source, (bytes, bytearray, memoryview)):
         return wire_tensors(source)
     if isinstance(source, (str, os.PathLike)) and gguf_io.is_gguf(source):
@@ -97,7 +101,7 @@ def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any
         return wire_tensors(source)
     raise ConfigError(
         f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
-        "tensors, a checkpoint directory or .gguf file path, or safetensors bytes"
+        "tensors, a checkpoint directory or .gguf file path, safetensors bytes, or a hotswap.transfer.TransferRef"
     )
 
 
@@ -129,6 +133,10 @@ def resolve_source(
         return hf.params_from_hf(cfg, tensors, partial_base=base)
     if is_params_tree(source):
         return source
+    if isinstance(source, transfer.TransferRef):
+        if abstract is None:
+            raise ConfigError("a transfer pull needs the engine's abstract params (its shardings)")
+        return transfer.pull(source, abstract)
     return orbax_io.restore_params(_checkpoint_dir(source, weights_root), abstract)
 
 

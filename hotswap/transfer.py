@@ -1,0 +1,270 @@
+"""Device-to-device weight pushes between JAX processes (`jax.experimental.transfer`).
+
+A trainer calls `publish(params)`: its params stay on its devices, a transfer server
+in its process offers them once, and it gets back a `TransferRef(address, uuid)`,
+small enough to send over HTTP (`POST /update_weights {"transfer": {...}}`) or to
+pass to `LLM.update_weights`. The engine side, `pull(ref, abstract)`, connects to
+that address and pulls the arrays straight into the engine's shardings; the tree it
+returns then goes through the same validation, finiteness check and staging as any
+in-process params tree (`engine/sources.py`).
+
+What one publish offers, under three consecutive uuids (each can be pulled once):
+
+    uuid     int32[2]        header: [MAGIC, manifest length in bytes]
+    uuid+1   uint8[n]        manifest: JSON, per leaf its name, shape, dtype and shard slices
+    uuid+2   the leaves      in the tree's flatten order, each as the trainer's shards
+
+The manifest exists because JAX's pull needs the receiver to name every shape in
+advance, and on a mismatch it fails with an opaque buffer error (or overruns); the
+engine checks the manifest against its own spec first and names the tensor.
+
+JAX's own `timeout` argument to `pull` is not honoured (a pull from an address nobody
+serves, or of a uuid nobody published, waits forever), so the engine side connects
+over TCP first (a closed port fails at once) and polls each pull's readiness up to
+`TransferRef.timeout_s`. A pull that times out leaves its receive buffers pending:
+the header is 8 bytes, so a wrong uuid costs nothing; a trainer that stalls (not
+dies: a dead peer closes the socket and the pull fails at once) in the middle of
+the data pull leaves one params-sized buffer until the process exits.
+
+Transfer servers bind 127.0.0.1 unless told otherwise: anything that can reach
+the port can offer or fetch arrays, and there is no authentication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.engine.spec import path_name
+from hotswap.errors import TransferError, WeightsMismatch
+
+MAGIC = 0x48535754  # "HSWT"
+DEFAULT_BIND = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 60.0
+
+_servers: dict[tuple[int, str], Any] = {}
+_servers_lock = threading.Lock()
+# uuids are (random base + 4 * n): one publish takes three, and two processes publishing to the
+# same engine do not collide (a transfer server is per process, so only the address must differ).
+_uuids = itertools.count(int.from_bytes(os.urandom(5), "little") * 4, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRef:
+    """Where a published params tree can be pulled from, and how long a pull may wait."""
+
+    address: str
+    uuid: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        host, _, port = self.address.rpartition(":") if isinstance(self.address, str) else ("", "", "")
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise TransferError(f"transfer address must be 'host:port', got {self.address!r}")
+        if isinstance(self.uuid, bool) or not isinstance(self.uuid, int) or not 0 <= self.uuid < 2**62:
+            raise TransferError(f"transfer uuid must be an integer in [0, 2**62), got {self.uuid!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t <= 3600 and math.isfinite(t)):
+            raise TransferError(f"transfer timeout_s must be in (0, 3600] seconds, got {t!r}")
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TransferRef:
+        """From the `transfer` field of an update body: {"address", "uuid", "timeout_s"?}."""
+        if not isinstance(obj, Mapping) or not {"address", "uuid"} <= obj.keys():
+            raise TransferError('"transfer" must be an object {"address": "host:port", "uuid": N}')
+        extra = sorted(set(obj) - {"address", "uuid", "timeout_s"})
+        if extra:
+            raise TransferError(f'"transfer" has unknown field(s): {", ".join(extra)}')
+        return cls(obj["address"], obj["uuid"], obj.get("timeout_s", DEFAULT_TIMEOUT_S))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def server(bind: str = DEFAULT_BIND, client=None):
+    """This process's transfer server on `bind` (a host; the port is picked), started once."""
+    from jax.experimental import transfer
+
+    client = client or jax.devices()[0].client
+    key = (id(client), bind)
+    with _servers_lock:
+        if key not in _servers:
+            host = f"[{bind}]" if ":" in bind else bind
+            _servers[key] = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+        return _servers[key]
+
+
+# --------------------------------------------------------------------------- trainer side
+
+
+def _slices(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
+    """A shard's index (a tuple of slices) as [[start, stop], ...] per dimension."""
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
+
+
+def offer_arrays(params: Any) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """A tree's leaves (on a device), header and manifest: what `publish` offers."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
+    manifest = {
+        "leaves": [
+            {
+                "name": path_name(path),
+                "shape": list(x.shape),
+                "dtype": np.dtype(x.dtype).name,
+                "shards": [_slices(s.index, x.shape) for s in x.addressable_shards],
+            }
+            for (path, _), x in zip(flat, leaves, strict=True)
+        ]
+    }
+    blob = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+    return leaves, jnp.asarray(np.array([MAGIC, blob.size], np.int32)), jnp.asarray(blob)
+
+
+def publish(params: Any, *, bind: str = DEFAULT_BIND, timeout_s: float = DEFAULT_TIMEOUT_S) -> TransferRef:
+    """Offer `params` (any pytree of arrays) for one pull; returns where to pull it from.
+
+    Arrays stay where they are (host numpy leaves are put on the default device first);
+    the transfer server keeps them alive until the engine has pulled them.
+    """
+    leaves, header, blob = offer_arrays(params)
+    srv = server(bind)
+    uuid = next(_uuids)
+    srv.await_pull(uuid, [header])
+    srv.await_pull(uuid + 1, [blob])
+    srv.await_pull(uuid + 2, leaves)
+    return TransferRef(srv.address(), uuid, timeout_s)
+
+
+# --------------------------------------------------------------------------- engine side
+
+
+def _wait(arrays: list, ref: TransferRef, deadline: float, what: str) -> list:
+    """Wait until `arrays` (a pull's results) are ready, or fail by the deadline.
+
+    Polls `is_ready()` rather than blocking in a helper thread: a thread stuck in a pull
+    that never completes would abort the interpreter at exit."""
+    pause = 1e-4
+    while not all(x.is_ready() for x in arrays):
+        if time.monotonic() > deadline:
+            raise TransferError(
+                f"transfer {ref.address} uuid {ref.uuid}: no {what} within {ref.timeout_s:g} s (the uuid "
+                "was never published or was already pulled, or the trainer stalled)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    try:
+        return jax.block_until_ready(arrays)
+    except jax.errors.JaxRuntimeError as e:  # a closed connection, a size mismatch
+        raise TransferError(
+            f"transfer {ref.address} uuid {ref.uuid}: pulling the {what} failed: {e}"
+        ) from None
+
+
+def _reachable(ref: TransferRef, deadline: float) -> None:
+    """A TCP connect first: JAX's connect() to a closed port neither fails nor times out."""
+    host, _, port = ref.address.rpartition(":")
+    try:
+        socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=max(0.1, deadline - time.monotonic())
+        ).close()
+    except OSError as e:
+        raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: cannot connect: {e}") from None
+
+
+def _check_manifest(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferRef) -> None:
+    """The published names, shapes and dtypes against the engine's; names the first difference."""
+    where = f"transfer {ref.address} uuid {ref.uuid}"
+    got = {leaf["name"]: leaf for leaf in leaves}
+    names = [n for n, _ in want]
+    missing, extra = sorted(set(names) - got.keys()), sorted(got.keys() - set(names))
+    for label, bad in (("missing", missing), ("unexpected", extra)):
+        if bad:
+            more = " ..." if len(bad) > 5 else ""
+            raise WeightsMismatch(f"{where}: {label} tensor(s): {', '.join(bad[:5])}{more}")
+    if [leaf["name"] for leaf in leaves] != names:
+        raise WeightsMismatch(f"{where}: params tree structure differs from the engine's (leaf order)")
+    for name, spec in want:
+        shape, dtype = tuple(got[name]["shape"]), str(got[name]["dtype"])
+        if shape != tuple(spec.shape) or dtype != np.dtype(spec.dtype).name:
+            raise WeightsMismatch(
+                f"{where}: {name}: expected {tuple(spec.shape)} {np.dtype(spec.dtype)}, got {shape} {dtype}"
+            )
+
+
+def _receive_specs(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferRef) -> list:
+    """What to pull into: the engine's own specs when the trainer's shards are this process's
+    shards of them (no copy after the pull); else, for a trainer whose leaves are whole
+    arrays, one device here (`ingest.place_params` then reshards on the device)."""
+
+    def own(spec) -> list:
+        return [
+            _slices(i, spec.shape) for i in spec.sharding.addressable_devices_indices_map(spec.shape).values()
+        ]
+
+    if all(leaf["shards"] == own(spec) for leaf, (_, spec) in zip(leaves, want, strict=True)):
+        return [spec for _, spec in want]
+    for leaf in leaves:
+        if leaf["shards"] != [[[0, n] for n in leaf["shape"]]]:
+            raise TransferError(
+                f"transfer {ref.address} uuid {ref.uuid}: {leaf['name']} is published in "
+                f"{len(leaf['shards'])} shards that are not this engine's; publish whole arrays "
+                "(one device) or the engine's own layout"
+            )
+    dev = jax.sharding.SingleDeviceSharding(next(iter(want[0][1].sharding.addressable_devices)))
+    return [jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=dev) for _, spec in want]
+
+
+def pull(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> Any:
+    """Pull a published tree into `abstract`'s structure (ShapeDtypeStructs with shardings).
+
+    Raises TransferError (unreachable, timed out, peer gone) or WeightsMismatch (names the
+    tensor) and returns nothing partial. The result is not yet validated for finiteness:
+    that is `ingest.stage_params`' job, as for any tree.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    want = [(path_name(p), spec) for p, spec in flat]
+    dev = jax.sharding.SingleDeviceSharding(next(iter(want[0][1].sharding.addressable_devices)))
+    deadline = time.monotonic() + ref.timeout_s
+    try:
+        _reachable(ref, deadline)
+        conn = server(bind).connect(ref.address)
+        (header,) = _wait(
+            conn.pull(ref.uuid, [jax.ShapeDtypeStruct((2,), jnp.int32, sharding=dev)]),
+            ref,
+            deadline,
+            "header",
+        )
+        magic, size = (int(v) for v in np.asarray(header))
+        if magic != MAGIC or not 0 < size < 1 << 30:
+            raise TransferError(
+                f"transfer {ref.address} uuid {ref.uuid}: not a hotswap.transfer.publish() offer (bad header)"
+            )
+        (blob,) = _wait(
+            conn.pull(ref.uuid + 1, [jax.ShapeDtypeStruct((size,), jnp.uint8, sharding=dev)]),
+            ref,
+            deadline,
+            "manifest",
+        )
+        try:
+            leaves = json.loads(np.asarray(blob).tobytes())["leaves"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: unreadable manifest: {e}") from None
+        _check_manifest(leaves, want, ref)
+        specs = _receive_specs(leaves, want, ref)
+        arrays = _wait(conn.pull(ref.uuid + 2, specs), ref, deadline, "weights")
+    except jax.errors.JaxRuntimeError as e:  # connect() or pull() refusing before any wait
+        raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: {e}") from None
+    return treedef.unflatten(arrays)

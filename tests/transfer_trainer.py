@@ -1,0 +1,50 @@
+"""A trainer process for tests/test_transfer.py: publishes a checkpoint's params with
+`hotswap.transfer.publish`, prints the reference as one JSON line, and stays alive (keeping
+the offer) until its stdin closes.
+
+    python tests/transfer_trainer.py CHECKPOINT_DIR MODE
+
+MODE: ok | tp2 (sharded as a tensor_parallel_size=2 engine shards them; needs 2 devices) |
+shape (one tensor transposed) | nan (one NaN) | stall (header and manifest are offered, the
+weights never are: killing this process then is a kill mid-pull).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap import transfer
+from hotswap.config import ModelConfig
+from hotswap.engine import sharding
+from hotswap.engine.sources import resolve_source
+
+
+def main(path: str, mode: str) -> None:
+    cfg = ModelConfig.from_dir(path)
+    params = jax.tree.map(jnp.asarray, resolve_source(path, cfg, current=None))
+    if mode == "tp2":
+        shardings, _ = sharding.engine_shardings(cfg, 2)
+        params = jax.tree.map(jax.device_put, params, shardings)
+    if mode == "shape":
+        params["layers"][0]["wq"] = params["layers"][0]["wq"].T[:, :-1]
+    if mode == "nan":
+        params["layers"][1]["w_up"] = params["layers"][1]["w_up"].at[0, 0].set(np.nan)
+    if mode == "stall":
+        _, header, blob = transfer.offer_arrays(params)
+        srv, uuid = transfer.server(), next(transfer._uuids)
+        srv.await_pull(uuid, [header])
+        srv.await_pull(uuid + 1, [blob])
+        ref = transfer.TransferRef(srv.address(), uuid)
+    else:
+        ref = transfer.publish(params)
+    print(json.dumps(ref.to_json()), flush=True)
+    sys.stdin.read()  # the offer lives as long as this process
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
