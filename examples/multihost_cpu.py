@@ -2,10 +2,14 @@
 
     python examples/multihost_cpu.py                    # launcher: 2 processes x 1 device, tp=2
     python examples/multihost_cpu.py --local-devices 2  # 2 processes x 2 devices, tp=4
+    python examples/multihost_cpu.py --transfer '[GOOD, BAD]'  # updates from a trainer's offers
 
 The launcher writes two checkpoints (the served weights and an update), starts
 one copy of this script per process with `--process-id`, and relays their
-output. Every process builds the same LLM over the global mesh. Process 0
+output. With `--transfer` (two TransferRef JSON objects, each published by a trainer
+with `transfer.publish(params, for_processes=2)`), process 0 instead generates, updates
+from the first (each process pulls its own shards), generates, tries the second (which
+must fail on every process and change nothing) and generates again. Every process builds the same LLM over the global mesh. Process 0
 drives: it wraps its engine in a `multihost.Driver`, generates, hot-swaps the
 weights from a checkpoint path, from an in-memory tree and from safetensors
 bytes (both sent by a device broadcast), sleeps and wakes up, and generates
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -47,7 +52,8 @@ def launch(args) -> int:
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--process-id", str(i), "--num-processes", str(args.num_processes)]
-            + ["--coordinator", f"127.0.0.1:{port}", "--model", str(model), "--update", str(update)],
+            + ["--coordinator", f"127.0.0.1:{port}", "--model", str(model), "--update", str(update)]
+            + (["--transfer", args.transfer] if args.transfer else []),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -72,10 +78,7 @@ def serve(args) -> None:
     from hotswap.engine import multihost
 
     multihost.initialize(args.coordinator, args.num_processes, args.process_id)
-    from hotswap import LLM, SamplingParams
-    from hotswap.checkpoint import hf
-    from hotswap.checkpoint.payload import encode_safetensors
-    from hotswap.errors import HotswapError
+    from hotswap import LLM, SamplingParams, transfer
 
     # One model over every device of every process.
     llm = LLM(args.model, tensor_parallel_size=jax.device_count(), **ENGINE)
@@ -100,28 +103,64 @@ def serve(args) -> None:
             rounds.append(llm.weights_version)
 
         generate("v1")
-        llm.update_weights(args.update)  # a checkpoint path: every process reads it
-        generate("v2")
-        llm.update_weights(hf.load_hf_dir(args.model)[1])  # host tree: sent by device broadcast
-        generate("v3")
-        driver.sleep(1)  # params to host memory, KV dropped, on every process
-        driver.wakeup()
-        generate("v3-woken")
-        payload = encode_safetensors(hf.read_hf_tensors(args.update))
-        llm.update_weights(payload)  # safetensors bytes, as the HTTP endpoint receives them
-        generate("v4")
-        try:  # a rejected update fails the same way everywhere and changes nothing
-            llm.update_weights(Path(args.update) / "no-such-checkpoint")
-        except HotswapError as e:
-            record["rejected"] = type(e).__name__
+        if args.transfer:
+            transfer_updates(llm, json.loads(args.transfer), generate, record)
+        else:
+            usual_updates(llm, driver, args, generate, record)
         driver.reset_prefix_cache()
         driver.stop()
         record["versions_served"] = rounds
     else:
         record["commands"] = multihost.follow(llm.engine, on_output=keep)
     record["weights_version"] = llm.weights_version
+    record["pulled_bytes"] = transfer.stats["bytes"]
+    specs = jax.tree.leaves(llm.engine.abstract)
+    record["param_bytes"] = sum(x.size * x.dtype.itemsize for x in specs)
+    record["own_shard_bytes"] = sum(  # what this process's devices hold of the weights
+        math.prod(len(range(*s.indices(n))) for s, n in zip(index, x.shape, strict=True)) * x.dtype.itemsize
+        for x in specs
+        for index in x.sharding.addressable_devices_indices_map(x.shape).values()
+    )
     print(json.dumps(record), flush=True)
     jax.distributed.shutdown()
+
+
+def transfer_updates(llm, refs: list[dict], generate, record: dict) -> None:
+    """Each process pulls its own shards of the first offer; the second fails everywhere."""
+    from hotswap.errors import HotswapError
+    from hotswap.transfer import TransferRef
+
+    good, bad = (TransferRef.from_json(r) for r in refs)
+    llm.update_weights(good)
+    generate("t")
+    try:
+        llm.update_weights(bad)
+    except HotswapError as e:
+        record["rejected"] = type(e).__name__
+        record["rejected_message"] = str(e)
+    generate("t-after")
+
+
+def usual_updates(llm, driver, args, generate, record: dict) -> None:
+    """Path, host tree, sleep/wakeup and bytes updates, then a rejected path."""
+    from hotswap.checkpoint import hf
+    from hotswap.checkpoint.payload import encode_safetensors
+    from hotswap.errors import HotswapError
+
+    llm.update_weights(args.update)  # a checkpoint path: every process reads it
+    generate("v2")
+    llm.update_weights(hf.load_hf_dir(args.model)[1])  # host tree: sent by device broadcast
+    generate("v3")
+    driver.sleep(1)  # params to host memory, KV dropped, on every process
+    driver.wakeup()
+    generate("v3-woken")
+    payload = encode_safetensors(hf.read_hf_tensors(args.update))
+    llm.update_weights(payload)  # safetensors bytes, as the HTTP endpoint receives them
+    generate("v4")
+    try:  # a rejected update fails the same way everywhere and changes nothing
+        llm.update_weights(Path(args.update) / "no-such-checkpoint")
+    except HotswapError as e:
+        record["rejected"] = type(e).__name__
 
 
 def main() -> None:
@@ -134,6 +173,7 @@ def main() -> None:
     ap.add_argument("--update", default=None)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default=None, help="where the launcher writes the checkpoints")
+    ap.add_argument("--transfer", default=None, help="JSON [good, bad] per-process TransferRefs")
     args = ap.parse_args()
     if args.process_id is None:
         sys.exit(launch(args))

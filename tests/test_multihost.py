@@ -2,6 +2,8 @@
 
 Process 0 drives and broadcasts every engine command; process 1 follows. Both
 must see the same tokens and versions as each other and as one process alone.
+A trainer's per-process transfer offer is pulled by each process, its own shards
+only; an offer that is wrong for one process fails the update on both.
 """
 
 from __future__ import annotations
@@ -67,3 +69,70 @@ def test_two_processes_serve_one_model(tmp_path, local_devices):
             got = [driver["outputs"][f"{tag}-{k}"]["ids"] for k in range(len(ex.PROMPTS))]
             assert got == [o.outputs[0].token_ids for o in alone], tag
     assert driver["outputs"]["v1-0"]["ids"] != driver["outputs"]["v2-0"]["ids"]
+
+
+TRAINER = Path(__file__).with_name("transfer_trainer.py")
+
+
+@pytest.mark.slow
+def test_each_process_pulls_its_own_shards(tmp_path):
+    """A tp=2 trainer publishes one offer per engine process; each of the 2 processes pulls
+    only its shards. A second offer whose process-1 part is wrong-shaped fails on both."""
+    from hotswap.checkpoint.create import create_checkpoint
+
+    ex = _example()
+    ckpt = create_checkpoint(tmp_path / "trained", preset="tiny", seed=2, overrides=ex.SHAPES)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    trainer_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    trainers = [
+        subprocess.Popen(
+            [sys.executable, str(TRAINER), str(ckpt), mode],
+            env=trainer_env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for mode in ("procs", "procs-shape1")
+    ]
+    try:
+        refs = [json.loads(t.stdout.readline() or "null") for t in trainers]
+        assert all(refs), "a trainer exited early"
+        assert [r["processes"] for r in refs] == [2, 2]
+        cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "110"]
+        proc = subprocess.run(
+            cmd + ["--transfer", json.dumps(refs)], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        for t in trainers:
+            t.stdin.close()
+            t.wait(30)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert re.findall(r"\[process (\d)\] exit (\d+)", proc.stdout) == [("0", "0"), ("1", "0")]
+    records = [json.loads(m) for m in re.findall(r"^\[process \d\] (\{.*\})$", proc.stdout, re.M)]
+    driver, follower = sorted(records, key=lambda r: r["process"])
+
+    # The good offer swapped on both; the bad one was refused on both, naming process 1's tensor.
+    assert driver["versions_served"] == [1, 2, 2]
+    assert driver["weights_version"] == follower["weights_version"] == 2
+    assert driver["rejected"] == "WeightsMismatch"
+    assert "process 1: " in driver["rejected_message"], driver["rejected_message"]
+    assert "layers.0.wq: expected" in driver["rejected_message"], driver["rejected_message"]
+    assert driver["outputs"] == follower["outputs"]
+
+    # Each process pulled only its own shards: about half the weights (norms are replicated).
+    # Process 1 refused the bad offer at its manifest; process 0 had pulled its half of it.
+    for r in (driver, follower):
+        assert r["own_shard_bytes"] < 0.75 * r["param_bytes"], r
+    assert driver["own_shard_bytes"] + follower["own_shard_bytes"] >= driver["param_bytes"]
+    assert follower["pulled_bytes"] == follower["own_shard_bytes"]
+    assert driver["pulled_bytes"] == 2 * driver["own_shard_bytes"]
+
+    # The tokens equal a fresh engine's on the trainer's weights, before and after the bad offer.
+    sp = SamplingParams(**ex.GREEDY)
+    alone = LLM(ckpt, **ex.ENGINE).generate(ex.PROMPTS, sp, use_tqdm=False)
+    for tag in ("t", "t-after"):
+        got = [driver["outputs"][f"{tag}-{k}"]["ids"] for k in range(len(ex.PROMPTS))]
+        assert got == [o.outputs[0].token_ids for o in alone], tag
+        assert all(driver["outputs"][f"{tag}-{k}"]["versions"] == [2] for k in range(len(ex.PROMPTS)))
+    assert driver["outputs"]["v1-0"]["ids"] != driver["outputs"]["t-0"]["ids"]

@@ -6,7 +6,9 @@ the offer) until its stdin closes.
 
 MODE: ok | tp2 (sharded as a tensor_parallel_size=2 engine shards them; needs 2 devices) |
 shape (one tensor transposed) | nan (one NaN) | stall (header and manifest are offered, the
-weights never are: killing this process then is a kill mid-pull).
+weights never are: killing this process then is a kill mid-pull) | procs (tp2, one offer per
+engine process of a 2-process engine: `publish(for_processes=2)`) | procs-shape1 (the same,
+but process 1's offer has one tensor two rows too long).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from hotswap.engine.sources import resolve_source
 def main(path: str, mode: str) -> None:
     cfg = ModelConfig.from_dir(path)
     params = jax.tree.map(jnp.asarray, resolve_source(path, cfg, current=None))
-    if mode == "tp2":
+    if mode in ("tp2", "procs", "procs-shape1"):
         shardings, _ = sharding.engine_shardings(cfg, 2)
         params = jax.tree.map(jax.device_put, params, shardings)
     if mode == "shape":
@@ -40,8 +42,19 @@ def main(path: str, mode: str) -> None:
         srv.await_pull(uuid, [header])
         srv.await_pull(uuid + 1, [blob])
         ref = transfer.TransferRef(srv.address(), uuid)
+    elif mode == "procs-shape1":  # process 0's offer is right, process 1's is not
+        wq = params["layers"][0]["wq"]
+        bad = {**params, "layers": [dict(params["layers"][0]), *params["layers"][1:]]}
+        bad["layers"][0]["wq"] = jax.device_put(jnp.concatenate([wq, wq[:2]]), wq.sharding)
+        srv, uuid = transfer.server(), transfer.take_uuids(2)
+        for p, tree in enumerate((params, bad)):
+            leaves, header, blob = transfer.process_offer(tree, p, 2)
+            srv.await_pull(uuid + 4 * p, [header])
+            srv.await_pull(uuid + 4 * p + 1, [blob])
+            srv.await_pull(uuid + 4 * p + 2, leaves)
+        ref = transfer.TransferRef(srv.address(), uuid, processes=2)
     else:
-        ref = transfer.publish(params)
+        ref = transfer.publish(params, for_processes=2 if mode == "procs" else 1)
     print(json.dumps(ref.to_json()), flush=True)
     sys.stdin.read()  # the offer lives as long as this process
 

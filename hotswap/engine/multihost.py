@@ -12,7 +12,9 @@ processes stay in lock-step and every one of them sees the same tokens.
 
 Transport is JAX's own runtime, no sockets of ours: commands are small JSON
 records in the coordination service's key-value store; weight data travels as
-a device collective (`multihost_utils.broadcast_one_to_all`).
+a device collective (`multihost_utils.broadcast_one_to_all`), or, from a trainer
+that published one offer per process, straight to each process's devices
+(`multihost_transfer.py`: each pulls its own shards, all agree, then all swap).
 
 Two rules keep the processes in step, and the Driver enforces them:
 - Nothing depends on wall-clock time: the `drain` policy waits without a
@@ -41,11 +43,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from hotswap import transfer
 from hotswap.checkpoint import orbax_io
-from hotswap.engine import ingest, sources
+from hotswap.engine import ingest, multihost_transfer, sources
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
-from hotswap.errors import ConfigError, HotswapError
+from hotswap.errors import ConfigError, HotswapError, TransferError
 
 log = logging.getLogger(__name__)
 PREFIX = "hotswap/cmd"
@@ -171,7 +174,9 @@ class Driver:
         self, source, *, policy="drain", version=None, partial=False, drain_timeout_s=None, check_finite=True
     ):
         """As Engine.update_weights. Paths are read by every process (a shared filesystem or bucket);
-        bytes and in-memory trees are sent from here over a device broadcast."""
+        a per-process transfer offer (`transfer.publish(params, for_processes=N)`) is pulled by every
+        process, each its own shards (`multihost_transfer`); bytes, in-memory trees and one-offer
+        transfer refs are resolved here and sent over a device broadcast."""
         if partial:
             raise ConfigError(
                 "partial updates are not supported across processes; send the full weights (or a checkpoint path)"
@@ -183,6 +188,14 @@ class Driver:
                 # Refuse a path outside weights_root here, before any follower starts on it.
                 source = os.fspath(orbax_io.resolve_weights_path(source, self.engine.weights_root))
                 self._send("update_weights", kind="path", path=source, **args)
+            elif isinstance(source, transfer.TransferRef) and source.processes > 1:
+                if source.processes != jax.process_count():  # refused before any follower starts
+                    raise TransferError(
+                        f"transfer {source.address} uuid {source.uuid}: published for {source.processes} "
+                        f"engine processes, this engine runs in {jax.process_count()}"
+                    )
+                self._send("update_weights", kind="transfer", transfer=source.to_json(), **args)
+                return multihost_transfer.update(self.engine, source, **args)
             elif isinstance(source, (bytes, bytearray, memoryview)):
                 self._send("update_weights", kind="bytes", nbytes=len(source), **args)
                 source = _broadcast_weights(self.engine, "bytes", bytes(source))
@@ -239,6 +252,14 @@ def apply(engine: Engine, cmd: dict):
         return engine.abort(cmd["request_id"])
     if op == "step":
         return engine.step()
+    if op == "update_weights" and cmd["kind"] == "transfer":
+        return multihost_transfer.update(
+            engine,
+            transfer.TransferRef.from_json(cmd["transfer"]),
+            policy=cmd["policy"],
+            version=cmd["version"],
+            check_finite=cmd["check_finite"],
+        )
     if op == "update_weights":
         kind = cmd["kind"]
         source = (
