@@ -215,6 +215,10 @@ def test_transfer_body_validation(server):
         ({"transfer": {**ok, "address": 5}}, "host:port"),
         ({"transfer": {**ok, "timeout_s": 0}}, "timeout_s"),
         ({"transfer": {**ok, "extra": 1}}, "unknown field"),
+        ({"transfer": {**ok, "processes": 0}}, "processes"),
+        ({"transfer": {**ok, "processes": True}}, "processes"),
+        # One offer per process of a 2-process engine: this one runs in one, and pulls nothing.
+        ({"transfer": {**ok, "processes": 2}}, "published for 2 engine processes"),
         ({"transfer": ok, "path": "x"}, "exactly one of"),
     ]
     for body, needle in cases:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap import transfer
+from hotswap import transfer, transfer_shards
 from hotswap.config import ModelConfig
 from hotswap.engine import sharding
 from hotswap.engine.sources import resolve_source
@@ -48,7 +48,7 @@ def main(path: str, mode: str) -> None:
         bad["layers"][0]["wq"] = jax.device_put(jnp.concatenate([wq, wq[:2]]), wq.sharding)
         srv, uuid = transfer.server(), transfer.take_uuids(2)
         for p, tree in enumerate((params, bad)):
-            leaves, header, blob = transfer.process_offer(tree, p, 2)
+            leaves, header, blob = transfer_shards.process_offer(tree, p, 2)
             srv.await_pull(uuid + 4 * p, [header])
             srv.await_pull(uuid + 4 * p + 1, [blob])
             srv.await_pull(uuid + 4 * p + 2, leaves)
