@@ -2,14 +2,14 @@
 
     python examples/multihost_cpu.py                    # launcher: 2 processes x 1 device, tp=2
     python examples/multihost_cpu.py --local-devices 2  # 2 processes x 2 devices, tp=4
-    python examples/multihost_cpu.py --transfer '[GOOD, BAD]'  # updates from a trainer's offers
+    python examples/multihost_cpu.py --transfer '[GOOD, BAD, ...]'  # updates from trainers' offers
 
 The launcher writes two checkpoints (the served weights and an update), starts
 one copy of this script per process with `--process-id`, and relays their
-output. With `--transfer` (two TransferRef JSON objects, each published by a trainer
-with `transfer.publish(params, for_processes=2)`), process 0 instead generates, updates
-from the first (each process pulls its own shards), generates, tries the second (which
-must fail on every process and change nothing) and generates again. Every process builds the same LLM over the global mesh. Process 0
+output. With `--transfer` (a JSON list of TransferRefs, each published by a trainer with
+`transfer.publish(params, for_processes=2)`), process 0 instead generates, updates
+from the first (each process pulls its own shards), generates, tries each of the
+others (which must fail on every process and change nothing) and generates again. Every process builds the same LLM over the global mesh. Process 0
 drives: it wraps its engine in a `multihost.Driver`, generates, hot-swaps the
 weights from a checkpoint path, from an in-memory tree and from safetensors
 bytes (both sent by a device broadcast), sleeps and wakes up, and generates
@@ -126,18 +126,20 @@ def serve(args) -> None:
 
 
 def transfer_updates(llm, refs: list[dict], generate, record: dict) -> None:
-    """Each process pulls its own shards of the first offer; the second fails everywhere."""
+    """Each process pulls its own shards of the first offer; each other one fails everywhere."""
     from hotswap.errors import HotswapError
     from hotswap.transfer import TransferRef
 
-    good, bad = (TransferRef.from_json(r) for r in refs)
+    good, *bad = (TransferRef.from_json(r) for r in refs)
     llm.update_weights(good)
     generate("t")
-    try:
-        llm.update_weights(bad)
-    except HotswapError as e:
-        record["rejected"] = type(e).__name__
-        record["rejected_message"] = str(e)
+    record["rejected"] = []
+    for ref in bad:
+        try:
+            llm.update_weights(ref)
+            record["rejected"].append(None)
+        except HotswapError as e:
+            record["rejected"].append([type(e).__name__, str(e)])
     generate("t-after")
 
 
@@ -173,7 +175,7 @@ def main() -> None:
     ap.add_argument("--update", default=None)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default=None, help="where the launcher writes the checkpoints")
-    ap.add_argument("--transfer", default=None, help="JSON [good, bad] per-process TransferRefs")
+    ap.add_argument("--transfer", default=None, help="JSON [good, bad, ...] per-process TransferRefs")
     args = ap.parse_args()
     if args.process_id is None:
         sys.exit(launch(args))

@@ -77,7 +77,9 @@ TRAINER = Path(__file__).with_name("transfer_trainer.py")
 @pytest.mark.slow
 def test_each_process_pulls_its_own_shards(tmp_path):
     """A tp=2 trainer publishes one offer per engine process; each of the 2 processes pulls
-    only its shards. A second offer whose process-1 part is wrong-shaped fails on both."""
+    only its shards. Then three bad offers each fail on both processes and change nothing:
+    process 1's part wrong-shaped, process 1's weights never offered (it times out while
+    process 0 has pulled), and a NaN (found by the collective check after the pulls)."""
     from hotswap.checkpoint.create import create_checkpoint
 
     ex = _example()
@@ -93,12 +95,13 @@ def test_each_process_pulls_its_own_shards(tmp_path):
             stdout=subprocess.PIPE,
             text=True,
         )
-        for mode in ("procs", "procs-shape1")
+        for mode in ("procs", "procs-shape1", "procs-stall1", "procs-nan")
     ]
     try:
         refs = [json.loads(t.stdout.readline() or "null") for t in trainers]
         assert all(refs), "a trainer exited early"
-        assert [r["processes"] for r in refs] == [2, 2]
+        assert [r["processes"] for r in refs] == [2, 2, 2, 2]
+        refs[2]["timeout_s"] = 3
         cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "110"]
         proc = subprocess.run(
             cmd + ["--transfer", json.dumps(refs)], env=env, capture_output=True, text=True, timeout=120
@@ -112,21 +115,25 @@ def test_each_process_pulls_its_own_shards(tmp_path):
     records = [json.loads(m) for m in re.findall(r"^\[process \d\] (\{.*\})$", proc.stdout, re.M)]
     driver, follower = sorted(records, key=lambda r: r["process"])
 
-    # The good offer swapped on both; the bad one was refused on both, naming process 1's tensor.
+    # The good offer swapped on both; each bad one was refused on both, with one error.
     assert driver["versions_served"] == [1, 2, 2]
     assert driver["weights_version"] == follower["weights_version"] == 2
-    assert driver["rejected"] == "WeightsMismatch"
-    assert "process 1: " in driver["rejected_message"], driver["rejected_message"]
-    assert "layers.0.wq: expected" in driver["rejected_message"], driver["rejected_message"]
+    shape, stall, nan = driver["rejected"]
+    assert shape[0] == "WeightsMismatch" and "process 1: " in shape[1], shape
+    assert "layers.0.wq: expected (64, 64) float32, got (66, 64) float32" in shape[1], shape
+    assert stall[0] == "TransferError" and "process 1: " in stall[1], stall
+    assert "no weights within 3 s" in stall[1], stall
+    assert nan[0] == "NonFiniteWeights" and "layers.1.w_up: contains NaN" in nan[1], nan
     assert driver["outputs"] == follower["outputs"]
 
     # Each process pulled only its own shards: about half the weights (norms are replicated).
-    # Process 1 refused the bad offer at its manifest; process 0 had pulled its half of it.
+    # Process 0 pulled its half of all four offers; process 1 of the good and the NaN ones
+    # (it refused the wrong shape at the manifest and never got the stalled weights).
     for r in (driver, follower):
         assert r["own_shard_bytes"] < 0.75 * r["param_bytes"], r
     assert driver["own_shard_bytes"] + follower["own_shard_bytes"] >= driver["param_bytes"]
-    assert follower["pulled_bytes"] == follower["own_shard_bytes"]
-    assert driver["pulled_bytes"] == 2 * driver["own_shard_bytes"]
+    assert driver["pulled_bytes"] == 4 * driver["own_shard_bytes"]
+    assert follower["pulled_bytes"] == 2 * follower["own_shard_bytes"]
 
     # The tokens equal a fresh engine's on the trainer's weights, before and after the bad offer.
     sp = SamplingParams(**ex.GREEDY)

@@ -8,7 +8,8 @@ MODE: ok | tp2 (sharded as a tensor_parallel_size=2 engine shards them; needs 2 
 shape (one tensor transposed) | nan (one NaN) | stall (header and manifest are offered, the
 weights never are: killing this process then is a kill mid-pull) | procs (tp2, one offer per
 engine process of a 2-process engine: `publish(for_processes=2)`) | procs-shape1 (the same,
-but process 1's offer has one tensor two rows too long).
+but process 1's offer has one tensor two rows too long) | procs-stall1 (process 1's weights
+are never offered) | procs-nan (one NaN, in process 0's shard).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from hotswap.engine.sources import resolve_source
 def main(path: str, mode: str) -> None:
     cfg = ModelConfig.from_dir(path)
     params = jax.tree.map(jnp.asarray, resolve_source(path, cfg, current=None))
-    if mode in ("tp2", "procs", "procs-shape1"):
+    if mode == "tp2" or mode.startswith("procs"):
         shardings, _ = sharding.engine_shardings(cfg, 2)
         params = jax.tree.map(jax.device_put, params, shardings)
     if mode == "shape":
         params["layers"][0]["wq"] = params["layers"][0]["wq"].T[:, :-1]
-    if mode == "nan":
+    if mode in ("nan", "procs-nan"):
         params["layers"][1]["w_up"] = params["layers"][1]["w_up"].at[0, 0].set(np.nan)
     if mode == "stall":
         _, header, blob = transfer.offer_arrays(params)
@@ -42,19 +43,22 @@ def main(path: str, mode: str) -> None:
         srv.await_pull(uuid, [header])
         srv.await_pull(uuid + 1, [blob])
         ref = transfer.TransferRef(srv.address(), uuid)
-    elif mode == "procs-shape1":  # process 0's offer is right, process 1's is not
-        wq = params["layers"][0]["wq"]
-        bad = {**params, "layers": [dict(params["layers"][0]), *params["layers"][1:]]}
-        bad["layers"][0]["wq"] = jax.device_put(jnp.concatenate([wq, wq[:2]]), wq.sharding)
+    elif mode in ("procs-shape1", "procs-stall1"):  # process 0's offer is right, process 1's is not
+        bad = params
+        if mode == "procs-shape1":
+            wq = params["layers"][0]["wq"]
+            bad = {**params, "layers": [dict(params["layers"][0]), *params["layers"][1:]]}
+            bad["layers"][0]["wq"] = jax.device_put(jnp.concatenate([wq, wq[:2]]), wq.sharding)
         srv, uuid = transfer.server(), transfer.take_uuids(2)
         for p, tree in enumerate((params, bad)):
             leaves, header, blob = transfer_shards.process_offer(tree, p, 2)
             srv.await_pull(uuid + 4 * p, [header])
             srv.await_pull(uuid + 4 * p + 1, [blob])
-            srv.await_pull(uuid + 4 * p + 2, leaves)
+            if p == 0 or mode == "procs-shape1":
+                srv.await_pull(uuid + 4 * p + 2, leaves)
         ref = transfer.TransferRef(srv.address(), uuid, processes=2)
     else:
-        ref = transfer.publish(params, for_processes=2 if mode == "procs" else 1)
+        ref = transfer.publish(params, for_processes=2 if mode.startswith("procs") else 1)
     print(json.dumps(ref.to_json()), flush=True)
     sys.stdin.read()  # the offer lives as long as this process
 
