@@ -96,7 +96,7 @@ class _TensorsUpdate(_ChunkOptions):
 
 
 class _TransferUpdate(_UpdateOptions):
-    transfer: dict[str, Any]  # a TransferRef: {"address", "uuid", "timeout_s"?}
+    transfer: dict[str, Any]  # a TransferRef: {"address", "uuid", "timeout_s"?, "processes"?}
 
 
 async def _apply_chunk(ctx: ServerContext, payload, opts: _ChunkOptions, content_type: str) -> dict[str, Any]:
@@ -129,7 +129,7 @@ async def update_weights(request: Request) -> dict[str, Any]:
     """Four body forms:
 
     - JSON `{"path": ..., "policy", "version", "partial"}`: a checkpoint directory under --weights-root;
-    - JSON `{"transfer": {"address", "uuid", "timeout_s"}, "policy", "version"}`: a tree another JAX
+    - JSON `{"transfer": {"address", "uuid", "timeout_s", "processes"}, "policy", "version"}`: a tree another JAX
       process published with `hotswap.transfer.publish`, pulled device to device;
     - JSON `{"tensors": [{name, dtype, shape, data (base64)}], "finished", "update_id", ...}`;
     - safetensors bytes (`application/octet-stream`) with the options as query parameters.
