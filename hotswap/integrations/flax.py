@@ -136,6 +136,33 @@ def params_from_state(source: nnx.State | nnx.Module, cfg: ModelConfig) -> Param
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
 
 
+def reshard(params: Params, abstract: Params) -> Params:
+    """Move each `jax.Array` leaf not on its `abstract` sharding there by one jitted identity:
+    a device-side reshard (collectives). `jax.device_put` between shardings of the same devices
+    goes through the host on CPU, which Tunix's transfer guard refuses. Leaves already there,
+    and non-jax leaves (validated and placed by the engine), are returned as they are."""
+    flat, tree = jax.tree.flatten(params)
+    targets = jax.tree.leaves(abstract)
+    if len(targets) != len(flat):
+        return params  # a structure mismatch: the engine's validation names it
+    move = [
+        i
+        for i, (x, t) in enumerate(zip(flat, targets, strict=True))
+        if isinstance(x, jax.Array)
+        and t.sharding is not None
+        and x.shape == t.shape
+        and set(x.sharding.device_set) == set(t.sharding.device_set)
+        and not x.sharding.is_equivalent_to(t.sharding, x.ndim)
+    ]
+    if move:
+        moved = jax.jit(lambda xs: xs, out_shardings=[targets[i].sharding for i in move])(
+            [flat[i] for i in move]
+        )
+        for i, x in zip(move, moved, strict=True):
+            flat[i] = x
+    return jax.tree.unflatten(tree, flat)
+
+
 def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.State:
     """Hotswap params -> an NNX Param state shaped like `like` (the model's own state)."""
     specs = param_specs(cfg)

@@ -41,14 +41,16 @@ from hotswap.integrations import flax as nnx_params
 
 
 def _engine_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
-    """Tunix's mesh when hotswap can shard over it (it has a `tp` axis), else None: one device."""
+    """Tunix's devices and axes when hotswap can shard over them (a `tp` axis), else None: one
+    device. The axes are Auto: the engine's model code is unannotated and GSPMD propagates."""
     if mesh is None or mesh.empty:
         return None
     try:
         sharding.tp_size(mesh)
     except ConfigError:
         return None
-    return mesh
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _row_seed(seed: Any, row: int) -> int:
@@ -210,4 +212,5 @@ class HotswapRollout(base_rollout.BaseRollout):
         new = nnx_params.params_from_state(params, self.llm.config)
         dt = jnp.dtype(self.llm.config.dtype)
         new = jax.tree.map(lambda x: x if x.dtype == dt else x.astype(dt), new)  # on device
+        new = nnx_params.reshard(new, self.llm.engine.abstract)
         self.llm.update_weights(new, policy=self._policy)
