@@ -136,6 +136,14 @@ def params_from_state(source: nnx.State | nnx.Module, cfg: ModelConfig) -> Param
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
 
 
+def nnx_name(cfg: ModelConfig, params_name: str) -> str | None:
+    """The NNX path of a params leaf ("layers.1.w_down" -> "layers.1.mlp.down_proj.kernel")."""
+    for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec):
+        if s.name == params_name:
+            return s.nnx_name
+    return None
+
+
 def reshard(params: Params, abstract: Params) -> Params:
     """Move each `jax.Array` leaf not on its `abstract` sharding there by one jitted identity:
     a device-side reshard (collectives). `jax.device_put` between shardings of the same devices

@@ -36,7 +36,7 @@ from tunix.rl.rollout import base_rollout
 from hotswap.engine import sharding
 from hotswap.engine.llm import LLM
 from hotswap.engine.sampling import SamplingParams
-from hotswap.errors import ConfigError
+from hotswap.errors import ConfigError, NonFiniteWeights
 from hotswap.integrations import flax as nnx_params
 
 
@@ -213,4 +213,9 @@ class HotswapRollout(base_rollout.BaseRollout):
         dt = jnp.dtype(self.llm.config.dtype)
         new = jax.tree.map(lambda x: x if x.dtype == dt else x.astype(dt), new)  # on device
         new = nnx_params.reshard(new, self.llm.engine.abstract)
-        self.llm.update_weights(new, policy=self._policy)
+        try:
+            self.llm.update_weights(new, policy=self._policy)
+        except NonFiniteWeights as e:  # the engine names its params leaf; add the NNX path
+            leaf, _, rest = str(e).partition(":")
+            name = nnx_params.nnx_name(self.llm.config, leaf) or leaf
+            raise NonFiniteWeights(f"{name} (params {leaf}):{rest}") from e

@@ -1,0 +1,98 @@
+"""hotswap as Tunix's rollout engine (checks run in `tunix_worker.py`, a 2-device subprocess).
+
+Tunix's GRPO learner needs 2 fake CPU devices, fixed when jax starts; the rest of the
+suite runs single-device in this process. Skipped without the `[tunix]` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tunix")
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tunix_worker.py")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_grpo_learner_trains_with_hotswap_rollout(result):
+    """Tunix's GRPOLearner + RLCluster, unmodified: 3 steps, one sync per step, version + 1 each."""
+    g = result["grpo"]
+    assert result["devices"] == 2
+    assert g["should_sync"]  # the rollout's model() does not share the trainer's arrays
+    assert g["steps"] == 3
+    v0 = g["first_version"]
+    assert g["synced"] == [v0 + 1, v0 + 2, v0 + 3]
+    # every token of step k was produced by the version synced before it (v0 for the first step)
+    assert g["generate_versions"] == [[v0 + k, [v0 + k]] for k in range(3)]
+    assert len(g["loss"]) == 3 and all(math.isfinite(x) for x in g["loss"])
+    assert g["rewards"] and all(math.isfinite(r) for step in g["rewards"] for r in step)
+
+
+def test_greedy_tokens_and_logps_match_vanilla_rollout(result):
+    v = result["vanilla"]
+    assert v["hotswap_tokens"] == v["vanilla_tokens"]
+    assert all(len(t) == 12 for t in v["hotswap_tokens"])  # max_tokens_to_generate; no EOS here
+    assert v["same_padded_prompts"] and v["same_text"]
+    assert v["hotswap_logits"] == v["vanilla_logits"] == []
+    assert set(v["tokens_dtype"]) == {"int32"}
+    assert v["logp_max_diff"] < 1e-4
+
+
+def test_sync_empties_the_prefix_cache_and_matches_a_fresh_engine(result):
+    s = result["sync"]
+    assert s["cached_before_sync"] > 0  # the repeated prompt hit the cache before the sync
+    assert s["cached_after_sync"] == 0
+    assert s["version"] == 2 and s["after_versions"] == [2]
+    assert s["same_as_fresh"]
+    assert s["model_is_new_state"]
+
+
+def test_update_params_on_the_engine_sharding_makes_no_copy(result):
+    """Under jax.transfer_guard("disallow"); the [in, out] leaves keep their buffers, the
+    heads-split attention leaves are reshaped on their devices."""
+    z = result["zero_copy"]
+    assert z["version"] == 2
+    assert z["same_buffers"] == {"embed": True, "w_up": True, "final_norm": True, "lm_head": True}
+    assert z["wq_sharding_ok"]
+
+
+@pytest.mark.parametrize(
+    "case, error, names",
+    [
+        ("wrong_family", "WeightsMismatch", "layers.0.attn.k_norm.w"),
+        ("wrong_shape", "WeightsMismatch", "layers.0.mlp.up_proj.kernel"),
+        ("missing_layer", "WeightsMismatch", "layers.1.attn.k_proj.w"),
+        ("nan", "NonFiniteWeights", "layers.1.mlp.down_proj.kernel"),
+        ("lora", "WeightsMismatch", "layers.0.mlp.up_proj.lora_a"),
+    ],
+)
+def test_bad_state_is_refused_and_the_old_version_serves(result, case, error, names):
+    r = result["bad"][case]
+    assert r["raised"] == error
+    assert names in r["message"]
+    assert r["version"] == 1 and r["same_output"]
+
+
+def test_tunix_part_is_fast(result):
+    assert sum(result["seconds"].values()) < 120, result["seconds"]
