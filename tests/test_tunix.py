@@ -96,3 +96,35 @@ def test_bad_state_is_refused_and_the_old_version_serves(result, case, error, na
 
 def test_tunix_part_is_fast(result):
     assert sum(result["seconds"].values()) < 120, result["seconds"]
+
+
+def test_llm_from_flax_and_update_weights_take_nnx():
+    """In this (single-device) process: LLM.from_flax serves a Tunix model held in memory;
+    update_weights takes its nnx.State or the nnx.Module itself."""
+    from flax import nnx
+    from tunix.models.llama3 import model as llama3
+
+    from hotswap import LLM, SamplingParams
+
+    cfg = llama3.ModelConfig(
+        num_layers=2,
+        vocab_size=512,
+        embed_dim=32,
+        hidden_dim=64,
+        num_heads=4,
+        head_dim=8,
+        num_kv_heads=2,
+        rope_theta=10000,
+        norm_eps=1e-5,
+    )
+    a, b = llama3.Llama3(cfg, rngs=nnx.Rngs(0)), llama3.Llama3(cfg, rngs=nnx.Rngs(1))
+    opts = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = [5, 17, 42, 99]
+    llm = LLM.from_flax(a, **opts)
+    assert llm.weights_version == 1 and llm.config.arch == "llama"
+    want = LLM.from_flax(b, **opts).generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.update_weights(nnx.state(b, nnx.Param)) == 2
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert llm.update_weights(b) == 3  # the module itself
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
