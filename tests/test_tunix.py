@@ -183,3 +183,20 @@ def test_other_families_match_vanilla_rollout(family):
     lh = np.asarray(hs.get_per_token_logps(a.left_padded_prompt_tokens, comp))
     mask = comp != adapter.pad_id()
     assert float(np.max(np.abs(np.where(mask, lv - lh, 0.0)))) < 1e-4
+
+
+def test_generations_of_a_prompt_share_its_prefix_and_differ():
+    """A prompt's num_generations copies, as Tunix sends them: the later copies are served
+    from the first one's cached pages, and each row draws its own sample."""
+    from tunix.rl.rollout import base_rollout
+    from tunix_worker import model, tokenizer
+
+    from hotswap.integrations.tunix import HotswapRollout
+
+    rc = base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=64, kv_cache_size=256)
+    hs = HotswapRollout(rollout_actor=model(), tokenizer=tokenizer(), rollout_config=rc)
+    out = hs.generate(["the quick brown fox jumps over the lazy dog " * 3] * 4, rc)
+    assert len({tuple(t.tolist()) for t in out.tokens}) == 4
+    ids = hs._tokenize("the quick brown fox jumps over the lazy dog " * 3)
+    again = hs.llm.generate([ids] * 2, [hs._sampling(rc, i, [hs.eos_id()]) for i in range(2)], use_tqdm=False)
+    assert all(o.num_cached_tokens >= 64 for o in again)  # whole 16-token pages of the 72-token prompt
