@@ -33,3 +33,19 @@ def test_train_and_serve():
     losses = [float(r[1]) for r in rows]
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)) and losses[-1] < 0.6 * losses[0]
     assert "matches_target True" in proc.stdout
+
+
+@pytest.mark.slow
+def test_tunix_grpo():
+    pytest.importorskip("tunix")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tunix_grpo.py"), "--steps", "3"],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"step (\d+) +rollout weights_version (\d+) +versions_used \[(\d+)\]", proc.stdout)
+    assert [(int(s), int(v), int(u)) for s, v, u in rows] == [(1, 1, 1), (2, 2, 2), (3, 3, 3)], proc.stdout
+    assert "final weights_version 4" in proc.stdout

@@ -64,11 +64,10 @@ class LLM:
             mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
-        max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
-        pages_per_seq = math.ceil(max_model_len / page_size)
-        if num_pages is None:
-            num_pages = max(pages_per_seq * 2, max_num_seqs * pages_per_seq // 2) + 1
-        ecfg = EngineConfig(
+        self.engine = _start_engine(
+            mcfg,
+            params,
+            tokenizer,
             page_size=page_size,
             num_pages=num_pages,
             max_model_len=max_model_len,
@@ -76,23 +75,40 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             attention=attention,
+            warmup=warmup,
+            compilation_cache=compilation_cache,
+            seed=seed,
+            weights_root=weights_root,
             max_waiting=max_waiting,
             drain_timeout_s=drain_timeout_s,
             max_version_lag=max_version_lag,
-            compilation_cache=compilation_cache,
+            tensor_parallel_size=tensor_parallel_size,
+            mesh=mesh,
         )
-        shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
-        self.engine = Engine(
-            mcfg,
-            params,
-            ecfg,
-            tokenizer,
-            warmup=warmup,
-            seed=seed,
-            weights_root=weights_root,
-            shardings=shardings,
-            kv_sharding=kv,
+
+    @classmethod
+    def from_flax(cls, model, *, tokenizer: Tokenizer | None = None, **engine_kwargs) -> LLM:
+        """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
+        checkpoint directory: its params are mapped by the spec table (`integrations/flax.py`),
+        reshapes only. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
+
+        >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
+        >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
+        """
+        from hotswap.integrations import flax as nnx_params  # the [tunix] extra: flax
+
+        mcfg = nnx_params.model_config(
+            model,
+            max_position_embeddings=engine_kwargs.get("max_model_len") or 4096,
+            eos_token_ids=(tokenizer.eos_token_id,)
+            if tokenizer and tokenizer.eos_token_id is not None
+            else (),
         )
+        params = nnx_params.params_from_state(model, mcfg)
+        self = cls.__new__(cls)
+        self.model_dir, self.model_id = None, type(model).__name__
+        self.engine = _start_engine(mcfg, params, tokenizer, **engine_kwargs)
+        return self
 
     # ---- views ---------------------------------------------------------------
 
@@ -231,7 +247,8 @@ class LLM:
         check_finite: bool = True,
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
-        or a `hotswap.transfer.TransferRef` another JAX process published: pulled device to device).
+        a `hotswap.transfer.TransferRef` another JAX process published: pulled device to device, or a
+        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped by reshapes).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
@@ -282,6 +299,60 @@ class LLM:
         }
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
         return f"<table><caption>hotswap LLM</caption>{body}</table>"
+
+
+def _start_engine(
+    mcfg,
+    params,
+    tokenizer,
+    *,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 256,
+    enable_prefix_caching: bool = True,
+    attention: str = "auto",
+    warmup: bool = True,
+    compilation_cache: bool = True,
+    seed: int = 0,
+    weights_root: str | None = None,
+    max_waiting: int = 1024,
+    drain_timeout_s: float = 60.0,
+    max_version_lag: int | None = None,
+    tensor_parallel_size: int = 1,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Engine:
+    """The Engine `LLM` wraps: sizes the page pool from the options and places params on the mesh."""
+    max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
+    pages_per_seq = math.ceil(max_model_len / page_size)
+    if num_pages is None:
+        num_pages = max(pages_per_seq * 2, max_num_seqs * pages_per_seq // 2) + 1
+    ecfg = EngineConfig(
+        page_size=page_size,
+        num_pages=num_pages,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        attention=attention,
+        max_waiting=max_waiting,
+        drain_timeout_s=drain_timeout_s,
+        max_version_lag=max_version_lag,
+        compilation_cache=compilation_cache,
+    )
+    shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
+    return Engine(
+        mcfg,
+        params,
+        ecfg,
+        tokenizer,
+        warmup=warmup,
+        seed=seed,
+        weights_root=weights_root,
+        shardings=shardings,
+        kv_sharding=kv,
+    )
 
 
 __all__ = ["LLM", "SamplingParams"]

@@ -3,8 +3,9 @@ engine's devices (`stage_source`, the update path).
 
 Sources: an in-process params pytree (used as is), a mapping of HF tensor names
 (as a trainer would save them), a local HF safetensors directory, a GGUF file,
-an orbax checkpoint directory, safe payload bytes (safetensors), or a `TransferRef` to a
-tree another JAX process published (`hotswap/transfer.py`: pulled device to device). Paths must resolve
+an orbax checkpoint directory, safe payload bytes (safetensors), a `TransferRef` to a
+tree another JAX process published (`hotswap/transfer.py`: pulled device to device), or a
+Flax NNX state or module (`integrations/flax.py`: reshapes on the arrays' own devices). Paths must resolve
 under the allowed weights root when one is set. Nothing is ever unpickled.
 
 Update payloads (REST bodies, `update_weights(bytes)`, chunks) are decoded in one
@@ -28,6 +29,19 @@ from hotswap.engine import hf_device
 from hotswap.engine.ingest import StagedParams, place_params, stage_params
 from hotswap.engine.params import Params
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
+
+
+def _is_flax(obj: Any) -> bool:
+    """An `nnx.State` or `nnx.Module`, told apart without importing flax (an optional extra)."""
+    return any(c.__module__.startswith("flax.nnx") for c in type(obj).__mro__)
+
+
+def _from_flax(source: Any, cfg: ModelConfig) -> Any:
+    if not _is_flax(source):
+        return source
+    from hotswap.integrations import flax as nnx_params
+
+    return nnx_params.params_from_state(source, cfg)
 
 
 def is_params_tree(obj: Any) -> bool:
@@ -125,6 +139,7 @@ def resolve_source(
 ) -> Params:
     """Any supported source -> params tree in the engine's layout and dtype, on the host for
     HF-named sources (what a multihost driver broadcasts). Not yet validated or placed."""
+    source = _from_flax(source, cfg)
     base = _partial_base(current, partial)
     tensors = _hf_tensors(source, cfg, weights_root)
     if tensors is not None:
@@ -159,6 +174,7 @@ def stage_source(
     sources go through `resolve_source` and `ingest.stage_params`. Either way each
     source is validated once.
     """
+    source = _from_flax(source, cfg)
     base = _partial_base(current, partial)
     tensors = _hf_tensors(source, cfg, weights_root)
     if tensors is None:

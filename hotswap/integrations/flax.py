@@ -1,0 +1,186 @@
+"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2 and Qwen3 models.
+
+The mapping is the spec table (`engine/spec.py`): each row's `nnx_name` is the
+parameter's path in the NNX model and `nnx_shape` its shape there. Tunix models
+are already `[in, out]`, so every leaf maps by a reshape (`q_proj.w` `[D, N, H]` ->
+`[D, N*H]`) or as it is; a tied LM head is the embedding's transpose. Leaves whose
+shape needs no reshape are passed through as the same `jax.Array` (no copy); a
+reshape runs on the array's devices, so nothing crosses to the host.
+
+    cfg = model_config(tunix_model)                       # hotswap ModelConfig
+    params = params_from_state(nnx.state(tunix_model, nnx.Param), cfg)
+    state = state_from_params(params, cfg, like=nnx.state(tunix_model, nnx.Param))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hotswap.config import ModelConfig
+from hotswap.engine.spec import Params, ParamSpec, is_spec, param_specs
+from hotswap.errors import ConfigError, WeightsMismatch
+
+# Tunix model class name -> (hotswap arch, qkv_bias, qk_norm, config field that ties the head).
+FAMILIES = {
+    "Llama3": ("llama", False, False, "weight_tying"),
+    "Qwen2": ("qwen2", True, False, "use_tied_embedding"),
+    "Qwen3": ("qwen3", False, True, "use_tied_embedding"),
+}
+
+
+def model_config(
+    model: nnx.Module, *, max_position_embeddings: int = 4096, eos_token_ids: tuple[int, ...] = ()
+) -> ModelConfig:
+    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 model (dtype from its params)."""
+    family = FAMILIES.get(type(model).__name__)
+    if family is None:
+        raise ConfigError(
+            f"{type(model).__module__}.{type(model).__name__} is not a supported Flax model; "
+            f"supported: Tunix {', '.join(sorted(FAMILIES))}"
+        )
+    arch, qkv_bias, qk_norm, tie_field = family
+    c = model.config
+    if getattr(c, "num_experts", None):
+        raise ConfigError(
+            f"{type(model).__name__} with num_experts={c.num_experts}: MoE models are not supported"
+        )
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    dtype = np.dtype(leaves[0].dtype).name if leaves else "float32"
+    return ModelConfig(
+        arch=arch,
+        vocab_size=c.vocab_size,
+        hidden_size=c.embed_dim,
+        intermediate_size=c.hidden_dim,
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rope_theta=float(c.rope_theta),
+        rms_norm_eps=float(c.norm_eps),
+        tie_word_embeddings=bool(getattr(c, tie_field)),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+        eos_token_ids=tuple(eos_token_ids),
+    )
+
+
+def _name(path) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def flat_variables(source: nnx.State | nnx.Module) -> dict[str, Any]:
+    """ "layers.3.attn.q_proj.w" -> Variable for every variable of an NNX state or module.
+
+    A LoRA adapter (`nnx.LoRAParam`) is refused: the engine serves plain weights, so merge
+    the adapter into the base weights (and pass those) before an update.
+    """
+    state = nnx.state(source) if isinstance(source, nnx.Module) else source
+    if not isinstance(state, nnx.State):
+        raise WeightsMismatch(f"expected an nnx.State or nnx.Module, got {type(source).__name__}")
+    flat = {_name(path): var for path, var in nnx.to_flat_state(state)}
+    lora = sorted(n for n, v in flat.items() if isinstance(v, nnx.LoRAParam))
+    if lora:
+        raise WeightsMismatch(
+            f"{lora[0]}: a LoRA parameter (nnx.LoRAParam); merge the adapter into the base weights "
+            "and pass those (hotswap serves plain weights)"
+        )
+    return {n: v for n, v in flat.items() if isinstance(v, nnx.Param)}
+
+
+def _value(var) -> jax.Array:
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def params_from_state(source: nnx.State | nnx.Module, cfg: ModelConfig) -> Params:
+    """An NNX state (or module) of `cfg`'s family -> hotswap params, by the spec table.
+
+    Raises WeightsMismatch naming the NNX parameter for a missing, unexpected or
+    wrongly shaped one. Dtypes and finiteness are left to the engine's validation.
+    """
+    flat = flat_variables(source)
+    specs = param_specs(cfg)
+    rows: list[ParamSpec] = jax.tree.leaves(specs, is_leaf=is_spec)
+    wanted = {s.nnx_name for s in rows if s.nnx_name is not None}
+    missing = sorted(wanted - flat.keys())
+    if missing:
+        raise WeightsMismatch(
+            f"missing parameter(s) {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+            + f" for a {cfg.arch} model of {cfg.num_layers} layers"
+        )
+    extra = sorted(flat.keys() - wanted)
+    if extra:
+        raise WeightsMismatch(
+            f"unexpected parameter(s) {', '.join(extra[:5])}"
+            + (" ..." if len(extra) > 5 else "")
+            + f" for a {cfg.arch} model of {cfg.num_layers} layers (another family or size?)"
+        )
+
+    def leaf(s: ParamSpec):
+        if s.nnx_name is None:  # tied head: [D, V] is the embedding's transpose, made on its devices
+            return _value(flat[specs["embed"].nnx_name]).T
+        x = _value(flat[s.nnx_name])
+        want = s.nnx_shape or s.shape
+        if tuple(x.shape) != tuple(want):
+            raise WeightsMismatch(
+                f"{s.nnx_name}: expected {tuple(want)}, got {tuple(x.shape)} (params {s.name})"
+            )
+        return x if s.nnx_shape is None else x.reshape(s.shape)
+
+    return jax.tree.map(leaf, specs, is_leaf=is_spec)
+
+
+def nnx_name(cfg: ModelConfig, params_name: str) -> str | None:
+    """The NNX path of a params leaf ("layers.1.w_down" -> "layers.1.mlp.down_proj.kernel")."""
+    for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec):
+        if s.name == params_name:
+            return s.nnx_name
+    return None
+
+
+def reshard(params: Params, abstract: Params) -> Params:
+    """Move each `jax.Array` leaf not on its `abstract` sharding there by one jitted identity:
+    a device-side reshard (collectives). `jax.device_put` between shardings of the same devices
+    goes through the host on CPU, which Tunix's transfer guard refuses. Leaves already there,
+    and non-jax leaves (validated and placed by the engine), are returned as they are."""
+    flat, tree = jax.tree.flatten(params)
+    targets = jax.tree.leaves(abstract)
+    if len(targets) != len(flat):
+        return params  # a structure mismatch: the engine's validation names it
+    move = [
+        i
+        for i, (x, t) in enumerate(zip(flat, targets, strict=True))
+        if isinstance(x, jax.Array)
+        and t.sharding is not None
+        and x.shape == t.shape
+        and set(x.sharding.device_set) == set(t.sharding.device_set)
+        and not x.sharding.is_equivalent_to(t.sharding, x.ndim)
+    ]
+    if move:
+        moved = jax.jit(lambda xs: xs, out_shardings=[targets[i].sharding for i in move])(
+            [flat[i] for i in move]
+        )
+        for i, x in zip(move, moved, strict=True):
+            flat[i] = x
+    return jax.tree.unflatten(tree, flat)
+
+
+def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.State:
+    """Hotswap params -> an NNX Param state shaped like `like` (the model's own state)."""
+    specs = param_specs(cfg)
+    by_name = {
+        s.nnx_name: (s, x)
+        for s, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True)
+        if s.nnx_name is not None
+    }
+    out = []
+    for path, var in nnx.to_flat_state(like):
+        s, x = by_name[_name(path)]
+        out.append((path, var.replace(x if s.nnx_shape is None else x.reshape(s.nnx_shape))))
+    return nnx.from_flat_state(out)

@@ -1,0 +1,202 @@
+"""hotswap as Tunix's rollout engine (checks run in `tunix_worker.py`, a 2-device subprocess).
+
+Tunix's GRPO learner needs 2 fake CPU devices, fixed when jax starts; the rest of the
+suite runs single-device in this process. Skipped without the `[tunix]` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tunix")
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tunix_worker.py")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_grpo_learner_trains_with_hotswap_rollout(result):
+    """Tunix's GRPOLearner + RLCluster, unmodified: 3 steps, one sync per step, version + 1 each."""
+    g = result["grpo"]
+    assert result["devices"] == 2
+    assert g["should_sync"]  # the rollout's model() does not share the trainer's arrays
+    assert g["steps"] == 3
+    v0 = g["first_version"]
+    assert g["synced"] == [v0 + 1, v0 + 2, v0 + 3]
+    # every token of step k was produced by the version synced before it (v0 for the first step)
+    assert g["generate_versions"] == [[v0 + k, [v0 + k]] for k in range(3)]
+    assert len(g["loss"]) == 3 and all(math.isfinite(x) for x in g["loss"])
+    assert g["rewards"] and all(math.isfinite(r) for step in g["rewards"] for r in step)
+
+
+def test_greedy_tokens_and_logps_match_vanilla_rollout(result):
+    v = result["vanilla"]
+    assert v["hotswap_tokens"] == v["vanilla_tokens"]
+    assert all(len(t) == 12 for t in v["hotswap_tokens"])  # max_tokens_to_generate; no EOS here
+    assert v["same_padded_prompts"] and v["same_text"]
+    assert v["hotswap_logits"] == v["vanilla_logits"] == []
+    assert set(v["tokens_dtype"]) == {"int32"}
+    assert v["logp_max_diff"] < 1e-4
+
+
+def test_sync_empties_the_prefix_cache_and_matches_a_fresh_engine(result):
+    s = result["sync"]
+    assert s["cached_before_sync"] > 0  # the repeated prompt hit the cache before the sync
+    assert s["cached_after_sync"] == 0
+    assert s["version"] == 2 and s["after_versions"] == [2]
+    assert s["same_as_fresh"]
+    assert s["model_is_new_state"]
+
+
+def test_update_params_on_the_engine_sharding_makes_no_copy(result):
+    """Under jax.transfer_guard("disallow"); the [in, out] leaves keep their buffers, the
+    heads-split attention leaves are reshaped on their devices."""
+    z = result["zero_copy"]
+    assert z["version"] == 2
+    assert z["same_buffers"] == {"embed": True, "w_up": True, "final_norm": True, "lm_head": True}
+    assert z["wq_sharding_ok"]
+
+
+@pytest.mark.parametrize(
+    "case, error, names",
+    [
+        ("wrong_family", "WeightsMismatch", "layers.0.attn.k_norm.w"),
+        ("wrong_shape", "WeightsMismatch", "layers.0.mlp.up_proj.kernel"),
+        ("missing_layer", "WeightsMismatch", "layers.1.attn.k_proj.w"),
+        ("nan", "NonFiniteWeights", "layers.1.mlp.down_proj.kernel"),
+        ("lora", "WeightsMismatch", "layers.0.mlp.up_proj.lora_a"),
+    ],
+)
+def test_bad_state_is_refused_and_the_old_version_serves(result, case, error, names):
+    r = result["bad"][case]
+    assert r["raised"] == error
+    assert names in r["message"]
+    assert r["version"] == 1 and r["same_output"]
+
+
+def test_tunix_part_is_fast(result):
+    assert sum(result["seconds"].values()) < 120, result["seconds"]
+
+
+def test_llm_from_flax_and_update_weights_take_nnx():
+    """In this (single-device) process: LLM.from_flax serves a Tunix model held in memory;
+    update_weights takes its nnx.State or the nnx.Module itself."""
+    from flax import nnx
+    from tunix.models.llama3 import model as llama3
+
+    from hotswap import LLM, SamplingParams
+
+    cfg = llama3.ModelConfig(
+        num_layers=2,
+        vocab_size=512,
+        embed_dim=32,
+        hidden_dim=64,
+        num_heads=4,
+        head_dim=8,
+        num_kv_heads=2,
+        rope_theta=10000,
+        norm_eps=1e-5,
+    )
+    a, b = llama3.Llama3(cfg, rngs=nnx.Rngs(0)), llama3.Llama3(cfg, rngs=nnx.Rngs(1))
+    opts = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = [5, 17, 42, 99]
+    llm = LLM.from_flax(a, **opts)
+    assert llm.weights_version == 1 and llm.config.arch == "llama"
+    want = LLM.from_flax(b, **opts).generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.update_weights(nnx.state(b, nnx.Param)) == 2
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert llm.update_weights(b) == 3  # the module itself
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3_tied"])
+def test_other_families_match_vanilla_rollout(family):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms) and a tied-head Llama3: greedy tokens equal
+    Tunix's vanilla rollout's, and teacher-forced log-probs agree within 1e-4.
+
+    Seed 1: Tunix's sampler treats a generated pad token as padding of the context, so the
+    comparison holds only for outputs without one (asserted below); seed 0's Qwen3 emits it.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from tunix.generate import tokenizer_adapter
+    from tunix.models.llama3 import model as llama3
+    from tunix.models.qwen2 import model as qwen2
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+    from tunix_worker import PROMPTS, padded_completions, tokenizer
+
+    from hotswap.integrations.tunix import HotswapRollout
+
+    sizes = dict(
+        num_layers=2, vocab_size=512, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2
+    )
+    if family == "llama3_tied":
+        m = llama3.Llama3(
+            llama3.ModelConfig(**sizes, rope_theta=10000, norm_eps=1e-5, weight_tying=True), rngs=nnx.Rngs(1)
+        )
+    else:
+        mod, cls = (qwen2, qwen2.Qwen2) if family == "qwen2" else (qwen3, qwen3.Qwen3)
+        cfg = mod.ModelConfig(
+            **sizes, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=family == "qwen2"
+        )
+        m = cls(cfg, rngs=nnx.Rngs(1))
+    if family == "qwen2":  # nonzero biases, so a mis-mapped bias shows
+        for name in ("q_bias", "k_bias", "v_bias"):
+            for layer in m.layers:
+                b = getattr(layer.attn, name)
+                b[...] = 0.1 * jnp.sin(jnp.arange(b[...].size, dtype=jnp.float32))
+    adapter = tokenizer_adapter.TokenizerAdapter(tokenizer())
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=10, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+    )
+    cache = base_rollout.CacheConfig(cache_size=256, num_layers=2, num_kv_heads=2, head_dim=8)
+    van = vanilla_rollout.VanillaRollout(m, adapter, cache)
+    hs = HotswapRollout(rollout_actor=m, tokenizer=adapter, rollout_config=rc)
+    a, b = van.generate(PROMPTS, rc), hs.generate(PROMPTS, rc)
+    assert all(adapter.pad_id() not in t.tolist() for t in a.tokens)
+    assert [t.tolist() for t in b.tokens] == [t.tolist() for t in a.tokens]
+    comp = padded_completions(a.tokens, adapter.pad_id())
+    lv = np.asarray(van.get_per_token_logps(jnp.asarray(a.left_padded_prompt_tokens), jnp.asarray(comp)))
+    lh = np.asarray(hs.get_per_token_logps(a.left_padded_prompt_tokens, comp))
+    mask = comp != adapter.pad_id()
+    assert float(np.max(np.abs(np.where(mask, lv - lh, 0.0)))) < 1e-4
+
+
+def test_generations_of_a_prompt_share_its_prefix_and_differ():
+    """A prompt's num_generations copies, as Tunix sends them: the later copies are served
+    from the first one's cached pages, and each row draws its own sample."""
+    from tunix.rl.rollout import base_rollout
+    from tunix_worker import model, tokenizer
+
+    from hotswap.integrations.tunix import HotswapRollout
+
+    rc = base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=64, kv_cache_size=256)
+    hs = HotswapRollout(rollout_actor=model(), tokenizer=tokenizer(), rollout_config=rc)
+    out = hs.generate(["the quick brown fox jumps over the lazy dog " * 3] * 4, rc)
+    assert len({tuple(t.tolist()) for t in out.tokens}) == 4
+    ids = hs._tokenize("the quick brown fox jumps over the lazy dog " * 3)
+    again = hs.llm.generate([ids] * 2, [hs._sampling(rc, i, [hs.eos_id()]) for i in range(2)], use_tqdm=False)
+    assert all(o.num_cached_tokens >= 64 for o in again)  # whole 16-token pages of the 72-token prompt

@@ -1,0 +1,314 @@
+"""Tunix checks on 2 fake CPU devices, run by tests/test_tunix.py in a subprocess.
+
+Tunix's GRPO learner shards the trainer over a 2-device mesh, and the device count is
+fixed when jax starts, so these checks run in their own process started with
+XLA_FLAGS=--xla_force_host_platform_device_count=2. A tiny Tunix Llama3 and a byte-level
+tokenizer built here (`hotswap.checkpoint.create`): nothing is downloaded. Prints one
+JSON object on the last line of stdout; the tests assert on it.
+
+usage: python tests/tunix_worker.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import transformers
+from flax import nnx
+from grain import python as grain
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from tunix.generate import tokenizer_adapter
+from tunix.models.llama3 import model as llama3
+from tunix.models.qwen3 import model as qwen3
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner as grpo_lib
+from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+from hotswap.checkpoint import create
+from hotswap.errors import HotswapError
+from hotswap.integrations.tunix import HotswapRollout
+
+CFG = llama3.ModelConfig(
+    num_layers=2,
+    vocab_size=512,
+    embed_dim=32,
+    hidden_dim=64,
+    num_heads=4,
+    head_dim=8,
+    num_kv_heads=2,
+    rope_theta=10000,
+    norm_eps=1e-5,
+)
+PROMPTS = ["hello world", "My name is", "input string", "the cat sat"]
+AUTO = (AxisType.Auto, AxisType.Auto)
+
+
+def tokenizer():
+    special = create.SPECIAL_TOKENS
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=create.build_tokenizer(CFG.vocab_size),
+        bos_token=special[create.BOS_ID],
+        eos_token=special[create.IM_END_ID],
+        pad_token=special[create.EOT_ID],
+    )
+
+
+def model(seed: int = 0) -> llama3.Llama3:
+    return llama3.Llama3(CFG, rngs=nnx.Rngs(seed))
+
+
+def grpo(tok) -> dict:
+    """Tunix's own GRPOLearner + RLCluster, unmodified, with rollout_engine=HotswapRollout."""
+    synced: list[int] = []
+
+    class Recording(HotswapRollout):  # records the version each sync lands
+        def update_params(self, params, filter_types=None):
+            super().update_params(params, filter_types)
+            synced.append(self.weights_version)
+
+    mesh = jax.make_mesh((2, 1), ("fsdp", "tp"), axis_types=AUTO)
+    rewards: list[list[float]] = []
+
+    def reward_len(prompts, completions, **kw):
+        r = [len(c) / 10 for c in completions]
+        rewards.append(r)
+        return r
+
+    roles = rl_cluster_lib.Role
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine=Recording,
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=10, max_steps=3
+        ),
+        rollout_config=base_rollout.RolloutConfig(
+            max_tokens_to_generate=8, max_prompt_length=16, kv_cache_size=256, temperature=0.9, seed=0
+        ),
+    )
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model(), reference=model(), tokenizer=tok, cluster_config=cluster_config
+    )
+    learner = grpo_lib.GRPOLearner(
+        rl_cluster=cluster,
+        reward_fns=reward_len,
+        algo_config=grpo_lib.GRPOConfig(num_generations=2, num_iterations=1),
+    )
+    first = cluster.rollout.weights_version
+    data = grain.MapDataset.source(PROMPTS * 4).batch(2).map(lambda x: {"prompts": x, "answer": x})
+    learner.train(data)
+    loss = cluster.actor_trainer.metrics_logger.get_metric_history("actor", "loss", "train")
+    return {
+        "should_sync": bool(learner.should_sync_weights),
+        "first_version": first,
+        "synced": synced,
+        "generate_versions": [[v, sorted(s)] for v, s in cluster.rollout.version_log],
+        "steps": learner._iter_steps,
+        "loss": [float(x) for x in np.asarray(loss)],
+        "rewards": rewards,
+    }
+
+
+def padded_completions(tokens, pad_id: int) -> np.ndarray:
+    out = np.full((len(tokens), max(len(t) for t in tokens)), pad_id, np.int32)
+    for i, t in enumerate(tokens):
+        out[i, : len(t)] = t
+    return out
+
+
+def vs_vanilla(tok) -> dict:
+    """Greedy tokens and teacher-forced log-probs against Tunix's vanilla rollout on the same model."""
+    m, adapter = model(), tokenizer_adapter.TokenizerAdapter(tok)
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=12, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+    )
+    cache = base_rollout.CacheConfig(cache_size=256, num_layers=2, num_kv_heads=2, head_dim=8)
+    van = vanilla_rollout.VanillaRollout(m, adapter, cache)
+    hs = HotswapRollout(rollout_actor=m, tokenizer=adapter, mesh=None, rollout_config=rc)
+    a, b = van.generate(PROMPTS, rc), hs.generate(PROMPTS, rc)
+    comp = padded_completions(a.tokens, adapter.pad_id())
+    lv = np.asarray(van.get_per_token_logps(jnp.asarray(a.left_padded_prompt_tokens), jnp.asarray(comp)))
+    lh = np.asarray(hs.get_per_token_logps(a.left_padded_prompt_tokens, comp))
+    mask = comp != adapter.pad_id()
+    return {
+        "vanilla_tokens": [t.tolist() for t in a.tokens],
+        "hotswap_tokens": [t.tolist() for t in b.tokens],
+        "same_padded_prompts": a.left_padded_prompt_tokens.tolist() == b.left_padded_prompt_tokens.tolist(),
+        "same_text": a.text == b.text,
+        "vanilla_logits": a.logits,
+        "hotswap_logits": b.logits,
+        "tokens_dtype": [str(t.dtype) for t in b.tokens],
+        "logp_max_diff": float(np.max(np.abs(np.where(mask, lv - lh, 0.0)))),
+    }
+
+
+def after_sync(tok) -> dict:
+    """A sync empties the prefix cache and serves what a fresh engine built from the new state serves."""
+    adapter = tokenizer_adapter.TokenizerAdapter(tok)
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=8, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+    )
+    hs = HotswapRollout(rollout_actor=model(0), tokenizer=adapter, rollout_config=rc)
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 2  # > one 16-token page
+    ids = hs._tokenize(long_prompt)
+    sp = hs._sampling(rc, 0, [adapter.eos_id()])
+    hs.llm.generate([ids], sp, use_tqdm=False)
+    cached_before = hs.llm.generate([ids], sp, use_tqdm=False)[0].num_cached_tokens
+    new = model(1)
+    hs.update_params(nnx.state(new, nnx.Param))
+    after = hs.llm.generate([ids], sp, use_tqdm=False)[0]
+    fresh = HotswapRollout(rollout_actor=new, tokenizer=adapter, rollout_config=rc)
+    got, want = hs.generate(PROMPTS, rc), fresh.generate(PROMPTS, rc)
+    return {
+        "cached_before_sync": cached_before,
+        "cached_after_sync": after.num_cached_tokens,
+        "after_versions": sorted(set(after.outputs[0].weights_versions)),
+        "version": hs.weights_version,
+        "same_as_fresh": [t.tolist() for t in got.tokens] == [t.tolist() for t in want.tokens],
+        "model_is_new_state": bool(
+            np.array_equal(np.asarray(hs.model().lm_head.w[...]), np.asarray(new.lm_head.w[...]))
+        ),
+    }
+
+
+def _pointers(x) -> list[int]:
+    return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+
+
+def zero_copy(tok) -> dict:
+    """A state already on the engine's sharding (tp=2) is swapped in without copies of its
+    [in, out] leaves, under jax.transfer_guard("disallow")."""
+    mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO)
+    hs = HotswapRollout(rollout_actor=model(0), tokenizer=tok, mesh=mesh)
+    engine = hs.llm.engine
+    new = model(2)
+    state = nnx.state(new, nnx.Param)
+    specs = {
+        # the engine's shardings, in the NNX layout: heads split out of the column/row axis
+        "q_proj": PartitionSpec(None, "tp", None),
+        "k_proj": PartitionSpec(None, "tp", None),
+        "v_proj": PartitionSpec(None, "tp", None),
+        "o_proj": PartitionSpec("tp", None, None),
+    }
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(map(str, path))
+        proj = next((k for k in specs if f".{k}." in f".{name}"), None)
+        if proj is not None:
+            target = NamedSharding(hs.llm.engine.abstract["embed"].sharding.mesh, specs[proj])
+        else:
+            target = _engine_sharding(hs, name)
+        flat.append((path, var.replace(jax.device_put(var[...], target))))
+    state = nnx.from_flat_state(flat)
+    before = {
+        "embed": _pointers(state["embedder"]["input_embedding"][...]),
+        "w_up": _pointers(state["layers"][0]["mlp"]["up_proj"]["kernel"][...]),
+        "final_norm": _pointers(state["final_norm"]["w"][...]),
+        "lm_head": _pointers(state["lm_head"]["w"][...]),
+    }
+    with jax.transfer_guard("disallow"):
+        hs.update_params(state)
+    p = engine.state.params
+    after = {
+        "embed": _pointers(p["embed"]),
+        "w_up": _pointers(p["layers"][0]["w_up"]),
+        "final_norm": _pointers(p["final_norm"]),
+        "lm_head": _pointers(p["lm_head"]),
+    }
+    wq = p["layers"][0]["wq"]
+    return {
+        "version": hs.weights_version,
+        "same_buffers": {k: before[k] == after[k] for k in before},
+        "wq_sharding_ok": wq.sharding.is_equivalent_to(engine.abstract["layers"][0]["wq"].sharding, 2),
+    }
+
+
+def _engine_sharding(hs: HotswapRollout, nnx_name: str):
+    from hotswap.engine.spec import is_spec, param_specs
+
+    for s, a in zip(
+        jax.tree.leaves(param_specs(hs.llm.config), is_leaf=is_spec),
+        jax.tree.leaves(hs.llm.engine.abstract),
+        strict=True,
+    ):
+        if s.nnx_name == nnx_name:
+            return a.sharding
+    raise KeyError(nnx_name)
+
+
+def bad_inputs(tok) -> dict:
+    """Each bad state raises a typed error naming the parameter; the old version keeps serving."""
+    adapter = tokenizer_adapter.TokenizerAdapter(tok)
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=6, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+    )
+    hs = HotswapRollout(rollout_actor=model(0), tokenizer=adapter, rollout_config=rc)
+    ref = [t.tolist() for t in hs.generate(PROMPTS, rc).tokens]
+    good = nnx.state(model(3), nnx.Param)
+
+    def edit(fn):
+        flat = [(p, v) for p, v in nnx.to_flat_state(good)]
+        return nnx.from_flat_state(fn(flat))
+
+    def with_value(name, value):
+        return edit(lambda f: [(p, v.replace(value) if ".".join(map(str, p)) == name else v) for p, v in f])
+
+    qcfg = qwen3.ModelConfig(
+        num_layers=2,
+        vocab_size=512,
+        embed_dim=32,
+        hidden_dim=64,
+        num_heads=4,
+        head_dim=8,
+        num_kv_heads=2,
+        rope_theta=10000,
+        norm_eps=1e-5,
+    )
+    lora = nnx.LoRA(32, 4, 64, rngs=nnx.Rngs(0))
+    w_up = good["layers"][0]["mlp"]["up_proj"]["kernel"][...]
+    cases = {
+        "wrong_family": nnx.state(qwen3.Qwen3(qcfg, rngs=nnx.Rngs(0)), nnx.Param),
+        "wrong_shape": with_value("layers.0.mlp.up_proj.kernel", w_up[:, :32]),
+        "missing_layer": edit(lambda f: [(p, v) for p, v in f if p[:2] != ("layers", 1)]),
+        "nan": with_value("layers.1.mlp.down_proj.kernel", jnp.full((64, 32), jnp.nan)),
+        "lora": nnx.from_flat_state(
+            list(nnx.to_flat_state(good))
+            + [(("layers", 0, "mlp", "up_proj", "lora_a"), nnx.LoRAParam(lora.lora_a[...]))]
+        ),
+    }
+    out = {}
+    for name, state in cases.items():
+        try:
+            hs.update_params(state)
+            out[name] = {"raised": None}
+        except HotswapError as e:
+            out[name] = {"raised": type(e).__name__, "message": str(e)}
+        out[name]["version"] = hs.weights_version
+        out[name]["same_output"] = [t.tolist() for t in hs.generate(PROMPTS, rc).tokens] == ref
+    return out
+
+
+def main() -> None:
+    tok = tokenizer()
+    result, times = {"devices": jax.device_count()}, {}
+    for name, fn in (
+        ("grpo", grpo),
+        ("vanilla", vs_vanilla),
+        ("sync", after_sync),
+        ("zero_copy", zero_copy),
+        ("bad", bad_inputs),
+    ):
+        t0 = time.perf_counter()
+        result[name] = fn(tok)
+        times[name] = round(time.perf_counter() - t0, 2)
+    result["seconds"] = times
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
