@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import tunix  # noqa: E402,F401  (the Makefile installs the [tunix] extra: missing, this fails, never skips)
 
 HERE = Path(__file__).parent
