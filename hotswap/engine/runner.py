@@ -13,6 +13,7 @@ the same shapes, dtypes and shardings reuses every executable.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from functools import partial
 
@@ -298,4 +299,8 @@ class Runner:
             bar.set_postfix_str(compile_cache.describe(counts), refresh=False)
             bar.update()
         bar.close()
+        # The bar redraws at most every 0.1 s and is erased on close, so the final
+        # counts are printed once, whole: what a reader (and a test) can rely on.
+        if progress:
+            print(f"hotswap: {len(shapes)} steps ready ({compile_cache.describe(counts)})", file=sys.stderr)
         self.warmup_counts = counts
