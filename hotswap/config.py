@@ -21,6 +21,17 @@ _MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 _DTYPES = {"float32", "bfloat16", "float16"}
 
 
+def default_dtype(platform: str) -> str | None:
+    """The serving dtype when the user names none, for a JAX platform ("tpu", "gpu", "cpu").
+
+    On TPU, bfloat16: the MXU multiplies bf16 natively and a decode step reads half the HBM
+    bytes of f32 weights and KV (activations, KV pages and weights all follow the params'
+    dtype; logits, softmax, sampling statistics, RMSNorm and rope accumulate in f32, see
+    docs/en/python_api.md "dtype"). Elsewhere None: the checkpoint's own dtype.
+    """
+    return "bfloat16" if platform == "tpu" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling (the only rope scaling supported)."""

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hotswap import kernels
+from hotswap import LLM, SamplingParams, kernels
+from hotswap.config import default_dtype
 from hotswap.errors import ConfigError
 from hotswap.kernels import cpu_build, cpu_matmul
 
@@ -80,6 +81,29 @@ def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only():
     assert kernels.resolve_attention("reference") == "reference"
     with pytest.raises(ConfigError, match="one device"):
         kernels.resolve_attention("cpu", _Spans(2))
+
+
+def test_the_cpu_kernels_take_f32_and_bf16_only(tiny_dir):
+    """bf16 on CPU runs the C++ attention (f32 softmax inside); float16, which it does not
+    take, runs the jnp reference under "auto" and is refused when "cpu" is asked for."""
+    assert kernels.resolve_attention("auto", dtype="bfloat16") == "cpu"
+    assert kernels.resolve_attention("auto", dtype="float16") == "reference"
+    with pytest.raises(ConfigError, match="dtype"):
+        kernels.resolve_attention("cpu", dtype="float16")
+    llm = LLM(tiny_dir, dtype="float16", max_model_len=64, warmup=False)
+    assert llm.engine.ecfg.attention == "reference" and llm.state.kv.pages[0].dtype == jnp.float16
+    assert (
+        len(llm.generate([1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids)
+        == 2
+    )
+    with pytest.raises(ConfigError, match="dtype"):
+        LLM(tiny_dir, dtype="float16", attention="cpu", max_model_len=64, warmup=False)
+
+
+def test_default_dtype_is_bf16_on_tpu_only(tiny_dir):
+    assert default_dtype("tpu") == "bfloat16"
+    assert default_dtype("cpu") is None and default_dtype("gpu") is None  # the checkpoint's
+    assert LLM(tiny_dir, max_model_len=64, warmup=False).config.dtype == "float32"
 
 
 def test_without_a_compiler_auto_falls_back_to_the_jnp_reference(tmp_path):

@@ -65,7 +65,7 @@ class Engine:
         compile_cache.enable(ecfg.compilation_cache)  # before anything compiles: warm-up can load
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
-        ecfg = dataclasses.replace(ecfg, attention=resolve_attention(ecfg.attention, kv_sharding))
+        ecfg = dataclasses.replace(ecfg, attention=resolve_attention(ecfg.attention, kv_sharding, mcfg.dtype))
         self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer
         self.weights_root = weights_root
         self.kv_sharding = kv_sharding

@@ -13,7 +13,7 @@ import numpy as np
 
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
-from hotswap.config import EngineConfig
+from hotswap.config import EngineConfig, default_dtype
 from hotswap.engine import sharding
 from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
@@ -58,6 +58,7 @@ class LLM:
     ):
         self.model_dir = hub.locate(model, revision)  # a local path as is; "org/name" via the HF cache
         self.model_id = hub.display_name(model, self.model_dir)
+        dtype = dtype or default_dtype(jax.default_backend())
         if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
             mcfg, params, tokenizer = gguf_io.load_gguf(self.model_dir, dtype=dtype)
         else:

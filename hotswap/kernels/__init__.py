@@ -39,10 +39,17 @@ def attention(q, pages, block_tables, q_positions, kv_lens, *, scale: float, imp
     raise ValueError(f"unknown attention impl {impl!r}; use one of {IMPLS}")
 
 
-def resolve_attention(impl: str, kv_sharding=None) -> str:
-    """The impl "auto" stands for here: the C++ kernel on the CPU backend when it builds and
-    the KV cache sits on one device, else the jnp reference. The C++ kernel is an opaque
-    custom call, so GSPMD could not keep a head-sharded cache local around it."""
+# The dtypes the C++ attention reads and writes (activations and pages): f32 and bf16, with f32
+# softmax and accumulation either way. The C++ matmuls and sampler statistics take f32 only; a
+# bf16 step runs its matmuls on XLA's dot (f32 accumulation) and its logits are f32 (model.py).
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+def resolve_attention(impl: str, kv_sharding=None, dtype: str = "float32") -> str:
+    """The impl "auto" stands for here: the C++ kernel on the CPU backend when it builds, the
+    KV cache sits on one device and its `dtype` is one the kernel takes (`CPU_DTYPES`), else
+    the jnp reference. The C++ kernel is an opaque custom call, so GSPMD could not keep a
+    head-sharded cache local around it."""
     one_device = kv_sharding is None or len(kv_sharding.device_set) == 1
     on_cpu = jax.default_backend() == "cpu"
     if impl == "cpu" and not (on_cpu and one_device):
@@ -51,9 +58,14 @@ def resolve_attention(impl: str, kv_sharding=None) -> str:
             f"here the backend is {jax.default_backend()!r} and the cache spans "
             f"{1 if kv_sharding is None else len(kv_sharding.device_set)} device(s): use 'auto'"
         )
+    if impl == "cpu" and dtype not in CPU_DTYPES:
+        raise ConfigError(
+            f"attention='cpu' takes dtype {' or '.join(CPU_DTYPES)}, not {dtype!r}: "
+            "use attention='auto' (the jnp reference for this dtype) or another dtype"
+        )
     if impl != "auto":
         return impl
-    if on_cpu and one_device:
+    if on_cpu and one_device and dtype in CPU_DTYPES:
         from hotswap.kernels import cpu_build
 
         if cpu_build.available():
