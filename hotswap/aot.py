@@ -3,7 +3,7 @@
 libtpu (the `[aot]` extra) compiles for TPU without one attached:
 `jax.experimental.topologies.get_topology_desc` describes a slice's chips, and programs
 lowered from `ShapeDtypeStruct`s on shardings over those chips compile with Mosaic and XLA
-for them (docs/en/tpu.md). Nothing here allocates a weight: the model is its config.json.
+for them (docs/en/tpu_pods.md). Nothing here allocates a weight: the model is its config.json.
 
 The report, per chip: the params' bytes, the KV pages that fit at `gpu_memory_utilization`
 (sized by `engine/kv_sizing.py`, from the chip's HBM size), every program's memory
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -60,7 +61,9 @@ class AotConfig:
     num_pages: int | None = None  # None: sized from HBM
     gpu_memory_utilization: float = kv_sizing.DEFAULT_UTILIZATION
     attention: str = "pallas"  # what `auto` means on a TPU
-    buckets: str = "all"  # "largest": only the largest decode and prefill step (a quick check)
+    # "largest": only the largest decode and prefill step; "decode": the largest decode step
+    # only (quick checks: the cache is then sized from those steps' temporaries).
+    buckets: str = "all"
 
 
 def chip_of(topology: str) -> Chip:
@@ -76,6 +79,11 @@ def topology_devices(topology: str) -> list[jax.Device]:
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError("compiling for TPU needs libtpu: pip install 'hotswap[aot]'")
     from jax.experimental import topologies
+
+    # Compiling opens no chip, so several processes may hold libtpu at once; without this it
+    # takes a machine-wide lock file and a second process (a test's subprocess, another
+    # `hotswap aot`) fails with "ABORTED: ... libtpu multi-process lockfile".
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
     dims = re.fullmatch(r"[^:]+:(\d+(?:x\d+)*)", topology)
     if dims is None:
@@ -117,6 +125,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     """Compile every program for the slice and return the report (`hotswap aot --json`)."""
     if acfg.attention not in ("pallas", "reference"):
         raise ConfigError(f"attention={acfg.attention!r}: on TPU use 'pallas' or 'reference'")
+    if acfg.buckets not in ("all", "largest", "decode"):
+        raise ConfigError(f"buckets={acfg.buckets!r}: use 'all', 'largest' or 'decode'")
     if not 0 < acfg.gpu_memory_utilization <= 1:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {acfg.gpu_memory_utilization}")
     chip = chip_of(acfg.topology)
@@ -140,11 +150,11 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         max_num_batched_tokens=acfg.max_num_batched_tokens,
         attention=acfg.attention,
     )
-    shapes = (
-        programs.largest_shapes(ecfg)
-        if acfg.buckets == "largest"
-        else runner.Buckets.for_config(ecfg).shapes()
-    )
+    shapes = {
+        "all": runner.Buckets.for_config(ecfg).shapes(),
+        "largest": programs.largest_shapes(ecfg),
+        "decode": programs.largest_shapes(ecfg)[:1],
+    }[acfg.buckets]
     impl = "pallas_compiled" if acfg.attention == "pallas" else acfg.attention
     todo = list(programs.step_programs(mcfg, ecfg, target, impl, shapes))
     n_steps = len(todo)

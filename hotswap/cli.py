@@ -184,8 +184,8 @@ def _add_aot(sub) -> None:
     p.add_argument(
         "--buckets",
         default="all",
-        choices=["all", "largest"],
-        help="'largest': the largest decode and prefill only",
+        choices=["all", "largest", "decode"],
+        help="'largest': the largest decode and prefill steps only; 'decode': the largest decode step only",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=_aot)
