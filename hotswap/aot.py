@@ -139,42 +139,49 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = programs.params_bytes_per_chip(mcfg, target)
     one_page = kv_sizing.page_bytes(mcfg, acfg.page_size, tp)
-    first = acfg.num_pages or kv_sizing.pages_that_fit(
-        chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes, 0, one_page
-    )
-    ecfg = EngineConfig(
-        page_size=acfg.page_size,
-        num_pages=first,
-        max_model_len=max_len,
-        max_num_seqs=acfg.max_num_seqs,
-        max_num_batched_tokens=acfg.max_num_batched_tokens,
-        attention=acfg.attention,
-    )
-    shapes = {
-        "all": runner.Buckets.for_config(ecfg).shapes(),
-        "largest": programs.largest_shapes(ecfg),
-        "decode": programs.largest_shapes(ecfg)[:1],
-    }[acfg.buckets]
-    impl = "pallas_compiled" if acfg.attention == "pallas" else acfg.attention
-    todo = list(programs.step_programs(mcfg, ecfg, target, impl, shapes))
-    n_steps = len(todo)
-    todo += [programs.kv_init_program(mcfg, ecfg, target), *programs.update_programs(mcfg, target)]
-    stats = []
-    for i, (name, lower) in enumerate(todo):
-        t = time.perf_counter()
-        stats.append(programs.compile_stats(name, lower))
-        if progress is not None:
-            progress(f"[{i + 1}/{len(todo)}] {name}: {time.perf_counter() - t:.1f} s")
+    stats: list[programs.StepStats] = []
+    n_steps = compiled_pages = 0
+
+    def compile_all(pages: int) -> int:
+        """Compile every program for a `pages` pool; returns the steps' largest temporary."""
+        nonlocal n_steps, compiled_pages
+        compiled_pages = pages
+        ecfg = EngineConfig(
+            page_size=acfg.page_size,
+            num_pages=pages,
+            max_model_len=max_len,
+            max_num_seqs=acfg.max_num_seqs,
+            max_num_batched_tokens=acfg.max_num_batched_tokens,
+            attention=acfg.attention,
+        )
+        shapes = {
+            "all": runner.Buckets.for_config(ecfg).shapes(),
+            "largest": programs.largest_shapes(ecfg),
+            "decode": programs.largest_shapes(ecfg)[:1],
+        }[acfg.buckets]
+        impl = "pallas_compiled" if acfg.attention == "pallas" else acfg.attention
+        todo = list(programs.step_programs(mcfg, ecfg, target, impl, shapes))
+        n_steps = len(todo)
+        todo += [programs.kv_init_program(mcfg, ecfg, target), *programs.update_programs(mcfg, target)]
+        for i, (name, lower) in enumerate(todo):
+            t = time.perf_counter()
+            stats.append(programs.compile_stats(name, lower))
+            if progress is not None:
+                progress(f"[{i + 1}/{len(todo)}] {name}: {time.perf_counter() - t:.1f} s")
+        return max(s.temp_bytes for s in stats[:n_steps])
+
+    if acfg.num_pages:
+        num_pages, temps = acfg.num_pages, compile_all(acfg.num_pages)
+    else:  # as the engine sizes a real chip's pool, from the chip's HBM size
+        num_pages, temps = kv_sizing.accelerator_pages(
+            chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes, one_page, compile_all
+        )
     steps, others = stats[:n_steps], stats[n_steps:]
-    # Compiled for `first` pages; temporaries do not shrink with a larger pool (kv_sizing.py).
-    temps = max(s.temp_bytes for s in steps)
-    num_pages = acfg.num_pages or kv_sizing.pages_that_fit(
-        chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes, temps, one_page
-    )
-    if num_pages - 1 < ecfg.pages_per_seq:
+    pages_per_seq = math.ceil(max_len / acfg.page_size)
+    if num_pages - 1 < pages_per_seq:
         raise ConfigError(
             f"{num_pages} pages cannot hold one max_model_len={max_len} sequence "
-            f"({ecfg.pages_per_seq} pages of {acfg.page_size} plus the null page)"
+            f"({pages_per_seq} pages of {acfg.page_size} plus the null page)"
         )
     kv_bytes = num_pages * one_page
     # While serving: params + cache + the worst step's temporaries and unaliased outputs.
@@ -201,7 +208,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "params_bytes_per_chip": params_bytes,
         "kv_cache_bytes_per_chip": kv_bytes,
         "num_pages": num_pages,
-        "compiled_num_pages": first,
+        "compiled_num_pages": compiled_pages,
         "step_temp_bytes": temps,
         "hbm_bytes_per_chip": chip.hbm_bytes,
         "serving_bytes_per_chip": serving,
