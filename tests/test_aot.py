@@ -1,9 +1,9 @@
 """`hotswap aot`: TPU programs compiled on this CPU (libtpu, the [aot] extra), and the KV sizing.
 
-A full bucket set of an 8B model is many minutes of compiling, so the two 8B models compile
-their largest decode step (`buckets="decode"`) and Llama-3.2-1B its largest decode and
-prefill steps (`--buckets largest`); the tiny model runs the whole set. Each real step is a
-16-36-layer program: 25-75 s on a loaded 2-core machine.
+A full bucket set of an 8B model is many minutes of compiling, so the three real models
+compile their largest decode step (`buckets="decode"`; the cache is sized from its
+temporaries) and the update's programs; the tiny model compiles every bucket, prefills
+included. Each real step is a 16-36-layer program: 25-75 s on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_engine_config_checks_gpu_memory_utilization():
 # --------------------------------------------------------------------------- serve flags
 
 
-def test_serve_passes_tensor_parallel_size_and_memory_fraction(monkeypatch, capsys):
+def test_serve_passes_tensor_parallel_size_and_memory_fraction(tmp_path, monkeypatch, capsys):
     from hotswap.engine import llm
     from hotswap.errors import HotswapError
 
@@ -144,7 +144,7 @@ def test_serve_passes_tensor_parallel_size_and_memory_fraction(monkeypatch, caps
         raise Stop("stop before serving")
 
     monkeypatch.setattr(llm, "LLM", fake_llm)
-    argv = ["serve", "tiny", "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5"]
+    argv = ["serve", str(tmp_path), "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5"]
     assert cli.main(argv) == 2
     assert got["tensor_parallel_size"] == 2 and got["gpu_memory_utilization"] == 0.5
     assert "stop before serving" in capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_qwen3_8b_on_v6e_4_at_tp4():
 def test_llama32_1b_on_one_chip_of_v5e_4_through_the_command(tmp_path):
     """The real `hotswap aot --json`, on the first chip of a 4-chip slice; head_dim 64."""
     argv = ["aot", "llama-3.2-1b", "--topology", "v5e:2x2", "--tensor-parallel-size", "1"]
-    argv += ["--max-num-seqs", "64", "--buckets", "largest", "--json"]
+    argv += ["--max-num-seqs", "64", "--buckets", "decode", "--json"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [sys.executable, "-m", "hotswap.cli", *argv], env=env, capture_output=True, text=True, timeout=600
