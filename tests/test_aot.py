@@ -68,6 +68,11 @@ def test_presets_have_the_published_shapes(name, want):
         assert cfg.rope_scaling.factor == 32.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
 
 
+def test_a_directory_with_only_config_json_is_a_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(load_preset("qwen2.5-7b")))
+    assert aot.load_model_config(str(tmp_path), "bfloat16") == aot.load_model_config("qwen2.5-7b", "bfloat16")
+
+
 # --------------------------------------------------------------------------- KV sizing
 
 
