@@ -1,4 +1,4 @@
-"""`hotswap serve | create-model | demo | bench`: one argparse entry, each command in its own module."""
+"""`hotswap serve | create-model | aot | demo | bench`: one argparse entry, each command in its own module."""
 
 from __future__ import annotations
 
@@ -134,6 +134,63 @@ def _add_bench(sub) -> None:
     importlib.import_module("benchmarks.bench").add_parser(sub)
 
 
+def _aot(args) -> int:
+    import json
+
+    from hotswap import aot
+
+    acfg = aot.AotConfig(
+        topology=args.topology,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention=args.attention,
+        buckets=args.buckets,
+    )
+    report = aot.compile_for(args.model, acfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(report, indent=2) if args.json else aot.table(report))
+    problem = aot.does_not_fit(report)
+    if problem is not None:
+        print(f"hotswap aot: error: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_aot(sub) -> None:
+    """`hotswap aot MODEL --topology NAME`: compile for a TPU slice on this host (`hotswap/aot.py`)."""
+    p = sub.add_parser(
+        "aot", help="compile every program for a TPU slice on this host and report its memory (needs [aot])"
+    )
+    p.add_argument("model", help="HF model directory (config.json is enough) or a preset (e.g. llama-3-8b)")
+    p.add_argument("--topology", required=True, help="TPU slice: v5e:2x4, v6e:2x2, v5p:2x2x1, v5e:1x1, ...")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=None, help="chips used: the first N (default: all)"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None, help="default: sized from the chip's HBM")
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="HBM fraction for params, KV, temps"
+    )
+    p.add_argument("--attention", default="pallas", choices=["pallas", "reference"])
+    p.add_argument(
+        "--buckets",
+        default="all",
+        choices=["all", "largest", "decode"],
+        help="'largest': the largest decode and prefill steps only; 'decode': the largest decode step only",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=_aot)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hotswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         except ModuleNotFoundError as e:
             if e.name != module:  # a real import error inside the module must surface
                 raise
+    _add_aot(sub)
     _add_bench(sub)
 
     args = parser.parse_args(argv)

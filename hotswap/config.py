@@ -196,6 +196,10 @@ class EngineConfig:
 
     page_size: int = 16
     num_pages: int = 512
+    # The fraction of an accelerator's free memory that params, KV cache and step temporaries
+    # may take when LLM sizes the cache itself (num_pages=None): vLLM's name and default.
+    # engine/kv_sizing.py decides; CPU keeps its own rule.
+    gpu_memory_utilization: float = 0.9
     max_model_len: int = 1024
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
@@ -217,6 +221,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_version_lag is not None and int(self.max_version_lag) < 0:
             raise ConfigError(f"max_version_lag must be >= 0 (or None), got {self.max_version_lag}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_pages < 2:
             raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
         if self.attention not in ATTENTION_IMPLS:

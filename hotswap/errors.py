@@ -21,6 +21,19 @@ class ConfigError(HotswapError):
     code = "unsupported_config"
 
 
+class ProgramError(HotswapError):
+    """A program the engine runs failed to lower or compile (names the program)."""
+
+    status = 500
+    code = "compile_failed"
+
+
+class DeviceMemoryError(ConfigError):
+    """The model, its KV cache and the steps' temporaries do not fit the device memory (says by how much)."""
+
+    code = "does_not_fit"
+
+
 class CheckpointError(HotswapError):
     """A checkpoint directory or file could not be read as HF safetensors."""
 

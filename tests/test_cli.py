@@ -29,7 +29,7 @@ def test_every_command_is_registered():
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     assert e.value.code == 0
-    for command in ("create-model", "serve", "demo", "bench"):
+    for command in ("create-model", "serve", "aot", "demo", "bench"):
         with pytest.raises(SystemExit) as e:
             cli.main([command, "--help"])
         assert e.value.code == 0, command

@@ -44,7 +44,17 @@ def add_parser(sub) -> None:
         "--served-model-name", nargs="+", default=None, help="names clients may use (first is reported)"
     )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=None, help="default: sized from device memory")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on TPU/GPU, the fraction of free device memory for params, KV cache and step temporaries "
+        "when --num-pages is not given (CPU sizes the cache from max_num_seqs)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="devices to shard the model over (by heads)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -102,6 +112,8 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         drain_timeout_s=args.drain_timeout,
         max_version_lag=args.max_version_lag,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     app = create_app(
         llm.engine,

@@ -14,7 +14,7 @@ import numpy as np
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig, default_dtype
-from hotswap.engine import sharding
+from hotswap.engine import kv_sizing, programs, sharding
 from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
 from hotswap.engine.model import token_logprobs_jit
@@ -22,6 +22,7 @@ from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.state import EngineState
 from hotswap.errors import RequestError
+from hotswap.kernels import resolve_attention
 
 
 class LLM:
@@ -55,6 +56,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
         revision: str | None = None,
+        gpu_memory_utilization: float = 0.9,
     ):
         self.model_dir = hub.locate(model, revision)  # a local path as is; "org/name" via the HF cache
         self.model_id = hub.display_name(model, self.model_dir)
@@ -85,6 +87,7 @@ class LLM:
             max_version_lag=max_version_lag,
             tensor_parallel_size=tensor_parallel_size,
             mesh=mesh,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
 
     @classmethod
@@ -323,12 +326,39 @@ def _start_engine(
     max_version_lag: int | None = None,
     tensor_parallel_size: int = 1,
     mesh: jax.sharding.Mesh | None = None,
+    gpu_memory_utilization: float = 0.9,
 ) -> Engine:
-    """The Engine `LLM` wraps: sizes the page pool from the options and places params on the mesh."""
+    """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh."""
     max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
-    pages_per_seq = math.ceil(max_model_len / page_size)
-    if num_pages is None:
-        num_pages = max(pages_per_seq * 2, max_num_seqs * pages_per_seq // 2) + 1
+    shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
+    if kv is None:
+        target = programs.Target.one_device(mcfg, jax.devices()[0])
+    else:
+        target = programs.Target.on_mesh(shardings, kv)
+
+    def temps_at(n: int) -> int:  # on an accelerator: its largest steps, compiled for n pages
+        impl = resolve_attention(attention, kv)
+        probe = EngineConfig(
+            page_size=page_size,
+            num_pages=n,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attention=impl,
+        )
+        return programs.largest_temps(mcfg, probe, target, impl)
+
+    num_pages = kv_sizing.engine_pages(
+        mcfg,
+        page_size=page_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        num_pages=num_pages,
+        gpu_memory_utilization=gpu_memory_utilization,
+        devices=sorted(target.kv.device_set, key=lambda d: d.id),
+        params_bytes=programs.params_bytes_per_chip(mcfg, target),
+        temps_at=temps_at,
+    )
     ecfg = EngineConfig(
         page_size=page_size,
         num_pages=num_pages,
@@ -341,8 +371,8 @@ def _start_engine(
         drain_timeout_s=drain_timeout_s,
         max_version_lag=max_version_lag,
         compilation_cache=compilation_cache,
+        gpu_memory_utilization=gpu_memory_utilization,
     )
-    shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
     return Engine(
         mcfg,
         params,

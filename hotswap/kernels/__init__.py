@@ -18,7 +18,10 @@ import jax
 from hotswap.errors import ConfigError
 from hotswap.kernels import reference
 
-IMPLS = ("reference", "pallas")  # attention()'s
+IMPLS = ("reference", "pallas", "pallas_compiled")  # attention()'s
+# "pallas_compiled": the Pallas kernel compiled by Mosaic whatever the default backend is, for
+# TPU programs compiled ahead of time on a CPU host (`hotswap/aot.py`); "pallas" interprets it
+# unless the default backend is a TPU.
 # Impls that read the cache as it was before the step plus the step's own K/V.
 READS_BEFORE_STEP = ("reference", "cpu")
 # Of those, the ones whose pages come back untouched: the engine writes the step's K/V in a
@@ -30,11 +33,12 @@ def attention(q, pages, block_tables, q_positions, kv_lens, *, scale: float, imp
     """Causal paged attention; see `reference.paged_attention` for shapes."""
     if impl == "reference":
         return reference.paged_attention(q, pages, block_tables, q_positions, kv_lens, scale=scale)
-    if impl == "pallas":
+    if impl in ("pallas", "pallas_compiled"):
         from hotswap.kernels import ragged_paged_attention
 
+        interpret = False if impl == "pallas_compiled" else None
         return ragged_paged_attention.paged_attention(
-            q, pages, block_tables, q_positions, kv_lens, scale=scale
+            q, pages, block_tables, q_positions, kv_lens, scale=scale, interpret=interpret
         )
     raise ValueError(f"unknown attention impl {impl!r}; use one of {IMPLS}")
 

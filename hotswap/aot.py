@@ -1,0 +1,262 @@
+"""`hotswap aot`: compile, on a CPU host, every program the engine would run on a TPU slice.
+
+libtpu (the `[aot]` extra) compiles for TPU without one attached:
+`jax.experimental.topologies.get_topology_desc` describes a slice's chips, and programs
+lowered from `ShapeDtypeStruct`s on shardings over those chips compile with Mosaic and XLA
+for them (docs/en/tpu_pods.md). Nothing here allocates a weight: the model is its config.json.
+
+The report, per chip: the params' bytes, the KV pages that fit at `gpu_memory_utilization`
+(sized by `engine/kv_sizing.py`, from the chip's HBM size), every program's memory
+analysis (`engine/programs.py`), whether serving fits the chip's HBM, and a decode
+throughput estimate from HBM bandwidth. A compile error names its program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from hotswap.config import EngineConfig, ModelConfig
+from hotswap.engine import kv_sizing, programs, runner, sharding
+from hotswap.errors import ConfigError
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+
+
+# Per chip: HBM size and bandwidth (public spec sheets).
+CHIPS = {
+    "v5e": Chip(16 * GIB, 819e9),
+    "v6e": Chip(32 * GIB, 1640e9),
+    "v5p": Chip(95 * GIB, 2765e9),
+    "v4": Chip(32 * GIB, 1228e9),
+}
+DEFAULT_HOST_BOUNDS = 4  # libtpu's default chips_per_host_bounds is 2x2x1
+
+
+@dataclasses.dataclass(frozen=True)
+class AotConfig:
+    """What to compile for: the slice, the engine options `hotswap serve` would get there."""
+
+    topology: str
+    tensor_parallel_size: int | None = None  # None: every chip of the slice
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None  # None: min(max_position_embeddings, 2048), as LLM
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from HBM
+    gpu_memory_utilization: float = kv_sizing.DEFAULT_UTILIZATION
+    attention: str = "pallas"  # what `auto` means on a TPU
+    # "largest": only the largest decode and prefill step; "decode": the largest decode step
+    # only (quick checks: the cache is then sized from those steps' temporaries).
+    buckets: str = "all"
+
+
+def chip_of(topology: str) -> Chip:
+    kind = topology.split(":")[0].lower()
+    if kind not in CHIPS:
+        raise ConfigError(f"unknown TPU topology {topology!r}: the name starts with one of {sorted(CHIPS)}")
+    return CHIPS[kind]
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+    """The chips of a slice named like `v5e:2x4` (`v5e:1x1`: one chip), as compile targets."""
+    chip_of(topology)
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError("compiling for TPU needs libtpu: pip install 'hotswap[aot]'")
+    from jax.experimental import topologies
+
+    # Compiling opens no chip, so several processes may hold libtpu at once; without this it
+    # takes a machine-wide lock file and a second process (a test's subprocess, another
+    # `hotswap aot`) fails with "ABORTED: ... libtpu multi-process lockfile".
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+    dims = re.fullmatch(r"[^:]+:(\d+(?:x\d+)*)", topology)
+    if dims is None:
+        raise ConfigError(f"bad TPU topology {topology!r}: expected a name like v5e:2x4 or v5p:2x2x1")
+    shape = [int(d) for d in dims.group(1).split("x")]
+    kwargs = {}
+    if math.prod(shape) < DEFAULT_HOST_BOUNDS:  # a slice smaller than one host's default bounds
+        kwargs["chips_per_host_bounds"] = tuple(shape + [1] * (3 - len(shape)))
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs)
+    except Exception as e:  # libtpu's own message says what is wrong with the name
+        raise ConfigError(f"bad TPU topology {topology!r}: {str(e).splitlines()[0]}") from e
+    return list(desc.devices)
+
+
+def load_model_config(model: str, dtype: str | None) -> ModelConfig:
+    """MODEL: an HF directory (weights not needed, config.json is), or a preset name (a
+    preset without an architecture, like `tiny`, is a Llama, as `create-model` makes it)."""
+    from hotswap.checkpoint.create import hf_config_for, load_preset
+    from hotswap.checkpoint.hf import read_hf_config
+
+    if Path(model).is_dir():
+        return ModelConfig.from_hf(read_hf_config(model), dtype=dtype)
+    preset = load_preset(model)
+    if "architectures" not in preset and "model_type" not in preset:
+        preset = hf_config_for(preset, "llama")
+    return ModelConfig.from_hf(preset, dtype=dtype)
+
+
+def _target(mcfg: ModelConfig, devices: list[jax.Device], tp: int) -> programs.Target:
+    """The engine's shardings on the first `tp` chips: one device without a mesh at TP 1."""
+    if tp == 1:
+        return programs.Target.one_device(mcfg, devices[0])
+    mesh = sharding.make_mesh(tp, devices)
+    return programs.Target.on_mesh(sharding.param_shardings(mcfg, mesh), sharding.kv_sharding(mcfg, mesh))
+
+
+def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Compile every program for the slice and return the report (`hotswap aot --json`)."""
+    if acfg.attention not in ("pallas", "reference"):
+        raise ConfigError(f"attention={acfg.attention!r}: on TPU use 'pallas' or 'reference'")
+    if acfg.buckets not in ("all", "largest", "decode"):
+        raise ConfigError(f"buckets={acfg.buckets!r}: use 'all', 'largest' or 'decode'")
+    if not 0 < acfg.gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {acfg.gpu_memory_utilization}")
+    chip = chip_of(acfg.topology)
+    devices = topology_devices(acfg.topology)
+    tp = acfg.tensor_parallel_size or len(devices)
+    if not 1 <= tp <= len(devices):
+        raise ConfigError(f"tensor_parallel_size={tp}, but {acfg.topology} has {len(devices)} chips")
+    mcfg = load_model_config(model, acfg.dtype)
+    target = _target(mcfg, devices, tp)
+    max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
+    params_bytes = programs.params_bytes_per_chip(mcfg, target)
+    one_page = kv_sizing.page_bytes(mcfg, acfg.page_size, tp)
+    stats: list[programs.StepStats] = []
+    n_steps = compiled_pages = 0
+
+    def compile_all(pages: int) -> int:
+        """Compile every program for a `pages` pool; returns the steps' largest temporary."""
+        nonlocal n_steps, compiled_pages
+        compiled_pages = pages
+        ecfg = EngineConfig(
+            page_size=acfg.page_size,
+            num_pages=pages,
+            max_model_len=max_len,
+            max_num_seqs=acfg.max_num_seqs,
+            max_num_batched_tokens=acfg.max_num_batched_tokens,
+            attention=acfg.attention,
+        )
+        shapes = {
+            "all": runner.Buckets.for_config(ecfg).shapes(),
+            "largest": programs.largest_shapes(ecfg),
+            "decode": programs.largest_shapes(ecfg)[:1],
+        }[acfg.buckets]
+        impl = "pallas_compiled" if acfg.attention == "pallas" else acfg.attention
+        todo = list(programs.step_programs(mcfg, ecfg, target, impl, shapes))
+        n_steps = len(todo)
+        todo += [programs.kv_init_program(mcfg, ecfg, target), *programs.update_programs(mcfg, target)]
+        for i, (name, lower) in enumerate(todo):
+            t = time.perf_counter()
+            stats.append(programs.compile_stats(name, lower))
+            if progress is not None:
+                progress(f"[{i + 1}/{len(todo)}] {name}: {time.perf_counter() - t:.1f} s")
+        return max(s.temp_bytes for s in stats[:n_steps])
+
+    if acfg.num_pages:
+        num_pages, temps = acfg.num_pages, compile_all(acfg.num_pages)
+    else:  # as the engine sizes a real chip's pool, from the chip's HBM size
+        num_pages, temps = kv_sizing.accelerator_pages(
+            chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes, one_page, compile_all
+        )
+    steps, others = stats[:n_steps], stats[n_steps:]
+    pages_per_seq = math.ceil(max_len / acfg.page_size)
+    if num_pages - 1 < pages_per_seq:
+        raise ConfigError(
+            f"{num_pages} pages cannot hold one max_model_len={max_len} sequence "
+            f"({pages_per_seq} pages of {acfg.page_size} plus the null page)"
+        )
+    kv_bytes = num_pages * one_page
+    # While serving: params + cache + the worst step's temporaries and unaliased outputs.
+    extra = max(s.temp_bytes + s.output_bytes - s.alias_bytes for s in steps)
+    serving = params_bytes + kv_bytes + extra
+    worst = max(steps, key=lambda s: s.temp_bytes + s.output_bytes - s.alias_bytes)
+    # A hot update stages the new params beside the serving ones (engine/ingest.py).
+    update = 2 * params_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
+    # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
+    # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.
+    token_bytes = one_page // acfg.page_size
+    read = params_bytes + min(kv_bytes, acfg.max_num_seqs * max_len * token_bytes)
+    return {
+        "model": model,
+        "topology": acfg.topology,
+        "chips": len(devices),
+        "tensor_parallel_size": tp,
+        "dtype": mcfg.dtype,
+        "attention": acfg.attention,
+        "max_model_len": max_len,
+        "max_num_seqs": acfg.max_num_seqs,
+        "page_size": acfg.page_size,
+        "gpu_memory_utilization": acfg.gpu_memory_utilization,
+        "params_bytes_per_chip": params_bytes,
+        "kv_cache_bytes_per_chip": kv_bytes,
+        "num_pages": num_pages,
+        "compiled_num_pages": compiled_pages,
+        "step_temp_bytes": temps,
+        "hbm_bytes_per_chip": chip.hbm_bytes,
+        "serving_bytes_per_chip": serving,
+        "largest_step": worst.name,
+        "fits": serving <= chip.hbm_bytes,
+        "update_bytes_per_chip": update,
+        "update_fits": update <= chip.hbm_bytes,
+        "decode_bytes_read_per_chip": read,
+        "est_decode_tok_s": round(acfg.max_num_seqs * chip.hbm_bytes_per_s / read, 1),
+        "steps": [dataclasses.asdict(s) for s in stats],
+    }
+
+
+def does_not_fit(report: dict) -> str | None:
+    """What to say when serving does not fit a chip's HBM (None: it fits)."""
+    if report["fits"]:
+        return None
+    return (
+        f"does not fit: serving needs {report['serving_bytes_per_chip'] / GIB:.2f} GiB of a chip's "
+        f"{report['hbm_bytes_per_chip'] / GIB:.2f} GiB (largest step: {report['largest_step']})"
+    )
+
+
+def table(report: dict) -> str:
+    """The report as text: a summary, then one row per program."""
+    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    lines = [
+        f"{report['model']} on {report['topology']} ({report['chips']} chips), TP {report['tensor_parallel_size']}, "
+        f"{report['dtype']}, attention {report['attention']}",
+        f"per chip: params {g(report['params_bytes_per_chip'])}, KV cache {g(report['kv_cache_bytes_per_chip'])} "
+        f"({report['num_pages']} pages of {report['page_size']} at {report['gpu_memory_utilization']}), "
+        f"serving {g(report['serving_bytes_per_chip'])} of {g(report['hbm_bytes_per_chip'])} HBM: "
+        + ("fits" if report["fits"] else "DOES NOT FIT"),
+        f"a hot update (new params beside the old): {g(report['update_bytes_per_chip'])}"
+        + (
+            ""
+            if report["update_fits"]
+            else " (does not fit: sleep level 2 first, or a lower gpu_memory_utilization)"
+        ),
+        f"est. decode at {report['max_num_seqs']} seqs x {report['max_model_len']} tokens: "
+        f"{report['est_decode_tok_s']:,.0f} tok/s (HBM-bandwidth bound)",
+        "",
+        f"{'program':<34} {'arguments':>12} {'outputs':>12} {'temps':>12} {'aliased':>12} {'pallas':>6}",
+    ]
+    m = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    for s in report["steps"]:
+        lines.append(
+            f"{s['name']:<34} {m(s['argument_bytes']):>12} {m(s['output_bytes']):>12} "
+            f"{m(s['temp_bytes']):>12} {m(s['alias_bytes']):>12} {s['pallas_calls']:>6}"
+        )
+    return "\n".join(lines)

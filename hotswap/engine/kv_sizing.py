@@ -1,0 +1,113 @@
+"""How many KV pages the engine allocates: the one place that decides.
+
+- An explicit `num_pages` is used as given.
+- On CPU, where device memory is host memory shared with everything else, the pool holds
+  two `max_model_len` sequences or half of `max_num_seqs` of them, whichever is more.
+- On an accelerator, as vLLM (and tpu-inference) size it, the cache takes what is left of
+  the chip's memory:
+
+      pages = (free × gpu_memory_utilization − params − the compiled steps' temporaries)
+              ÷ bytes of one page (all layers, this chip's kv heads)
+
+  per chip, the tightest chip deciding. `free` is `device.memory_stats()`'s
+  `bytes_limit − bytes_in_use` on a real device, or the chip's HBM size when compiling
+  ahead of time for a TPU slice (`hotswap/aot.py`). The temporaries are measured, not
+  guessed: the largest decode and prefill steps are compiled for a first guess of the pool
+  (the budget with no temporaries), and the largest temporary of those is subtracted. A
+  step's temporaries grow with the pool if anything (a copy of it would be one), so the
+  smaller pool that results needs no more than was measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from hotswap.config import ModelConfig
+from hotswap.errors import DeviceMemoryError
+
+DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
+
+
+def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1) -> int:
+    """Bytes one page takes on one chip: every layer's K and V of `page_size` tokens, this
+    chip's `num_kv_heads / tp` heads (`sharding.KV_AXES`: the cache is split by kv head)."""
+    heads = 2 * mcfg.num_kv_heads // tp
+    return mcfg.num_layers * page_size * heads * mcfg.head_dim * jnp.dtype(mcfg.dtype).itemsize
+
+
+def cpu_pages(max_model_len: int, page_size: int, max_num_seqs: int) -> int:
+    """The CPU pool: two full sequences or half of max_num_seqs of them, plus the null page."""
+    per_seq = math.ceil(max_model_len / page_size)
+    return max(per_seq * 2, max_num_seqs * per_seq // 2) + 1
+
+
+def free_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """The least free memory over `devices` from `memory_stats()`; None where a device has no
+    stats (the CPU backend)."""
+    free = []
+    for d in devices:
+        stats = d.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return min(free) if free else None
+
+
+def pages_that_fit(free: int, utilization: float, params: int, temps: int, one_page: int) -> int:
+    """(free × utilization − params − temps) ÷ one_page, all bytes per chip. Raises
+    DeviceMemoryError when not even the null page and one more fit."""
+    budget = int(free * utilization) - params - temps
+    pages = budget // one_page if budget > 0 else 0
+    if pages < 2:
+        gib = 2**30
+        raise DeviceMemoryError(
+            f"no room for the KV cache: {free / gib:.2f} GiB free x gpu_memory_utilization {utilization} "
+            f"- params {params / gib:.2f} GiB - step temporaries {temps / gib:.2f} GiB leaves "
+            f"{budget / gib:.2f} GiB, under 2 pages of {one_page / 2**20:.2f} MiB; use more chips "
+            "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, or a higher "
+            "gpu_memory_utilization"
+        )
+    return pages
+
+
+def accelerator_pages(
+    free: int,
+    utilization: float,
+    params: int,
+    one_page: int,
+    temps_at: Callable[[int], int],
+) -> tuple[int, int]:
+    """(pages, temps): the pool that fits once the steps' temporaries are subtracted.
+    `temps_at(n)` compiles the largest steps for an n-page pool and returns their largest
+    temporary (bytes per chip); it is asked once, at the pool that would fit without them."""
+    first = pages_that_fit(free, utilization, params, 0, one_page)
+    temps = int(temps_at(first))
+    return pages_that_fit(free, utilization, params, temps, one_page), temps
+
+
+def engine_pages(
+    mcfg: ModelConfig,
+    *,
+    page_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_pages: int | None,
+    gpu_memory_utilization: float,
+    devices: Sequence[jax.Device],
+    params_bytes: int,
+    temps_at: Callable[[int], int],
+) -> int:
+    """The engine's pool: `num_pages` when given; on CPU (or a device without memory stats)
+    `cpu_pages`; on an accelerator what fits its free memory (`accelerator_pages`, over
+    `devices`, the chips the cache is split across). `params_bytes`: one chip's share."""
+    if num_pages is not None:
+        return num_pages
+    free = None if devices[0].platform == "cpu" else free_bytes(devices)
+    if free is None:
+        return cpu_pages(max_model_len, page_size, max_num_seqs)
+    one_page = page_bytes(mcfg, page_size, len(devices))
+    return accelerator_pages(free, gpu_memory_utilization, params_bytes, one_page, temps_at)[0]

@@ -1,0 +1,226 @@
+"""`hotswap aot`: TPU programs compiled on this CPU (libtpu, the [aot] extra), and the KV sizing.
+
+A full bucket set of an 8B model is many minutes of compiling, so the three real models
+compile their largest decode step (`buckets="decode"`; the cache is sized from its
+temporaries) and the update's programs; the tiny model compiles every bucket, prefills
+included. Each real step is a 16-36-layer program: 25-75 s on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from hotswap import aot, cli
+from hotswap.checkpoint.create import load_preset
+from hotswap.config import ModelConfig
+from hotswap.engine import kv_sizing
+from hotswap.errors import DeviceMemoryError
+
+GIB = 2**30
+
+
+def _decode(report: dict) -> dict:
+    (step,) = [s for s in report["steps"] if s["name"].startswith("decode")]
+    return step
+
+
+def _check_in_place_pallas_decode(report: dict, num_layers: int) -> None:
+    """The decode step: one Pallas call per layer, the cache updated in place, no cache-sized
+    temporaries (no copy of the pool around the kernel)."""
+    step, kv = _decode(report), report["kv_cache_bytes_per_chip"]
+    assert report["fits"], report
+    assert step["pallas_calls"] == num_layers, step
+    assert step["alias_bytes"] >= kv, (step, kv)
+    assert step["temp_bytes"] < 0.05 * kv, (step["temp_bytes"] / kv, step)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("llama-3-8b", dict(num_layers=32, vocab_size=128256, num_kv_heads=8, head_dim=128, tie=False)),
+        ("llama-3.2-1b", dict(num_layers=16, vocab_size=128256, num_kv_heads=8, head_dim=64, tie=True)),
+        ("qwen2.5-7b", dict(num_layers=28, vocab_size=152064, num_kv_heads=4, head_dim=128, tie=False)),
+        ("qwen3-8b", dict(num_layers=36, vocab_size=151936, num_kv_heads=8, head_dim=128, tie=False)),
+    ],
+)
+def test_presets_have_the_published_shapes(name, want):
+    cfg = ModelConfig.from_hf(load_preset(name))
+    assert cfg.dtype == "bfloat16"
+    assert (cfg.num_layers, cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim, cfg.tie_word_embeddings) == (
+        want["num_layers"],
+        want["vocab_size"],
+        want["num_kv_heads"],
+        want["head_dim"],
+        want["tie"],
+    )
+    assert cfg.qkv_bias == (name == "qwen2.5-7b") and cfg.qk_norm == (name == "qwen3-8b")
+    assert (cfg.rope_scaling is not None) == (name == "llama-3.2-1b")
+    if name == "llama-3.2-1b":
+        assert cfg.rope_scaling.factor == 32.0 and cfg.rope_scaling.original_max_position_embeddings == 8192
+
+
+def test_a_directory_with_only_config_json_is_a_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(load_preset("qwen2.5-7b")))
+    assert aot.load_model_config(str(tmp_path), "bfloat16") == aot.load_model_config("qwen2.5-7b", "bfloat16")
+
+
+# --------------------------------------------------------------------------- KV sizing
+
+
+class FakeDevice(SimpleNamespace):
+    def memory_stats(self):
+        return self.stats
+
+
+def _pages(devices, *, num_pages=None, params=GIB, temps=0, seen=None):
+    cfg = ModelConfig.from_hf(load_preset("llama-3-8b"))
+
+    def temps_at(n):
+        if seen is not None:
+            seen.append(n)
+        return temps
+
+    return kv_sizing.engine_pages(
+        cfg,
+        page_size=16,
+        max_model_len=2048,
+        max_num_seqs=32,
+        num_pages=num_pages,
+        gpu_memory_utilization=0.9,
+        devices=devices,
+        params_bytes=params,
+        temps_at=temps_at,
+    )
+
+
+def test_kv_sizing_from_memory_stats():
+    cfg = ModelConfig.from_hf(load_preset("llama-3-8b"))
+    # bf16, 32 layers, 16 tokens, 2 x 8 kv heads / tp, 128 dims: 2 MiB a page on one chip.
+    assert kv_sizing.page_bytes(cfg, 16) == 2 * 2**20 and kv_sizing.page_bytes(cfg, 16, 8) == 2**18
+    chip = lambda used: FakeDevice(platform="tpu", stats={"bytes_limit": 16 * GIB, "bytes_in_use": used})  # noqa: E731
+    seen = []
+    # (16 GiB x 0.9 - 1 GiB params - 0.5 GiB temps) / 2 MiB; the temps measured at the pool
+    # that fits without them.
+    assert _pages([chip(0)], temps=GIB // 2, seen=seen) == int(16 * GIB * 0.9 - 1.5 * GIB) // (2 * 2**20)
+    assert seen == [int(16 * GIB * 0.9 - GIB) // (2 * 2**20)]
+    # Sharded over two chips: half the heads per page; the fuller chip decides.
+    two = [chip(0), chip(4 * GIB)]
+    assert _pages(two) == (int(12 * GIB * 0.9) - GIB) // 2**20
+    # An explicit num_pages wins; CPU (no memory stats) keeps its rule.
+    assert _pages([chip(0)], num_pages=77) == 77
+    cpu = FakeDevice(platform="cpu", stats=None)
+    assert _pages([cpu]) == kv_sizing.cpu_pages(2048, 16, 32) == 128 * 32 // 2 + 1
+    with pytest.raises(DeviceMemoryError, match="no room for the KV cache"):
+        _pages([chip(0)], params=15 * GIB)
+
+
+def test_engine_config_checks_gpu_memory_utilization():
+    from hotswap.config import EngineConfig
+    from hotswap.errors import ConfigError
+
+    assert EngineConfig().gpu_memory_utilization == 0.9
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+# --------------------------------------------------------------------------- serve flags
+
+
+def test_serve_passes_tensor_parallel_size_and_memory_fraction(tmp_path, monkeypatch, capsys):
+    from hotswap.engine import llm
+    from hotswap.errors import HotswapError
+
+    got = {}
+
+    class Stop(HotswapError):
+        pass
+
+    def fake_llm(model, **kwargs):
+        got.update(kwargs)
+        raise Stop("stop before serving")
+
+    monkeypatch.setattr(llm, "LLM", fake_llm)
+    argv = ["serve", str(tmp_path), "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5"]
+    assert cli.main(argv) == 2
+    assert got["tensor_parallel_size"] == 2 and got["gpu_memory_utilization"] == 0.5
+    assert "stop before serving" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_bad_topology_fails_naming_it(capsys):
+    assert cli.main(["aot", "tiny", "--topology", "v9x:2x2"]) == 2
+    assert "unknown TPU topology 'v9x:2x2'" in capsys.readouterr().err
+    assert cli.main(["aot", "tiny", "--topology", "v5e:3x7"]) == 2
+    assert "bad TPU topology 'v5e:3x7'" in capsys.readouterr().err
+
+
+def test_params_over_hbm_fail_before_compiling(capsys):
+    """Llama-3-8B's 16 GB of bf16 params on one 16 GiB v5e chip: no room for a cache."""
+    assert cli.main(["aot", "llama-3-8b", "--topology", "v5e:1x1"]) == 2
+    err = capsys.readouterr().err
+    assert "no room for the KV cache" in err and "params 14.96 GiB" in err
+
+
+def test_a_compile_error_names_the_program(capsys):
+    """A pool far past the chip's HBM: XLA refuses the first step, and the error names it."""
+    argv = ["aot", "tiny", "--topology", "v5e:1x1", "--num-pages", str(16 * 2**20), "--max-num-seqs", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hotswap aot: error: decode B=1 P=8:") and "RESOURCE_EXHAUSTED" in err, err
+
+
+# --------------------------------------------------------------------------- real compiles
+
+
+def test_tiny_compiles_every_bucket_for_one_v5e_chip():
+    # A small pool: head_dim 16 is a TPU layout the kernel cannot read in place (yet).
+    acfg = aot.AotConfig(
+        topology="v5e:1x1", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_pages=64
+    )
+    report = aot.compile_for("tiny", acfg)
+    names = [s["name"] for s in report["steps"]]
+    assert names[:4] == ["decode B=1 P=8", "decode B=2 P=8", "prefill rows=1 P=8", "prefill rows=2 P=8"]
+    assert "kv init" in names and any(n.startswith("update convert") for n in names)
+    assert report["chips"] == report["tensor_parallel_size"] == 1 and report["fits"]
+    assert report["hbm_bytes_per_chip"] == 16 * GIB and report["est_decode_tok_s"] > 0
+    assert all(s["pallas_calls"] == 2 for s in report["steps"][:4])  # one per layer
+
+
+@pytest.mark.slow
+def test_llama3_8b_on_v5e_8_at_tp8():
+    acfg = aot.AotConfig(topology="v5e:2x4", tensor_parallel_size=8, max_num_seqs=64, buckets="decode")
+    report = aot.compile_for("llama-3-8b", acfg)
+    assert report["chips"] == 8 and report["params_bytes_per_chip"] < 2.1e9
+    _check_in_place_pallas_decode(report, 32)
+
+
+@pytest.mark.slow
+def test_qwen3_8b_on_v6e_4_at_tp4():
+    acfg = aot.AotConfig(topology="v6e:2x2", tensor_parallel_size=4, max_num_seqs=64, buckets="decode")
+    _check_in_place_pallas_decode(aot.compile_for("qwen3-8b", acfg), 36)
+
+
+@pytest.mark.slow
+def test_llama32_1b_on_one_chip_of_v5e_4_through_the_command(tmp_path):
+    """The real `hotswap aot --json`, on the first chip of a 4-chip slice; head_dim 64."""
+    argv = ["aot", "llama-3.2-1b", "--topology", "v5e:2x2", "--tensor-parallel-size", "1"]
+    argv += ["--max-num-seqs", "64", "--buckets", "decode", "--json"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "hotswap.cli", *argv], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["chips"] == 4 and report["tensor_parallel_size"] == 1
+    _check_in_place_pallas_decode(report, 16)
