@@ -52,6 +52,9 @@ RULES: dict[str, str | None] = {
 # [num_pages, page_size, 2*kv_heads, head_dim]: K of head h at 2h, V at 2h+1, so a
 # contiguous block of the axis holds whole (K, V) pairs when kv_heads % tp == 0.
 KV_AXES = ("kv_pages", "page_slots", "kv_heads", "head_dim")
+# The Pallas layout [num_pages, page_size, 2*kv_heads*head_dim] (Backend.page_shape): the lane
+# axis is ordered by kv head, so it splits like kv_heads, each device its heads' whole pairs.
+KV_FOLDED_AXES = ("kv_pages", "page_slots", "kv_heads")
 
 
 def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
@@ -102,10 +105,11 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
     return jax.tree.map(lambda s: _named(mesh, s.axes), param_specs(cfg), is_leaf=is_spec)
 
 
-def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis."""
+def kv_sharding(cfg: ModelConfig, mesh: Mesh, folded: bool = False) -> NamedSharding:
+    """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis
+    (folded: the lane axis of the Pallas layout, `Backend.folded_pages`)."""
     check_divisible(cfg, mesh)
-    return _named(mesh, KV_AXES)
+    return _named(mesh, KV_FOLDED_AXES if folded else KV_AXES)
 
 
 def engine_shardings(
