@@ -49,7 +49,7 @@ def main(tmp: Path) -> dict:
         res["tp"][tp] = {
             "rounds": rounds,
             "attention": llm.engine.backend.attention,
-            "kv_spec": [a for a in kv.sharding.spec],
+            "kv_spec": list(kv.sharding.spec) if hasattr(kv.sharding, "spec") else None,
             "kv_shard_shape": list(kv.addressable_shards[0].data.shape),
         }
         res["timings"][f"tp{tp}"] = round(time.monotonic() - t, 1)
