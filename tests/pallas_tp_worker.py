@@ -41,7 +41,11 @@ def main(tmp: Path) -> dict:
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
             rounds.append(
                 [
-                    {"ids": o.outputs[0].token_ids, "lps": o.outputs[0].logprobs, "cached": o.num_cached_tokens}
+                    {
+                        "ids": o.outputs[0].token_ids,
+                        "lps": o.outputs[0].logprobs,
+                        "cached": o.num_cached_tokens,
+                    }
                     for o in outs
                 ]
             )
