@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import kv_sizing, programs, runner, sharding
+from hotswap.engine import kv_sizing, programs, runner
 from hotswap.errors import ConfigError
 
 GIB = 2**30
@@ -60,7 +60,7 @@ class AotConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from HBM
     gpu_memory_utilization: float = kv_sizing.DEFAULT_UTILIZATION
-    attention: str = "pallas"  # what `auto` means on a TPU
+    attention: str = "auto"  # `Backend.choose` on the slice's chips: Pallas on TPU
     # "largest": only the largest decode and prefill step; "decode": the largest decode step
     # only (quick checks: the cache is then sized from those steps' temporaries).
     buckets: str = "all"
@@ -84,6 +84,8 @@ def topology_devices(topology: str) -> list[jax.Device]:
     # takes a machine-wide lock file and a second process (a test's subprocess, another
     # `hotswap aot`) fails with "ABORTED: ... libtpu multi-process lockfile".
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # No TPU VM metadata to read the worker hostnames from: without this libtpu logs an error.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
     dims = re.fullmatch(r"[^:]+:(\d+(?:x\d+)*)", topology)
     if dims is None:
@@ -113,18 +115,10 @@ def load_model_config(model: str, dtype: str | None) -> ModelConfig:
     return ModelConfig.from_hf(preset, dtype=dtype)
 
 
-def _target(mcfg: ModelConfig, devices: list[jax.Device], tp: int) -> programs.Target:
-    """The engine's shardings on the first `tp` chips: one device without a mesh at TP 1."""
-    if tp == 1:
-        return programs.Target.one_device(mcfg, devices[0])
-    mesh = sharding.make_mesh(tp, devices)
-    return programs.Target.on_mesh(sharding.param_shardings(mcfg, mesh), sharding.kv_sharding(mcfg, mesh))
-
-
 def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Compile every program for the slice and return the report (`hotswap aot --json`)."""
-    if acfg.attention not in ("pallas", "reference"):
-        raise ConfigError(f"attention={acfg.attention!r}: on TPU use 'pallas' or 'reference'")
+    if acfg.attention not in ("auto", "pallas", "reference"):
+        raise ConfigError(f"attention={acfg.attention!r}: on TPU use 'auto', 'pallas' or 'reference'")
     if acfg.buckets not in ("all", "largest", "decode"):
         raise ConfigError(f"buckets={acfg.buckets!r}: use 'all', 'largest' or 'decode'")
     if not 0 < acfg.gpu_memory_utilization <= 1:
@@ -135,7 +129,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     if not 1 <= tp <= len(devices):
         raise ConfigError(f"tensor_parallel_size={tp}, but {acfg.topology} has {len(devices)} chips")
     mcfg = load_model_config(model, acfg.dtype)
-    target = _target(mcfg, devices, tp)
+    target = programs.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = programs.params_bytes_per_chip(mcfg, target)
     one_page = kv_sizing.page_bytes(mcfg, acfg.page_size, tp)
@@ -152,20 +146,21 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
             max_model_len=max_len,
             max_num_seqs=acfg.max_num_seqs,
             max_num_batched_tokens=acfg.max_num_batched_tokens,
-            attention=acfg.attention,
+            attention=target.backend.attention,
         )
+        backend = target.backend
         shapes = {
-            "all": runner.Buckets.for_config(ecfg).shapes(),
-            "largest": programs.largest_shapes(ecfg),
-            "decode": programs.largest_shapes(ecfg)[:1],
+            "all": runner.Buckets.for_config(ecfg, backend).shapes(),
+            "largest": programs.largest_shapes(ecfg, backend),
+            "decode": programs.largest_shapes(ecfg, backend)[:1],
         }[acfg.buckets]
-        impl = "pallas_compiled" if acfg.attention == "pallas" else acfg.attention
-        todo = list(programs.step_programs(mcfg, ecfg, target, impl, shapes))
+        page = programs.abstract_inputs(mcfg, ecfg, target)[1][0]
+        todo = list(programs.step_programs(mcfg, ecfg, target, shapes))
         n_steps = len(todo)
         todo += [programs.kv_init_program(mcfg, ecfg, target), *programs.update_programs(mcfg, target)]
         for i, (name, lower) in enumerate(todo):
             t = time.perf_counter()
-            stats.append(programs.compile_stats(name, lower))
+            stats.append(programs.compile_stats(name, lower, page))
             if progress is not None:
                 progress(f"[{i + 1}/{len(todo)}] {name}: {time.perf_counter() - t:.1f} s")
         return max(s.temp_bytes for s in stats[:n_steps])
@@ -200,7 +195,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "chips": len(devices),
         "tensor_parallel_size": tp,
         "dtype": mcfg.dtype,
-        "attention": acfg.attention,
+        "attention": target.backend.attention,
         "max_model_len": max_len,
         "max_num_seqs": acfg.max_num_seqs,
         "page_size": acfg.page_size,

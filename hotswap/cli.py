@@ -180,7 +180,7 @@ def _add_aot(sub) -> None:
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="HBM fraction for params, KV, temps"
     )
-    p.add_argument("--attention", default="pallas", choices=["pallas", "reference"])
+    p.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"])
     p.add_argument(
         "--buckets",
         default="all",

@@ -204,8 +204,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
-    # "auto": the C++ kernel on the CPU backend when it builds and the KV cache is on one
-    # device, else "reference" (jnp); "pallas" is the TPU kernel. Engine resolves "auto".
+    # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build),
+    # else "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
     attention: str = "auto"
     max_waiting: int = 1024  # backpressure: QueueFull beyond this
     drain_timeout_s: float = 60.0

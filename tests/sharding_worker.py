@@ -72,11 +72,11 @@ def collectives(llm: LLM) -> dict:
     """
     e, out = llm.engine, {}
     for name, (b, c) in {"decode": (4, 1), "prefill": (2, runner.PREFILL_ROW)}.items():
-        batch, sa = runner.placeholder_inputs(b, c, 4)
+        batch, sa = runner.placeholder_inputs(b, c, 4, e.backend)
         args = (e.state.params, e.state.kv.pages, batch, sa)
-        fwd = runner.forward_jit.lower(*args, cfg=e.mcfg, impl="reference").compile()
-        new_kv, _ = runner.forward_jit(*args, cfg=e.mcfg, impl="reference")
-        write = runner.write_jit.lower(e.state.kv.pages, new_kv, batch.slots).compile()
+        fwd = runner.forward_jit.lower(*args, cfg=e.mcfg, backend=e.backend).compile()
+        new_kv, _ = runner.forward_jit(*args, cfg=e.mcfg, backend=e.backend)
+        write = runner.write_jit.lower(e.state.kv.pages, new_kv, batch.slots, backend=e.backend).compile()
         for prog, compiled in (("forward", fwd), ("write", write)):
             found = KV_COLLECTIVE.findall(compiled.as_text())
             out[f"{name}/{prog}"] = dict(Counter(f"{op} {shape}" for shape, op in found))

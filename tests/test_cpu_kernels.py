@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hotswap import LLM, SamplingParams, kernels
+from hotswap import LLM, SamplingParams
 from hotswap.config import default_dtype
 from hotswap.errors import ConfigError
 from hotswap.kernels import cpu_build, cpu_matmul
+from hotswap.kernels.backend import Backend
 
 
 @pytest.mark.parametrize(
@@ -65,31 +66,30 @@ def test_routes_only_decode_sized_f32_matmuls_to_the_kernel():
     assert custom_calls(jnp.ones((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16)) == 0
 
 
-class _Spans:
-    """A stand-in KV sharding over `n` devices (only its device set is read)."""
-
-    def __init__(self, n: int):
-        self.device_set = set(range(n))
+def _choose(attention: str, n: int | None = None, dtype: str = "float32") -> str:
+    """The attention `Backend.choose` picks for a cache on `n` CPU devices (None: the default)."""
+    devices = None if n is None else jax.devices()[:1] * n  # only their platform and count are read
+    return Backend.choose(attention, head_dim=64, dtype=dtype, devices=devices).attention
 
 
 def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only():
     assert cpu_build.available()  # CI has a C++ compiler: the kernels must build there
-    assert kernels.resolve_attention("auto") == "cpu"
-    assert kernels.resolve_attention("auto", _Spans(1)) == "cpu"
+    assert _choose("auto") == "cpu"
+    assert _choose("auto", 1) == "cpu"
     # An opaque custom call would make GSPMD gather a head-sharded cache: the jnp path instead.
-    assert kernels.resolve_attention("auto", _Spans(2)) == "reference"
-    assert kernels.resolve_attention("reference") == "reference"
+    assert _choose("auto", 2) == "reference"
+    assert _choose("reference") == "reference"
     with pytest.raises(ConfigError, match="one device"):
-        kernels.resolve_attention("cpu", _Spans(2))
+        _choose("cpu", 2)
 
 
 def test_the_cpu_kernels_take_f32_and_bf16_only(tiny_dir):
     """bf16 on CPU runs the C++ attention (f32 softmax inside); float16, which it does not
     take, runs the jnp reference under "auto" and is refused when "cpu" is asked for."""
-    assert kernels.resolve_attention("auto", dtype="bfloat16") == "cpu"
-    assert kernels.resolve_attention("auto", dtype="float16") == "reference"
+    assert _choose("auto", dtype="bfloat16") == "cpu"
+    assert _choose("auto", dtype="float16") == "reference"
     with pytest.raises(ConfigError, match="dtype"):
-        kernels.resolve_attention("cpu", dtype="float16")
+        _choose("cpu", dtype="float16")
     llm = LLM(tiny_dir, dtype="float16", max_model_len=64, warmup=False)
     assert llm.engine.ecfg.attention == "reference" and llm.state.kv.pages[0].dtype == jnp.float16
     assert (
@@ -110,9 +110,9 @@ def test_without_a_compiler_auto_falls_back_to_the_jnp_reference(tmp_path):
     """A machine where the kernels cannot build still serves: "auto" means "reference" there,
     and asking for "cpu" names the failed build."""
     code = (
-        "from hotswap import kernels\n"
         "from hotswap.kernels import cpu_build\n"
-        "print(kernels.resolve_attention('auto'))\n"
+        "from hotswap.kernels.backend import Backend\n"
+        "print(Backend.choose('auto', head_dim=64).attention)\n"
         "try:\n"
         "    cpu_build.register('paged_attention', 'HotswapPagedAttention')\n"
         "except Exception as e:\n"

@@ -14,6 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 
 from hotswap.kernels import ragged_paged_attention, reference
+from hotswap.kernels.backend import Backend
 
 SCALE = 0.37
 PS = 16
@@ -48,9 +49,15 @@ def make_case(seed, *, lens, starts, c, hq, hkv, hd, ps=PS, p, extra_pages=3):
 reference_jit = jax.jit(reference.paged_attention, static_argnames="scale")
 
 
+def folded(args):
+    """make_case's args with the pages in the kernel's layout (`reference.fold_pages`)."""
+    q, pages, *rest = args
+    return (q, reference.fold_pages(pages), *rest)
+
+
 def check(args, **kw):
     ref = reference_jit(*args, scale=SCALE)
-    out = ragged_paged_attention.paged_attention(*args, scale=SCALE, **kw)
+    out = ragged_paged_attention.paged_attention(*folded(args), scale=SCALE, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert bool(jnp.isfinite(out).all()), "NaN/inf leaked (padding row or unused page)"
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)  # max abs error
@@ -158,7 +165,7 @@ def test_bf16_close_to_reference():
     args = make_case(4, lens=[33, 16], starts=[32, 15], c=1, hq=8, hkv=4, hd=64, p=3)
     args = (args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), *args[2:])
     ref = reference_jit(*args, scale=SCALE).astype(jnp.float32)
-    out = ragged_paged_attention.paged_attention(*args, scale=SCALE)
+    out = ragged_paged_attention.paged_attention(*folded(args), scale=SCALE)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2)
 
@@ -182,7 +189,7 @@ def test_lowers_for_tpu_with_aligned_blocks(shape):
     sds = jax.ShapeDtypeStruct
     avals = (
         sds((b, c, hq, hd), jnp.bfloat16),
-        sds((b * p + 1, PS, 2 * hkv, hd), jnp.bfloat16),
+        sds((b * p + 1, PS, 2 * hkv * hd), jnp.bfloat16),
         sds((b, p), jnp.int32),
         sds((b, c), jnp.int32),
         sds((b,), jnp.int32),
@@ -222,15 +229,18 @@ def test_engine_step_contains_pallas_call(tiny_dir):
         max_num_batched_tokens=32,
         attention="pallas",
     )
-    pages = new_kv_cache(mcfg, ecfg).pages
-    shapes = runner.Runner(mcfg, ecfg).buckets.shapes()
+    pallas = Backend.choose("pallas", head_dim=mcfg.head_dim)
+    reference_ = Backend.choose("reference", head_dim=mcfg.head_dim)
+    shapes = runner.Runner(mcfg, ecfg, pallas).buckets.shapes()
     for b, c, p in (shapes[-1], shapes[0]):  # the largest packed prefill and a decode batch, as in warmup
-        args = (params, pages, *runner.placeholder_inputs(b, c, p, "pallas"))
-        fused = runner.fused_jit.trace(*args, cfg=mcfg, impl="pallas").jaxpr
+        pages = new_kv_cache(mcfg, ecfg, backend=pallas).pages
+        args = (params, pages, *runner.placeholder_inputs(b, c, p, pallas))
+        fused = runner.fused_jit.trace(*args, cfg=mcfg, backend=pallas).jaxpr
         assert "pallas_call" in str(fused)
         assert list(_primitives(fused.jaxpr)).count("pallas_call") == mcfg.num_layers
-        args = (params, pages, *runner.placeholder_inputs(b, c, p, "reference"))
-        ref = runner.forward_jit.trace(*args, cfg=mcfg, impl="reference").jaxpr
+        pages = new_kv_cache(mcfg, ecfg, backend=reference_).pages
+        args = (params, pages, *runner.placeholder_inputs(b, c, p, reference_))
+        ref = runner.forward_jit.trace(*args, cfg=mcfg, backend=reference_).jaxpr
         assert "pallas_call" not in str(ref)
 
 

@@ -23,8 +23,10 @@ from hotswap.engine.runner import PREFILL_ROW, Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
 from hotswap.kernels import reference
+from hotswap.kernels.backend import Backend
 
 PS, HKV, G, HD, SCALE = 16, 2, 3, 32, 0.3
+REFERENCE = Backend("reference", "cpu")  # the layout and page lists the runner builds for it
 
 
 def _seq(i: int, length: int) -> Sequence:
@@ -78,7 +80,7 @@ def test_decode_reads_each_rows_pages_only():
     ecfg = EngineConfig(
         page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8, attention="reference"
     )
-    batch = Runner(None, ecfg).decode_batch(seqs, tables)
+    batch = Runner(None, ecfg, REFERENCE).decode_batch(seqs, tables)
     b = batch.tokens.shape[0]
     q = rng.standard_normal((b, 1, HKV * G, HD)).astype(np.float32)
     k = rng.standard_normal((b, 1, HKV, HD)).astype(np.float32)
@@ -116,7 +118,7 @@ def test_packed_prefill_keeps_sequences_apart():
         attention="reference",
     )
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
-    batch = Runner(None, ecfg).prefill_batch(rows, tables)
+    batch = Runner(None, ecfg, REFERENCE).prefill_batch(rows, tables)
     nb = batch.tokens.shape[0]
     assert batch.tokens.shape[1] == PREFILL_ROW and nb >= 3 + 1 + 1 + 3
     assert int((batch.page_rows < nb).sum()) == 2 + 3 + 5  # each sequence's cached pages listed once
@@ -152,7 +154,7 @@ def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, pa
     must equal the reference's write (`reference.write_kv`), bit for bit."""
     from hotswap.kernels import cpu_attention
 
-    runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"))
+    runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"), Backend("cpu", "cpu"))
     batch = (
         runner.decode_batch([s for s, _ in rows], tables) if decode else runner.prefill_batch(rows, tables)
     )

@@ -22,6 +22,7 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import initial_state
 from hotswap.errors import NonFiniteWeights
+from hotswap.kernels.backend import Backend
 
 ECFG = EngineConfig(
     page_size=16,
@@ -43,7 +44,10 @@ def world(tiny_dir):
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), abstract_params(mcfg)
     )
     state = initial_state(ingest.place_params(params, abstract), mcfg, ECFG)
-    sched, runner = Scheduler(ECFG), Runner(mcfg, ECFG)
+    sched, runner = (
+        Scheduler(ECFG),
+        Runner(mcfg, ECFG, Backend.choose(ECFG.attention, head_dim=mcfg.head_dim)),
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     seqs = [Sequence(i, f"r{i}", 0, PROMPT + [i], sp, seed=i, arrival=i) for i in range(3)]
     for s in seqs:

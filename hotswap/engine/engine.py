@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import compile_cache, host_memory, ingest, lifecycle, pausing, sources
+from hotswap.engine import compile_cache, host_memory, ingest, lifecycle, pausing, sharding, sources
 from hotswap.engine.chunks import ChunkStager
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.params import Params, abstract_params
@@ -37,7 +37,6 @@ from hotswap.errors import (
     QueueFull,
     RequestError,
 )
-from hotswap.kernels import resolve_attention
 
 POLICIES = ("drain", "abort", "recompute", "keep", "reject")
 
@@ -65,7 +64,8 @@ class Engine:
         compile_cache.enable(ecfg.compilation_cache)  # before anything compiles: warm-up can load
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
-        ecfg = dataclasses.replace(ecfg, attention=resolve_attention(ecfg.attention, kv_sharding, mcfg.dtype))
+        self.backend, kv_sharding = sharding.engine_backend(mcfg, ecfg.attention, kv_sharding)
+        ecfg = dataclasses.replace(ecfg, attention=self.backend.attention)
         self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer
         self.weights_root = weights_root
         self.kv_sharding = kv_sharding
@@ -79,9 +79,9 @@ class Engine:
             spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
         self.abstract = spec
         placed = ingest.stage_params(params, self.abstract).params
-        self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding)
+        self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
         self.sched = Scheduler(ecfg)
-        self.runner = Runner(mcfg, ecfg)
+        self.runner = Runner(mcfg, ecfg, self.backend)
         self.requests: dict[str, Request] = {}
         self.stager = ChunkStager()
         self._lock = threading.RLock()
@@ -234,7 +234,7 @@ class Engine:
     def _recover(self) -> None:
         self.state = self.sched.preempt_running(self.state)
         self.state = lifecycle.fresh_cache(
-            self.state, new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding)
+            self.state, new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding, backend=self.backend)
         )
 
     # ---- outputs ------------------------------------------------------------
@@ -428,6 +428,7 @@ class Engine:
                 mcfg=self.mcfg,
                 ecfg=self.ecfg,
                 kv_sharding=self.kv_sharding,
+                backend=self.backend,
             )
 
     @property

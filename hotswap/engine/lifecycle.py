@@ -22,6 +22,7 @@ from hotswap.engine.params import Params
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.engine.state import EngineState, KVCache, new_kv_cache
 from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict
+from hotswap.kernels.backend import Backend
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
@@ -112,6 +113,7 @@ def wakeup(
     mcfg: ModelConfig,
     ecfg: EngineConfig,
     kv_sharding=None,
+    backend: Backend | None = None,
 ) -> EngineState:
     """`weights`: params back onto the device (after level 2 there are none until an update);
     `kv_cache`: fresh empty pages."""
@@ -123,7 +125,7 @@ def wakeup(
     if "weights" in tags and "weights" in state.asleep and params is not None:
         params = place_params(params, abstract)
     if "kv_cache" in tags and kv is None:
-        kv = new_kv_cache(mcfg, ecfg, sharding=kv_sharding)
+        kv = new_kv_cache(mcfg, ecfg, sharding=kv_sharding, backend=backend)
     asleep = state.asleep - tags
     if params is None:  # after sleep level 2 there is nothing to wake: still asleep until an update
         asleep = asleep | {"weights"}

@@ -22,7 +22,6 @@ from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.state import EngineState
 from hotswap.errors import RequestError
-from hotswap.kernels import resolve_attention
 
 
 class LLM:
@@ -331,22 +330,18 @@ def _start_engine(
     """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh."""
     max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
     shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
-    if kv is None:
-        target = programs.Target.one_device(mcfg, jax.devices()[0])
-    else:
-        target = programs.Target.on_mesh(shardings, kv)
+    target = programs.Target.on(mcfg, attention, shardings, kv)
 
     def temps_at(n: int) -> int:  # on an accelerator: its largest steps, compiled for n pages
-        impl = resolve_attention(attention, kv)
         probe = EngineConfig(
             page_size=page_size,
             num_pages=n,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            attention=impl,
+            attention=target.backend.attention,
         )
-        return programs.largest_temps(mcfg, probe, target, impl)
+        return programs.largest_temps(mcfg, probe, target)
 
     num_pages = kv_sizing.engine_pages(
         mcfg,

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap import kernels
 from hotswap.config import ModelConfig
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
-from hotswap.kernels import cpu_attention, cpu_matmul, reference
+from hotswap.kernels import reference
+from hotswap.kernels.backend import Backend, jnp_matmuls
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -64,14 +64,9 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def jnp_matmuls(x: jax.Array, ws) -> list[jax.Array]:
-    """[x @ w for w in ws]: the matmul routine's interface (`matmuls_for`)."""
-    return [x @ w for w in ws]
-
-
 def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
-    `mms` is the matmul routine (`matmuls_for`)."""
+    `mms` is the matmul routine (`Backend.matmuls`)."""
     q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
@@ -91,81 +86,20 @@ def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls) -> jax.Array
     return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0]
 
 
-def _attend(impl: str, q, k, v, layer_pages, batch: Batch, scale: float):
-    """One layer's attention for the step: returns (output [B, C, Hq, hd], the layer's pages
-    after the step). The jnp reference leaves the pages as they were (the engine writes k/v
-    after the step); the C++ kernel reads, then writes k/v into its aliased page buffer;
-    "pallas" writes first and reads the written pages."""
-    if impl == "cpu":
-        return cpu_attention.paged_attention(
-            q,
-            layer_pages,
-            k,
-            v,
-            batch.block_tables,
-            batch.positions,
-            batch.chunk_starts,
-            batch.kv_lens,
-            scale=scale,
-            slots=batch.slots,
-        )
-    if impl == "reference" and q.shape[1] == 1:
-        o = reference.decode_attention(
-            q,
-            layer_pages,
-            k,
-            v,
-            batch.page_ids,
-            batch.page_rows,
-            batch.page_cols,
-            batch.chunk_starts,
-            scale=scale,
-        )
-        return o, layer_pages
-    if impl == "reference":
-        o = reference.prefill_attention(
-            q,
-            layer_pages,
-            k,
-            v,
-            batch.page_ids,
-            batch.page_rows,
-            batch.page_cols,
-            batch.positions,
-            batch.kv_lens,
-            batch.chunk_starts,
-            batch.segments,
-            scale=scale,
-        )
-        return o, layer_pages
-    written = reference.write_kv(layer_pages, k, v, batch.slots)
-    o = kernels.attention(
-        q, written, batch.block_tables, batch.positions, batch.kv_lens, scale=scale, impl=impl
-    )
-    return o, written
-
-
-def matmuls_for(impl: str):
-    """The matmul routine a step uses, `(x, [w, ...]) -> [x @ w, ...]`: with the C++ attention
-    (the CPU backend), hotswap's C++ matmul for decode-sized row counts, one call for the
-    weights that share x (`cpu_matmul.matmuls` falls back to XLA's dot otherwise)."""
-    return cpu_matmul.matmuls if impl == "cpu" else jnp_matmuls
-
-
 def forward_paged(
-    params: Params, pages: tuple[jax.Array, ...], batch: Batch, *, cfg: ModelConfig, impl: str = "reference"
+    params: Params, pages: tuple[jax.Array, ...], batch: Batch, *, cfg: ModelConfig, backend: Backend
 ):
     """One engine step over `batch` ([B, C] tokens: a decode batch or a packed prefill, batch.py).
 
     Returns (final hidden [B, C, D], new_kv, pages) where new_kv is this step's (K, V) per
     layer, each [B, C, Hkv, hd].
 
-    impl "reference" (kernels.READ_THEN_WRITE): attention reads the cache as it was before
-    the step plus the step's own K/V, and `pages` come back untouched; the caller writes
+    With a `read_then_write` backend (the jnp reference), attention reads the cache as it was
+    before the step plus the step's own K/V, and `pages` come back untouched; the caller writes
     new_kv with `write_pages` in a separate donated call. Fusing XLA's scatter with the
     reads in one CPU program made it copy every layer's buffer each step (5x slower
-    decode, measured). "cpu" reads the same way, then writes the step's K/V itself into
-    the page buffer it aliases to its output; "pallas" writes first and reads the
+    decode, measured). The C++ kernel reads the same way, then writes the step's K/V itself into
+    the page buffer it aliases to its output; Pallas writes first and reads the
     updated pages (both custom calls, so nothing fuses across them). Both return the
     updated `pages`.
     """
@@ -173,15 +107,15 @@ def forward_paged(
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
     for lp, layer_pages in zip(params["layers"], pages, strict=True):
-        x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, cfg=cfg, impl=impl)
+        x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, cfg=cfg, backend=backend)
         new_kv.append(kv)
         new_pages.append(layer_pages)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return h, tuple(new_kv), tuple(new_pages)
 
 
-@partial(jax.jit, static_argnames=("cfg", "impl"))
-def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, impl: str):
+@partial(jax.jit, static_argnames=("cfg", "backend"))
+def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, backend: Backend):
     """One decoder layer of `forward_paged`: (x, (k, v), the layer's pages after the step).
 
     A jit of its own inside the step: every layer has the same shapes, so JAX traces and
@@ -190,18 +124,18 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, im
     bucket even when the compiled programs come from the persistent cache) pays for one
     layer, not `num_layers`."""
     b, c = batch.tokens.shape
-    mms = matmuls_for(impl)
+    mms = backend.matmuls
     with jax.named_scope("layer"):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, cfg, h, rope, mms)
-        o, layer_pages = _attend(impl, q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
+        o, layer_pages = backend.attend(q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
         x = x + mms(o.reshape(b, c, cfg.q_size), (lp["wo"],))[0]
         return _mlp(lp, cfg, x, mms), (k, v), layer_pages
 
 
-def write_pages(pages, new_kv, slots):
+def write_pages(pages, new_kv, slots, *, backend: Backend):
     """Write a step's K/V (per layer, [B, C, Hkv, hd]) into the page buffers (donate `pages`)."""
-    return tuple(reference.write_kv(p, k, v, slots) for p, (k, v) in zip(pages, new_kv, strict=True))
+    return tuple(backend.write(p, k, v, slots) for p, (k, v) in zip(pages, new_kv, strict=True))
 
 
 def logits_from_hidden(params: Params, h: jax.Array, mms=jnp_matmuls) -> jax.Array:

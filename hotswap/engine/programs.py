@@ -2,8 +2,8 @@
 
 The engine runs these compiled programs and nothing else on its devices:
 - one step per bucket (`runner.Buckets`): a decode batch or a packed prefill, the sampler
-  inside it; for the read-then-write attention (`kernels.READ_THEN_WRITE`) also the KV write
-  that follows it, one per token block shape;
+  inside it; for a read-then-write backend (`Backend.read_then_write`, the jnp reference)
+  also the KV write that follows it, one per token block shape;
 - `kv init`: the empty page buffers a new or woken cache starts from (`state.new_kv_cache`);
 - the update path (`hf_device`, `kernels/finite`): per distinct parameter shape and sharding,
   the on-device HF-layout conversion and the finiteness reduction.
@@ -11,14 +11,17 @@ The engine runs these compiled programs and nothing else on its devices:
 Here each is lowered from `jax.ShapeDtypeStruct`s carrying the real shardings (no weight is
 ever materialised) and compiled for the devices those shardings name: the engine's own
 devices (`kv_sizing` measures the steps' temporaries this way before allocating the cache),
-or a TPU slice described by a topology on a CPU host (`hotswap/aot.py`). `StepStats` is
-XLA's per-chip memory analysis of one program plus its Pallas (Mosaic) calls.
+or a TPU slice described by a topology on a CPU host (`hotswap/aot.py`). The `Backend` is
+chosen from those devices (`sharding.engine_backend`, as the Engine chooses it), so "auto"
+compiles the Pallas kernel for a TPU slice. `StepStats` is XLA's per-chip memory analysis
+of one program plus its Pallas (Mosaic) calls and any copy of a whole page buffer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -27,14 +30,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import hf_device, runner
+from hotswap.engine import hf_device, runner, sharding
 from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.spec import is_spec, param_specs
 from hotswap.errors import ProgramError
-from hotswap.kernels import READ_THEN_WRITE, finite
+from hotswap.kernels import finite
+from hotswap.kernels.backend import Backend
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
+_HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +49,12 @@ class StepStats:
     name: str
     argument_bytes: int
     output_bytes: int
-    temp_bytes: int
+    temp_bytes: int  # scratch the program allocates beyond its arguments and outputs
     alias_bytes: int  # outputs that reuse a donated argument's buffer (the KV updated in place)
     pallas_calls: int
+    # Copies of a whole page buffer (a relayout around a kernel, say). XLA may place them in
+    # another memory space, where temp_bytes does not count them: counted from the HLO.
+    kv_copies: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -54,105 +62,123 @@ class StepStats:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @staticmethod
-    def of(name: str, compiled) -> StepStats:
+    def of(name: str, compiled, page: jax.ShapeDtypeStruct | None = None) -> StepStats:
+        """`compiled`'s stats; `page`: one layer's page buffer, to count copies of it."""
         m = compiled.memory_analysis()
+        text = compiled.as_text()
         return StepStats(
             name=name,
             argument_bytes=int(m.argument_size_in_bytes),
             output_bytes=int(m.output_size_in_bytes),
             temp_bytes=int(m.temp_size_in_bytes),
             alias_bytes=int(m.alias_size_in_bytes),
-            pallas_calls=compiled.as_text().count(MOSAIC_CALL),
+            pallas_calls=text.count(MOSAIC_CALL),
+            kv_copies=0 if page is None else _page_copies(text, page),
         )
+
+
+def _page_copies(hlo: str, page: jax.ShapeDtypeStruct) -> int:
+    """`copy` (or async copy-start) instructions whose result is one device's page buffer."""
+    local = page.sharding.shard_shape(page.shape) if page.sharding is not None else page.shape
+    ty = f"{_HLO_DTYPES.get(page.dtype.name, page.dtype.name)}[{','.join(map(str, local))}]"
+    return len(re.findall(rf"= \(?{re.escape(ty)}\{{[^}}]*\}}[^=]* copy(?:-start)?\(", hlo))
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """Where the programs run: the params' and KV's shardings, and a replicated one for inputs."""
+    """Where the programs run: the Backend, the params' and KV's shardings, and a replicated
+    sharding for the step inputs."""
 
+    backend: Backend
     params: Params  # params-shaped tree of Sharding
     kv: jax.sharding.Sharding
     replicated: jax.sharding.Sharding
 
     @staticmethod
-    def on_mesh(params: Params, kv: NamedSharding) -> Target:
-        return Target(params, kv, NamedSharding(kv.mesh, PartitionSpec()))
+    def on(
+        mcfg: ModelConfig, attention: str, shardings: Params | None, kv: NamedSharding | None, device=None
+    ):
+        """The Engine's target for `Engine(shardings=, kv_sharding=)` (None, None: one device,
+        `device` or the first of `jax.devices()`), with the Backend it would choose there."""
+        backend, kv = sharding.engine_backend(mcfg, attention, kv, device)
+        if kv is None:
+            one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+            return Target(backend, jax.tree.map(lambda _: one, param_specs(mcfg), is_leaf=is_spec), one, one)
+        return Target(backend, shardings, kv, NamedSharding(kv.mesh, PartitionSpec()))
 
     @staticmethod
-    def one_device(mcfg: ModelConfig, device: jax.Device) -> Target:
-        one = jax.sharding.SingleDeviceSharding(device)
-        return Target(jax.tree.map(lambda _: one, param_specs(mcfg), is_leaf=is_spec), one, one)
+    def first_chips(mcfg: ModelConfig, attention: str, devices: Sequence[Any], tp: int) -> Target:
+        """The engine on the first `tp` of `devices` (a topology's chips): no mesh at TP 1."""
+        if tp == 1:
+            return Target.on(mcfg, attention, None, None, devices[0])
+        mesh = sharding.make_mesh(tp, devices)
+        return Target.on(
+            mcfg, attention, sharding.param_shardings(mcfg, mesh), sharding.kv_sharding(mcfg, mesh)
+        )
 
 
 def abstract_inputs(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
-    """(params, KV pages) as ShapeDtypeStructs on the target's shardings, in the model's dtype."""
+    """(params, KV pages) as ShapeDtypeStructs on the target's shardings, in the model's dtype
+    and the backend's page layout."""
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         abstract_params(mcfg),
         target.params,
     )
-    shape = (ecfg.num_pages, ecfg.page_size, 2 * mcfg.num_kv_heads, mcfg.head_dim)
+    shape = _page_shape(mcfg, ecfg, target.backend)
     page = jax.ShapeDtypeStruct(shape, jnp.dtype(mcfg.dtype), sharding=target.kv)
     return params, (page,) * mcfg.num_layers
 
 
-def _abstract(tree, sharding) -> Any:
-    """A tree of host arrays -> ShapeDtypeStructs on `sharding` (step inputs are replicated)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding), tree
-    )
+def _page_shape(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> tuple[int, ...]:
+    return backend.page_shape(ecfg.num_pages, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
 
 
 def step_name(b: int, c: int, p: int) -> str:
     return f"decode B={b} P={p}" if c == 1 else f"prefill rows={b} P={p}"
 
 
-def largest_shapes(ecfg: EngineConfig) -> list[tuple[int, int, int]]:
+def largest_shapes(ecfg: EngineConfig, backend: Backend) -> list[tuple[int, int, int]]:
     """The largest decode and the largest packed-prefill bucket: the steps with the most
     temporaries (what the KV sizing subtracts, and a quick AOT check)."""
-    b = runner.Buckets.for_config(ecfg)
+    b = runner.Buckets.for_config(ecfg, backend)
     return [(b.batch[-1], 1, b.pages[-1]), (b.blocks[-1], runner.PREFILL_ROW, b.prefill_pages[-1])]
 
 
-def largest_temps(mcfg: ModelConfig, ecfg: EngineConfig, target: Target, impl: str) -> int:
+def largest_temps(mcfg: ModelConfig, ecfg: EngineConfig, target: Target) -> int:
     """The largest temporary (bytes per chip) of the largest steps, compiled for `ecfg`'s pool."""
-    todo = step_programs(mcfg, ecfg, target, impl, largest_shapes(ecfg))
+    todo = step_programs(mcfg, ecfg, target, largest_shapes(ecfg, target.backend))
     return max(compile_stats(name, lower).temp_bytes for name, lower in todo)
 
 
 def step_programs(
-    mcfg: ModelConfig, ecfg: EngineConfig, target: Target, impl: str, shapes: list[tuple[int, int, int]]
+    mcfg: ModelConfig, ecfg: EngineConfig, target: Target, shapes: list[tuple[int, int, int]]
 ) -> Iterator[tuple[str, Callable[[], Any]]]:
-    """(name, lower) for the step of each bucket shape (B, C, P), and the KV writes they need.
-    `impl` is the attention the steps run (a resolved `EngineConfig.attention`, or
-    "pallas_compiled" for a TPU compiled on a CPU host)."""
+    """(name, lower) for the programs `runner.run_step` runs for each bucket shape (B, C, P):
+    the step, and for a read-then-write backend the KV write (once per token block: it does
+    not depend on P)."""
     params, pages = abstract_inputs(mcfg, ecfg, target)
     writes = set()
     for b, c, p in shapes:
-        batch, sa = (_abstract(t, target.replicated) for t in runner.placeholder_inputs(b, c, p, impl))
-        if impl not in READ_THEN_WRITE:
-            yield (
-                step_name(b, c, p),
-                lambda batch=batch, sa=sa: runner.fused_jit.lower(
-                    params, pages, batch, sa, cfg=mcfg, impl=impl
-                ),
-            )
-            continue
-        forward = runner.forward_jit.lower(params, pages, batch, sa, cfg=mcfg, impl=impl)
-        yield step_name(b, c, p), lambda forward=forward: forward
-        if (b, c) not in writes:  # the write depends on the token block only
+        inputs = runner.placeholder_inputs(b, c, p, target.backend)
+        batch, sa = (_abstract(t, target.replicated) for t in inputs)
+        lowered = dict(runner.lower_step(params, pages, batch, sa, cfg=mcfg, backend=target.backend))
+        yield step_name(b, c, p), lambda low=lowered["step"]: low
+        if "write" in lowered and (b, c) not in writes:
             writes.add((b, c))
-            yield (
-                f"kv write B={b} C={c}",
-                lambda forward=forward, batch=batch: runner.write_jit.lower(
-                    pages, forward.out_info[0], batch.slots
-                ),
-            )
+            yield f"kv write B={b} C={c}", lambda low=lowered["write"]: low
+
+
+def _abstract(tree, where) -> Any:
+    """A tree of host arrays -> ShapeDtypeStructs on `where` (step inputs are replicated)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=where), tree
+    )
 
 
 def kv_init_program(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
     """(name, lower) of the program that makes one empty layer buffer (`state.new_kv_cache`)."""
-    shape = (ecfg.num_pages, ecfg.page_size, 2 * mcfg.num_kv_heads, mcfg.head_dim)
+    shape = _page_shape(mcfg, ecfg, target.backend)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(mcfg.dtype)), out_shardings=target.kv)
     return "kv init", zeros.lower
 
@@ -164,25 +190,26 @@ def update_programs(mcfg: ModelConfig, target: Target) -> Iterator[tuple[str, Ca
     specs = jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec)
     shardings = jax.tree.leaves(target.params)
     seen = set()
-    for spec, sharding in zip(specs, shardings, strict=True):
-        key = (spec.shape, spec.transpose, str(sharding))
+    for spec, sh in zip(specs, shardings, strict=True):
+        key = (spec.shape, spec.transpose, str(sh))
         if key in seen:
             continue
         seen.add(key)
         dims = "x".join(map(str, spec.shape))
         src = jax.ShapeDtypeStruct(
-            spec.hf_shape, dtype, sharding=hf_device._source_sharding(sharding, spec.transpose)
+            spec.hf_shape, dtype, sharding=hf_device._source_sharding(sh, spec.transpose)
         )
-        out = jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding)
-        convert = hf_device._converter(spec.transpose, dtype, sharding)
+        out = jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
+        convert = hf_device._converter(spec.transpose, dtype, sh)
         yield f"update convert {dims}", lambda convert=convert, src=src: convert.lower(src)
         yield f"update finite {dims}", lambda out=out: finite._xla_finite.lower(out)
 
 
-def compile_stats(name: str, lower: Callable[[], Any]) -> StepStats:
-    """Lower and compile one program; errors propagate with the program's name (`ProgramError`)."""
+def compile_stats(name: str, lower: Callable[[], Any], page: jax.ShapeDtypeStruct | None = None) -> StepStats:
+    """Lower and compile one program (`page`: a layer's page buffer, to count copies of it);
+    errors propagate with the program's name (`ProgramError`)."""
     try:
-        return StepStats.of(name, lower().compile())
+        return StepStats.of(name, lower().compile(), page)
     except Exception as e:  # any lowering or compiler error: say which program
         raise ProgramError(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
@@ -191,10 +218,10 @@ def params_bytes_per_chip(mcfg: ModelConfig, target: Target) -> int:
     """Bytes of one chip's shards of the params (the largest over the chips)."""
     itemsize = jnp.dtype(mcfg.dtype).itemsize
     per = {}
-    for spec, sharding in zip(
+    for spec, sh in zip(
         jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec), jax.tree.leaves(target.params), strict=True
     ):
-        shard = sharding.shard_shape(spec.shape)
-        for d in sharding.device_set:
+        shard = sh.shard_shape(spec.shape)
+        for d in sh.device_set:
             per[d] = per.get(d, 0) + int(np.prod(shard)) * itemsize
     return max(per.values())

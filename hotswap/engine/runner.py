@@ -24,11 +24,11 @@ from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine import compile_cache, model
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
-from hotswap.engine.sampling import SamplingArrays, argmax_logsumexp, sample
+from hotswap.engine.sampling import SamplingArrays, sample
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import EngineState
-from hotswap.kernels import READ_THEN_WRITE, READS_BEFORE_STEP, cpu_sampling
+from hotswap.kernels.backend import Backend
 
 Tables = Mapping[int, tuple[int, ...]]  # seq_id -> block table (the state's page pool)
 PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
@@ -59,15 +59,15 @@ class Buckets:
     prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
 
     @staticmethod
-    def for_config(ecfg: EngineConfig) -> Buckets:
+    def for_config(ecfg: EngineConfig, backend: Backend) -> Buckets:
         pps = ecfg.pages_per_seq
         pages = tuple(_pow2_upto(min(8, pps), pps))
         prefill_pages = pages
-        if ecfg.attention == "cpu":
+        if backend.attention == "cpu":
             # The C++ kernel reads only the pages before each chunk, whatever P the table has:
             # one full-width table, so warm-up compiles one shape per batch bucket, not per P.
             pages = prefill_pages = (pps,)
-        elif ecfg.attention == "reference":
+        elif backend.attention == "reference":
             # The reference decode reads B*P pages, P the rows' average: finer steps there cut
             # the pages read at long contexts by up to a third (its cost is those reads).
             pages = tuple(_pow2_upto(min(8, pps), pps, halves=True))
@@ -94,68 +94,73 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(params, pages, batch: Batch, sa, *, cfg, impl):
-    h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, impl=impl)
+def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
+    h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
-        logits = model.logits_from_hidden(params, h_last, model.matmuls_for(impl))
-        out = sample(logits, sa, cpu_sampling.argmax_logsumexp if impl == "cpu" else argmax_logsumexp)
-    return (new_kv if impl in READ_THEN_WRITE else pages), out
+        logits = model.logits_from_hidden(params, h_last, backend.matmuls)
+        out = sample(logits, sa, backend.row_stats)
+    return (new_kv if backend.read_then_write else pages), out
 
 
-# reference: read-only forward, then a separate in-place write of the step's K/V.
-forward_jit = partial(jax.jit, static_argnames=("cfg", "impl"))(_step)
-write_jit = jax.jit(model.write_pages, donate_argnums=(0,))
+# read_then_write (the reference): read-only forward, then a separate in-place write of the K/V.
+forward_jit = partial(jax.jit, static_argnames=("cfg", "backend"))(_step)
+write_jit = partial(jax.jit, static_argnames=("backend",), donate_argnums=(0,))(model.write_pages)
 # kernels (C++ and Pallas): write and read inside one program, pages donated.
-fused_jit = partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))(_step)
+fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=(1,))(_step)
 
 
-def run_step(params, pages, batch: Batch, sa, *, cfg, impl):
+def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps))."""
-    if impl in READ_THEN_WRITE:
-        new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
-        return write_jit(pages, new_kv, batch.slots), out
-    return fused_jit(params, pages, batch, sa, cfg=cfg, impl=impl)
+    if backend.read_then_write:
+        new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
+        return write_jit(pages, new_kv, batch.slots, backend=backend), out
+    return fused_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
 
 
-def compile_step(params, pages, batch: Batch, sa, *, cfg, impl) -> None:
+def lower_step(
+    params, pages, batch: Batch, sa, *, cfg, backend: Backend
+) -> list[tuple[str, jax.stages.Lowered]]:
+    """Every program `run_step` runs for these shapes (concrete or abstract arguments), lowered:
+    ("step", ...) and, for a read_then_write backend, ("write", ...) too."""
+    if not backend.read_then_write:
+        return [("step", fused_jit.lower(params, pages, batch, sa, cfg=cfg, backend=backend))]
+    forward = forward_jit.lower(params, pages, batch, sa, cfg=cfg, backend=backend)
+    new_kv = forward.out_info[0]
+    return [("step", forward), ("write", write_jit.lower(pages, new_kv, batch.slots, backend=backend))]
+
+
+def compile_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend) -> None:
     """Compile (or load from the persistent cache) every program `run_step` runs for these
     shapes, without running them: a later `run_step` on the same shapes dispatches straight
     to them. Running warm-up steps instead would cost a full padded step per bucket."""
-    if impl in READ_THEN_WRITE:
-        forward = forward_jit.lower(params, pages, batch, sa, cfg=cfg, impl=impl)
-        forward.compile()
-        new_kv = forward.out_info[0]
-        write_jit.lower(pages, new_kv, batch.slots).compile()
-    else:
-        fused_jit.lower(params, pages, batch, sa, cfg=cfg, impl=impl).compile()
+    for _, lowered in lower_step(params, pages, batch, sa, cfg=cfg, backend=backend):
+        lowered.compile()
 
 
-def flat_pages(impl: str, c: int, b: int, p: int) -> int | None:
+def flat_pages(backend: Backend, c: int, b: int, p: int) -> int | None:
     """The reference attention lists the cached pages it reads flat instead of a [B, P] table:
     B*P of them for a decode batch (P the rows' average), P for a packed prefill (all its
     sequences together). None: a kernel reads [B, P] tables."""
-    if impl != "reference":
+    if not backend.flat_pages:
         return None
     return b * p if c == 1 else p
 
 
-def placeholder_inputs(b: int, c: int, p: int, impl: str = "reference") -> tuple[Batch, SamplingArrays]:
+def placeholder_inputs(b: int, c: int, p: int, backend: Backend) -> tuple[Batch, SamplingArrays]:
     """All-padding step inputs of bucket shape (B, C, P): what warm-up compiles against."""
-    n = flat_pages(impl, c, b, p)
+    n = flat_pages(backend, c, b, p)
     if n is not None:
         return Batch.zeros(b, c, 0, b, n=n), SamplingArrays.from_rows([], b)
     return Batch.zeros(b, c, p, b), SamplingArrays.from_rows([], b)
 
 
 class Runner:
-    def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig):
-        if ecfg.attention not in (*READS_BEFORE_STEP, "pallas"):  # "auto" is the Engine's to resolve
-            raise ValueError(f"Runner needs a resolved attention impl, got {ecfg.attention!r}")
-        self.mcfg, self.ecfg = mcfg, ecfg
-        self._flat = ecfg.attention == "reference"  # flat page lists (see flat_pages)
-        self._cache_only = ecfg.attention in READS_BEFORE_STEP  # the step's own K/V come separately
-        self.buckets = Buckets.for_config(ecfg)
+    def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend):
+        self.mcfg, self.ecfg, self.backend = mcfg, ecfg, backend
+        self._flat = backend.flat_pages  # flat page lists (see flat_pages)
+        self._cache_only = backend.reads_before_step  # the step's own K/V come separately
+        self.buckets = Buckets.for_config(ecfg, backend)
         self.ps = ecfg.page_size
 
     def _pages_needed(self, start: int, end: int) -> int:
@@ -259,7 +264,7 @@ class Runner:
         )
         s = batch.sample_idx.shape[0]
         sa = SamplingArrays.from_rows([(q.params, q.seed, len(q.output_ids)) for q, _ in rows], s)
-        pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, impl=self.ecfg.attention)
+        pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend)
         n_rows = len(rows)
         tok, lp, ti, tl = jax.device_get(out)  # one host copy per call
         return pages, (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
@@ -287,11 +292,12 @@ class Runner:
 
         shapes = self.buckets.shapes()
         bar = tqdm(total=len(shapes), desc="hotswap: compiling steps", disable=not progress, leave=False)
-        impl = self.ecfg.attention
+        backend = self.backend
         counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
         for b, c, p in shapes:
             with compile_cache.CompileCounter() as n:
-                compile_step(params, pages, *placeholder_inputs(b, c, p, impl), cfg=self.mcfg, impl=impl)
+                inputs = placeholder_inputs(b, c, p, backend)
+                compile_step(params, pages, *inputs, cfg=self.mcfg, backend=backend)
             kind = "compiled" if n.programs > n.loaded else "from_cache" if n.loaded else "in_memory"
             counts[kind] += 1
             doing = "loading cached steps" if kind == "from_cache" else "compiling steps"

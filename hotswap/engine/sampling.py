@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hotswap.errors import RequestError
+from hotswap.kernels.reference import argmax, argmax_logsumexp  # the jnp twins of the CPU kernel
 
 TOP_LOGPROBS = 20  # the most top-logprobs a request may ask for (as in vLLM/OpenAI)
 
@@ -91,15 +92,6 @@ class SamplingArrays:
         return SamplingArrays(t, k, p, m, s, st, top)
 
 
-def argmax(x: jax.Array) -> jax.Array:
-    """First index of each row's max, as jnp.argmax: two vector reductions. XLA:CPU runs
-    argmax's (value, index) reduce as scalar code: 2.2 ms on a [32, 32k] block vs 0.5 ms."""
-    m = jnp.max(x, axis=-1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    # A NaN row has no element equal to its max: clamp into range rather than return V.
-    return jnp.min(jnp.where(x == m, iota, x.shape[-1] - 1), axis=-1)
-
-
 def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
     """Temperature + top-k + top-p + min-p, then a categorical draw per row."""
     v = logits.shape[-1]
@@ -133,16 +125,11 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arr
     return top - lse[:, None], ids
 
 
-def argmax_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's argmax (`argmax`) and logsumexp: what `sample` needs of every row."""
-    return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
-
-
 def sample(
     logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
-    `row_stats`: `argmax_logsumexp` or a kernel with its results (`cpu_sampling`)."""
+    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`)."""
     # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
     # and re-reading it cost about 3 ms of a 35 ms batch-32 step on bench-100m's 32k vocab).
     greedy, lse = row_stats(logits)

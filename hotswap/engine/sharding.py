@@ -31,6 +31,7 @@ from hotswap.config import ModelConfig
 from hotswap.engine.params import Params
 from hotswap.engine.spec import is_spec, param_specs
 from hotswap.errors import ConfigError
+from hotswap.kernels.backend import Backend
 
 TP = "tp"  # the tensor-parallel mesh axis
 
@@ -52,6 +53,9 @@ RULES: dict[str, str | None] = {
 # [num_pages, page_size, 2*kv_heads, head_dim]: K of head h at 2h, V at 2h+1, so a
 # contiguous block of the axis holds whole (K, V) pairs when kv_heads % tp == 0.
 KV_AXES = ("kv_pages", "page_slots", "kv_heads", "head_dim")
+# The Pallas layout [num_pages, page_size, 2*kv_heads*head_dim] (Backend.page_shape): the lane
+# axis is ordered by kv head, so it splits like kv_heads, each device its heads' whole pairs.
+KV_FOLDED_AXES = ("kv_pages", "page_slots", "kv_heads")
 
 
 def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
@@ -102,10 +106,11 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
     return jax.tree.map(lambda s: _named(mesh, s.axes), param_specs(cfg), is_leaf=is_spec)
 
 
-def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis."""
+def kv_sharding(cfg: ModelConfig, mesh: Mesh, folded: bool = False) -> NamedSharding:
+    """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis
+    (folded: the lane axis of the Pallas layout, `Backend.folded_pages`)."""
     check_divisible(cfg, mesh)
-    return _named(mesh, KV_AXES)
+    return _named(mesh, KV_FOLDED_AXES if folded else KV_AXES)
 
 
 def engine_shardings(
@@ -120,3 +125,24 @@ def engine_shardings(
         )
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
     return param_shardings(cfg, mesh), kv_sharding(cfg, mesh)
+
+
+def engine_backend(
+    cfg: ModelConfig, attention: str, kv: NamedSharding | None = None, device: jax.Device | None = None
+) -> tuple[Backend, NamedSharding | None]:
+    """The engine's Backend (`Backend.choose`, from the devices its cache is on) and the KV
+    sharding in that backend's page layout. `kv` None: one device, `device` (default: the
+    first of `jax.devices()`; a topology's chip when compiling ahead of time)."""
+    mesh = None if kv is None else kv.mesh
+    devices = list(kv.device_set) if kv is not None else None if device is None else [device]
+    backend = Backend.choose(
+        attention,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+        devices=devices,
+        mesh=mesh,
+        head_axis=RULES["kv_heads"],
+    )
+    if mesh is not None:  # split by kv head, in the backend's page layout
+        kv = kv_sharding(cfg, mesh, folded=backend.folded_pages)
+    return backend, kv

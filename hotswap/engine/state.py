@@ -20,12 +20,15 @@ from hotswap.config import EngineConfig, ModelConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.params import Params
 from hotswap.engine.prefix import PrefixIndex
+from hotswap.kernels.backend import Backend
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer page buffers `[num_pages, page_size, 2*kv_heads, head_dim]` (K/V interleaved).
+    """Per-layer page buffers `[num_pages, page_size, 2*kv_heads, head_dim]` (K/V interleaved),
+    or `[num_pages, page_size, 2*kv_heads*head_dim]` (the same, lane-folded) for the Pallas
+    kernel: the layout is the Backend's (`Backend.page_shape`).
 
     `page_version[p]` is the weights version that last wrote page p (-1: never).
     It is host metadata, kept beside the device buffers so a page's provenance
@@ -68,8 +71,16 @@ class EngineState:
         return dataclasses.replace(self, kv=KVCache(pages=pages, page_version=self.kv.page_version))
 
 
-def new_kv_cache(mcfg: ModelConfig, ecfg: EngineConfig, dtype: str | None = None, sharding=None) -> KVCache:
-    shape = (ecfg.num_pages, ecfg.page_size, 2 * mcfg.num_kv_heads, mcfg.head_dim)
+def new_kv_cache(
+    mcfg: ModelConfig,
+    ecfg: EngineConfig,
+    dtype: str | None = None,
+    sharding=None,
+    backend: Backend | None = None,
+) -> KVCache:
+    """Empty pages in `backend`'s layout (None: `[.., 2*kv_heads, head_dim]`, the CPU paths')."""
+    dims = (ecfg.num_pages, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
+    shape = backend.page_shape(*dims) if backend is not None else (*dims[:2], 2 * dims[2], dims[3])
     dt = jnp.dtype(dtype or mcfg.dtype)
     # Always committed to a sharding: uncommitted buffers would key a separate jit
     # cache entry from the step's own (committed) outputs and recompile once.
@@ -78,11 +89,13 @@ def new_kv_cache(mcfg: ModelConfig, ecfg: EngineConfig, dtype: str | None = None
     return KVCache(pages=pages, page_version=np.full(ecfg.num_pages, -1, np.int64))
 
 
-def initial_state(params: Params, mcfg: ModelConfig, ecfg: EngineConfig, version: int = 1, kv_sharding=None):
+def initial_state(
+    params: Params, mcfg: ModelConfig, ecfg: EngineConfig, version: int = 1, kv_sharding=None, backend=None
+):
     return EngineState(
         params=params,
         weights_version=version,
-        kv=new_kv_cache(mcfg, ecfg, sharding=kv_sharding),
+        kv=new_kv_cache(mcfg, ecfg, sharding=kv_sharding, backend=backend),
         prefix=PrefixIndex.empty(ecfg.num_pages),
         pool=PagePool.empty(ecfg.num_pages),
     )

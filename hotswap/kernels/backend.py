@@ -1,0 +1,277 @@
+"""Backend: which attention, KV write, matmuls and sampler statistics a step runs, and the page
+layout they read, chosen once from the engine's devices, its mesh and the config.
+
+`Backend.choose` is the only place that decides. It looks at the platform of the devices the
+engine runs on (not `jax.default_backend()`: compiling ahead of time for TPU devices from
+`jax.experimental.topologies` happens on a CPU host), at how many devices hold the cache, and at
+the model's head_dim, and logs one line saying what it picked and why. The frozen value is the
+jitted steps' static argument, so every step kind is compiled for one backend.
+
+| attention   | where                                    | reads                                 |
+|-------------|------------------------------------------|---------------------------------------|
+| "pallas"    | TPU ("auto"); interpreted elsewhere      | writes the step's K/V, then reads     |
+| "cpu"       | one CPU device, C++ kernels built ("auto") | cache before the step + own K/V; writes |
+| "reference" | everything else ("auto")                 | cache before the step + own K/V       |
+
+The Pallas pages are lane-folded `[num_pages, ps, 2*Hkv*hd]` (`ragged_paged_attention`): on TPU
+that is the layout its Mosaic call reads in place for head_dim 64 as for 128. The CPU paths keep
+`[num_pages, ps, 2*Hkv, hd]` (the same bytes in the same order): the C++ kernel and the jnp
+reference index heads on their own axis. Under tensor parallelism the Pallas attention and its
+KV write run in `shard_map` over the kv-head mesh axis: Mosaic calls cannot be partitioned
+automatically, and each chip owns whole (K, V) pairs of its heads, so no collective touches a
+KV-sized array. The finiteness check of new weights is not here: it runs on arrays wherever they
+are, before any engine exists (checkpoint loads), and `finite.py` decides it per array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from hotswap.errors import ConfigError
+from hotswap.kernels import cpu_attention, cpu_build, cpu_matmul, cpu_sampling, reference
+
+log = logging.getLogger(__name__)
+
+ATTENTIONS = ("pallas", "cpu", "reference")  # what "auto" resolves to
+# The dtypes the C++ attention reads and writes (activations and pages): f32 and bf16, with f32
+# softmax and accumulation either way. The C++ matmuls and sampler statistics take f32 only; a
+# bf16 step runs its matmuls on XLA's dot (f32 accumulation) and its logits are f32 (model.py).
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+def jnp_matmuls(x: jax.Array, ws) -> list[jax.Array]:
+    """[x @ w for w in ws]: the matmul routine's interface (`Backend.matmuls`)."""
+    return [x @ w for w in ws]
+
+
+def _pallas_on_tpu_problem(head_dim: int) -> str | None:
+    """Why the Mosaic kernel cannot read this model's pages in place (None: it can)."""
+    if head_dim % 64:
+        return (
+            f"head_dim {head_dim} is not a multiple of 64: a head's (K, V) pair would not fill whole "
+            "128-lane groups of the folded pages"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    attention: str  # one of ATTENTIONS
+    platform: str  # of the engine's devices: "tpu", "cpu", "gpu"
+    mesh: Mesh | None = None  # the cache's mesh when it spans more than one device
+    head_axis: str | None = None  # the mesh axis kv heads are split over (with mesh)
+    reason: str = dataclasses.field(default="", compare=False)
+
+    @staticmethod
+    def choose(
+        attention: str,
+        *,
+        head_dim: int,
+        dtype: str = "float32",
+        devices: Sequence[Any] | None = None,
+        mesh: Mesh | None = None,
+        head_axis: str | None = None,
+    ) -> Backend:
+        """`attention` ("auto" or one of ATTENTIONS) for a model of `head_dim` and `dtype` on
+        `devices` (default: the first of `jax.devices()`) or on `mesh` (its devices; kv heads
+        split over `head_axis`).
+        An explicit choice that cannot run here raises ConfigError saying why."""
+        if mesh is not None:
+            devices = list(mesh.devices.flat)
+        devices = list(devices) if devices is not None else jax.devices()[:1]
+        platform, n = devices[0].platform, len(devices)
+        if mesh is not None and mesh.size > 1 and head_axis not in mesh.axis_names:
+            raise ConfigError(
+                f"the mesh has axes {mesh.axis_names}, none of them the kv-head axis {head_axis!r}"
+            )
+        where = f"{n} {platform} device{'s' if n > 1 else ''}"
+        if attention == "auto":
+            attention, why = _auto(platform, n, head_dim, dtype)
+        else:
+            why = _check(attention, platform, n, head_dim, dtype, where)
+        backend = Backend(
+            attention=attention,
+            platform=platform,
+            mesh=mesh if mesh is not None and mesh.size > 1 else None,
+            head_axis=head_axis if mesh is not None and mesh.size > 1 else None,
+            reason=why,
+        )
+        log.info("hotswap backend: attention=%s on %s: %s", attention, where, why)
+        return backend
+
+    # ---- what the steps read ------------------------------------------------
+
+    @property
+    def interpret(self) -> bool:
+        """Pallas runs interpreted off TPU (its scalar prefetch lowers only through Mosaic)."""
+        return self.platform != "tpu"
+
+    @property
+    def read_then_write(self) -> bool:
+        """The step reads the cache untouched and its K/V are written by a second donated
+        program (`write`): fusing XLA's scatter with the reads made XLA:CPU copy every layer."""
+        return self.attention == "reference"
+
+    @property
+    def reads_before_step(self) -> bool:
+        """Attention reads the cache as it was before the step plus the step's own K/V."""
+        return self.attention in ("reference", "cpu")
+
+    @property
+    def flat_pages(self) -> bool:
+        """The cached pages come as one flat list (`Batch.page_ids`), not [B, P] block tables."""
+        return self.attention == "reference"
+
+    @property
+    def folded_pages(self) -> bool:
+        """Pages are `[num_pages, ps, 2*Hkv*hd]` (see module doc), not `[.., 2*Hkv, hd]`."""
+        return self.attention == "pallas"
+
+    def page_shape(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        if self.folded_pages:
+            return (num_pages, page_size, 2 * kv_heads * head_dim)
+        return (num_pages, page_size, 2 * kv_heads, head_dim)
+
+    @property
+    def matmuls(self):
+        """`(x, [w, ...]) -> [x @ w, ...]`: on the C++ backend, hotswap's C++ matmul for
+        decode-sized row counts, one call for the weights that share x (`cpu_matmul.matmuls`
+        falls back to XLA's dot otherwise)."""
+        return cpu_matmul.matmuls if self.attention == "cpu" else jnp_matmuls
+
+    @property
+    def row_stats(self):
+        """Each logits row's (argmax, logsumexp), what the sampler needs of every row."""
+        return cpu_sampling.argmax_logsumexp if self.attention == "cpu" else reference.argmax_logsumexp
+
+    # ---- the step's attention -----------------------------------------------
+
+    def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+        """A layer's K/V into its pages, for `read_then_write` (run as its own donated program)."""
+        return reference.write_kv(pages, k, v, slots)
+
+    def attend(self, q, k, v, pages, batch, scale: float):
+        """One layer's attention for the step: (output [B, C, Hq, hd], the layer's pages after
+        the step). `batch` is the step's `Batch`. The jnp reference leaves the pages as they were
+        (the engine writes k/v after the step, `write`); the C++ kernel reads, then writes k/v
+        into its aliased page buffer; Pallas writes first and reads the written pages."""
+        if self.attention == "cpu":
+            return cpu_attention.paged_attention(
+                q,
+                pages,
+                k,
+                v,
+                batch.block_tables,
+                batch.positions,
+                batch.chunk_starts,
+                batch.kv_lens,
+                scale=scale,
+                slots=batch.slots,
+            )
+        if self.attention == "reference" and q.shape[1] == 1:
+            o = reference.decode_attention(
+                q,
+                pages,
+                k,
+                v,
+                batch.page_ids,
+                batch.page_rows,
+                batch.page_cols,
+                batch.chunk_starts,
+                scale=scale,
+            )
+            return o, pages
+        if self.attention == "reference":
+            o = reference.prefill_attention(
+                q,
+                pages,
+                k,
+                v,
+                batch.page_ids,
+                batch.page_rows,
+                batch.page_cols,
+                batch.positions,
+                batch.kv_lens,
+                batch.chunk_starts,
+                batch.segments,
+                scale=scale,
+            )
+            return o, pages
+        return self._pallas(q, k, v, pages, batch, scale)
+
+    def _pallas(self, q, k, v, pages, batch, scale: float):
+        from hotswap.kernels import ragged_paged_attention
+
+        def local(q, k, v, pages, block_tables, positions, kv_lens, slots):
+            written = reference.write_kv(pages, k, v, slots)
+            o = ragged_paged_attention.paged_attention(
+                q, written, block_tables, positions, kv_lens, scale=scale, interpret=self.interpret
+            )
+            return o, written
+
+        args = (q, k, v, pages, batch.block_tables, batch.positions, batch.kv_lens, batch.slots)
+        if self.mesh is None:
+            return local(*args)
+        heads = PartitionSpec(None, None, self.head_axis, None)  # q, k, v, out: [B, C, H, hd]
+        lanes = PartitionSpec(None, None, self.head_axis)  # pages: each device its heads' lanes
+        rep = PartitionSpec()
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(heads, heads, heads, lanes, rep, rep, rep, rep),
+            out_specs=(heads, lanes),
+            check_vma=False,  # the Pallas call has no replication rule
+        )(*args)
+
+
+def _auto(platform: str, n: int, head_dim: int, dtype: str) -> tuple[str, str]:
+    """What "auto" means here, and why."""
+    if platform == "tpu":
+        problem = _pallas_on_tpu_problem(head_dim)
+        if problem is None:
+            return "pallas", "TPU: the Pallas kernel"
+        return "reference", f"TPU, but {problem}: the jnp reference"
+    if platform == "cpu" and n == 1 and dtype not in CPU_DTYPES:
+        return "reference", f"one CPU device, but the C++ kernels do not take {dtype}: the jnp reference"
+    if platform == "cpu" and n == 1:
+        if cpu_build.available():
+            return "cpu", "one CPU device: the C++ kernels"
+        return "reference", "one CPU device, but the C++ kernels did not build: the jnp reference"
+    if platform == "cpu":
+        # An opaque custom call would make GSPMD gather a head-sharded cache around it.
+        return "reference", f"the cache spans {n} CPU devices (the C++ kernels run on one): the jnp reference"
+    return "reference", f"{platform}: the jnp reference (the Pallas kernel is TPU-only)"
+
+
+def _check(attention: str, platform: str, n: int, head_dim: int, dtype: str, where: str) -> str:
+    """Why an explicit choice runs here, or a ConfigError saying why it cannot."""
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention={attention!r}; use 'auto' or one of {', '.join(ATTENTIONS)}")
+    if attention == "cpu":
+        if platform != "cpu" or n != 1:
+            raise ConfigError(
+                "attention='cpu' runs on the CPU backend with the KV cache on one device; "
+                f"here the cache is on {where}: use 'auto'"
+            )
+        if dtype not in CPU_DTYPES:
+            raise ConfigError(
+                f"attention='cpu' takes dtype {' or '.join(CPU_DTYPES)}, not {dtype!r}: "
+                "use attention='auto' (the jnp reference for this dtype) or another dtype"
+            )
+        if not cpu_build.available():
+            raise ConfigError("attention='cpu' needs the C++ kernels, which did not build here: use 'auto'")
+        return "asked for: the C++ kernels"
+    if attention == "pallas" and platform == "tpu":
+        problem = _pallas_on_tpu_problem(head_dim)
+        if problem is not None:
+            raise ConfigError(f"attention='pallas' on TPU: {problem}; use 'auto' or 'reference'")
+        return "asked for: the Pallas kernel"
+    if attention == "pallas":
+        return f"asked for: the Pallas kernel, interpreted ({platform} has no Mosaic)"
+    return "asked for: the jnp reference"
