@@ -117,7 +117,10 @@ def check_kernel(smoke: bool) -> dict:
                 scale = 1.0 / math.sqrt(hd)
                 with jax.default_matmul_precision("highest"):
                     ref = jax.jit(reference.paged_attention, static_argnames="scale")(*args, scale=scale)
-                out = ragged_paged_attention.paged_attention(*args, scale=scale)
+                q, pages, *rest = args  # the kernel reads the lane-folded layout (Backend.page_shape)
+                out = ragged_paged_attention.paged_attention(
+                    q, reference.fold_pages(pages), *rest, scale=scale
+                )
                 err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
                 cases.append(
                     {"hd": hd, "dtype": jnp.dtype(dtype).name, "c": c, "max_abs_err": err, "ok": err <= tol}
@@ -244,8 +247,7 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
     else:
         hf, batches, ctx, steps = load_preset("llama-3.2-1b"), (1, 32, 128), 1024, 20
     mcfg = ModelConfig.from_hf(hf, dtype="bfloat16")
-    platform = jax.default_backend()
-    impl = "pallas" if platform == "tpu" else "auto"  # the compiled kernel where there is one
+    impl = "auto"  # Backend.choose: the compiled Pallas kernel on TPU
     ps = 16
     ecfg = EngineConfig(
         page_size=ps,
@@ -258,7 +260,7 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
     )
     params = _random_params(abstract_params(mcfg))
     engine = Engine(mcfg, params, ecfg, warmup=False, progress=False)
-    run, impl = engine.runner, engine.ecfg.attention
+    run, backend, impl = engine.runner, engine.backend, engine.ecfg.attention
     params, pages = engine.state.params, engine.state.kv.pages
     pps = ecfg.pages_per_seq
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"].nbytes
@@ -278,15 +280,15 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
             [(SamplingParams(temperature=0.0), 0, 0)] * b, batch.sample_idx.shape[0]
         )
         t0 = time.perf_counter()
-        pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, impl=impl)
+        pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
         jax.device_get(out)
         first = time.perf_counter() - t0
         for _ in range(2):
-            pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, impl=impl)
+            pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
             jax.device_get(out)
         t0 = time.perf_counter()
         for _ in range(steps):  # one host copy per step, as the engine does
-            pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, impl=impl)
+            pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
             jax.device_get(out)
         step_s = (time.perf_counter() - t0) / steps
         kv_pages = b * math.ceil((ctx + 1) / ps)
