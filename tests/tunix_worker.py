@@ -21,7 +21,7 @@ import optax
 import transformers
 from flax import nnx
 from grain import python as grain
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
@@ -181,50 +181,40 @@ def _pointers(x) -> list[int]:
 
 
 def zero_copy(tok) -> dict:
-    """A state already on the engine's sharding (tp=2) is swapped in without copies of its
-    [in, out] leaves, under jax.transfer_guard("disallow")."""
+    """A state already on the engine's sharding (tp=2) is swapped in without a copy of any
+    leaf (attention included: Tunix's head-split layout is hotswap's), under
+    jax.transfer_guard("disallow")."""
+    from hotswap.engine.spec import is_spec, param_specs
+
     mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO)
     hs = HotswapRollout(rollout_actor=model(0), tokenizer=tok, mesh=mesh)
     engine = hs.llm.engine
     new = model(2)
     state = nnx.state(new, nnx.Param)
-    specs = {
-        # the engine's shardings, in the NNX layout: heads split out of the column/row axis
-        "q_proj": PartitionSpec(None, "tp", None),
-        "k_proj": PartitionSpec(None, "tp", None),
-        "v_proj": PartitionSpec(None, "tp", None),
-        "o_proj": PartitionSpec("tp", None, None),
-    }
     flat = []
     for path, var in nnx.to_flat_state(state):
         name = ".".join(map(str, path))
-        proj = next((k for k in specs if f".{k}." in f".{name}"), None)
-        if proj is not None:
-            target = NamedSharding(hs.llm.engine.abstract["embed"].sharding.mesh, specs[proj])
-        else:
-            target = _engine_sharding(hs, name)
-        flat.append((path, var.replace(jax.device_put(var[...], target))))
+        flat.append((path, var.replace(jax.device_put(var[...], _engine_sharding(hs, name)))))
     state = nnx.from_flat_state(flat)
-    before = {
-        "embed": _pointers(state["embedder"]["input_embedding"][...]),
-        "w_up": _pointers(state["layers"][0]["mlp"]["up_proj"]["kernel"][...]),
-        "final_norm": _pointers(state["final_norm"]["w"][...]),
-        "lm_head": _pointers(state["lm_head"]["w"][...]),
-    }
+    given = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
+    rows = jax.tree.leaves(param_specs(hs.llm.config), is_leaf=is_spec)
+    before = {s.name: _pointers(given[s.nnx_name]) for s in rows}
     with jax.transfer_guard("disallow"):
         hs.update_params(state)
     p = engine.state.params
-    after = {
-        "embed": _pointers(p["embed"]),
-        "w_up": _pointers(p["layers"][0]["w_up"]),
-        "final_norm": _pointers(p["final_norm"]),
-        "lm_head": _pointers(p["lm_head"]),
-    }
+    after = {s.name: _pointers(x) for s, x in zip(rows, jax.tree.leaves(p), strict=True)}
+    same_object = {s.name: x is given[s.nnx_name] for s, x in zip(rows, jax.tree.leaves(p), strict=True)}
     wq = p["layers"][0]["wq"]
     return {
         "version": hs.weights_version,
-        "same_buffers": {k: before[k] == after[k] for k in before},
-        "wq_sharding_ok": wq.sharding.is_equivalent_to(engine.abstract["layers"][0]["wq"].sharding, 2),
+        "same_buffers": {
+            k: before[n] == after[n]
+            for k, n in (("embed", "embed"), ("w_up", "layers.0.w_up"), ("final_norm",) * 2, ("lm_head",) * 2)
+        },
+        "every_leaf_same_buffers": {k: before[k] == after[k] for k in before},
+        "every_leaf_same_object": same_object,
+        "shards_per_leaf": sorted({len(v) for v in after.values()}),
+        "wq_sharding_ok": wq.sharding.is_equivalent_to(engine.abstract["layers"][0]["wq"].sharding, wq.ndim),
     }
 
 

@@ -64,21 +64,21 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def jnp_matmuls(x: jax.Array, ws) -> list[jax.Array]:
-    """[x @ w for w in ws]: the matmul routine's interface (`matmuls_for`)."""
-    return [x @ w for w in ws]
+def jnp_matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+    """The matmul routine's interface (`matmuls_for`): each w contracted over x's last
+    `contract` dims and w's first, `[..., K...] x [K..., N...] -> [..., N...]` (one dot_general,
+    so the head-split attention weights are used in their own layout, no relayout)."""
+    return [jnp.tensordot(x, w, axes=contract) for w in ws]
 
 
 def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
-    `mms` is the matmul routine (`matmuls_for`)."""
+    `mms` is the matmul routine (`matmuls_for`); wq [D, Hq, hd], wk/wv [D, Hkv, hd]."""
     q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    lead = h.shape[:-1]
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qkv_bias:  # biases are flat [H*hd], as checkpoints store them
+        q = q + lp["bq"].reshape(cfg.num_heads, cfg.head_dim)
+        k = k + lp["bk"].reshape(cfg.num_kv_heads, cfg.head_dim)
+        v = v + lp["bv"].reshape(cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -189,13 +189,12 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, im
     before it optimizes, so the compiled step is the same. Start-up (which traces every
     bucket even when the compiled programs come from the persistent cache) pays for one
     layer, not `num_layers`."""
-    b, c = batch.tokens.shape
     mms = matmuls_for(impl)
     with jax.named_scope("layer"):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, cfg, h, rope, mms)
         o, layer_pages = _attend(impl, q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
-        x = x + mms(o.reshape(b, c, cfg.q_size), (lp["wo"],))[0]
+        x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
         return _mlp(lp, cfg, x, mms), (k, v), layer_pages
 
 
@@ -221,7 +220,7 @@ def forward_dense(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg:
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, cfg, h, rope)
         o = reference.dense_causal_attention(q, k, v, lengths, scale=scale)
-        x = x + o.reshape(*tokens.shape, cfg.q_size) @ lp["wo"]
+        x = x + jnp_matmuls(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
         x = _mlp(lp, cfg, x)
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
 
