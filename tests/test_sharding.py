@@ -29,7 +29,8 @@ def result(tmp_path_factory):
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(HERE),  # the worker imports tests/helpers.py
+        # the worker imports tests/helpers.py, and this checkout's hotswap (not an installed one)
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
     }
     proc = subprocess.run(
         [sys.executable, str(HERE / "sharding_worker.py"), str(tmp_path_factory.mktemp("sharded"))],

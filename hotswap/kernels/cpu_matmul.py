@@ -46,7 +46,7 @@ def matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
     if not f32 or rows > max_rows():
         return [jnp.tensordot(x, w, axes=contract) for w in ws]
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
-    flat = [w.reshape(k, -1) for w in ws]  # [K, N]
+    flat = [w.reshape(k, math.prod(w.shape[contract:])) for w in ws]  # [K, N]
     ys = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32) for w in flat])(
         x.reshape(rows, k), *flat
     )
