@@ -79,6 +79,7 @@ def test_update_params_on_the_engine_sharding_makes_no_copy(result):
     assert {"layers.1.wq", "layers.1.wk", "layers.1.wv", "layers.1.wo"} <= every.keys()
     assert all(z["every_leaf_same_object"].values()), z["every_leaf_same_object"]
     assert z["shards_per_leaf"] == [2]  # every leaf spans both devices of the tp=2 mesh
+    assert not z["new_rollout_shares_actor"]  # so Tunix's learner syncs after every step
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner as grpo_lib
+from tunix.rl import utils as rl_utils
 from tunix.rl.rollout import base_rollout, vanilla_rollout
 
 from hotswap.checkpoint import create
@@ -196,6 +197,11 @@ def zero_copy(tok) -> dict:
         name = ".".join(map(str, path))
         flat.append((path, var.replace(jax.device_put(var[...], _engine_sharding(hs, name)))))
     state = nnx.from_flat_state(flat)
+    # A rollout built from an actor already on the engine's sharding starts on its own copy:
+    # Tunix compares model() with the actor once, and would never sync one that shares it.
+    graphdef, _, rest = nnx.split(new, nnx.Param, ...)
+    placed = nnx.merge(graphdef, state, rest)
+    starts_shared = rl_utils.is_sharing_weights(placed, HotswapRollout(placed, tok, mesh=mesh).model())
     given = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
     rows = jax.tree.leaves(param_specs(hs.llm.config), is_leaf=is_spec)
     before = {s.name: _pointers(given[s.nnx_name]) for s in rows}
@@ -214,6 +220,7 @@ def zero_copy(tok) -> dict:
         "every_leaf_same_buffers": {k: before[k] == after[k] for k in before},
         "every_leaf_same_object": same_object,
         "shards_per_leaf": sorted({len(v) for v in after.values()}),
+        "new_rollout_shares_actor": bool(starts_shared),
         "wq_sharding_ok": wq.sharding.is_equivalent_to(engine.abstract["layers"][0]["wq"].sharding, wq.ndim),
     }
 

@@ -90,7 +90,7 @@ class LLM:
     def from_flax(cls, model, *, tokenizer: Tokenizer | None = None, **engine_kwargs) -> LLM:
         """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
         checkpoint directory: its params are mapped by the spec table (`integrations/flax.py`),
-        reshapes only. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
+        leaf to leaf, no copy where already on the engine's sharding. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
 
         >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
         >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
@@ -248,7 +248,7 @@ class LLM:
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
         a `hotswap.transfer.TransferRef` another JAX process published: pulled device to device, or a
-        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped by reshapes).
+        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.

@@ -9,8 +9,9 @@ The engine serves the actor's weights (Llama3, Qwen2, Qwen3), mapped by the spec
 (`integrations/flax.py`); with a mesh that has a `tp` axis it is sharded over it, otherwise
 it runs on one device. Every weight sync (`update_params`) is hotswap's pure
 `update_weights`: version + 1 and an empty prefix cache, so no token of a step is computed
-over KV from older weights. Leaves already on the engine's sharding are used as they are
-and reshapes run on their devices: a sync moves nothing to the host.
+over KV from older weights. Tunix's models use hotswap's params layout, so a state maps
+leaf to leaf: leaves already on the engine's sharding are served from their own buffers
+(no copy), others are resharded on their devices. A sync moves nothing to the host.
 
 `generate` returns `RolloutOutput` shaped as Tunix's vanilla rollout returns it: `tokens`
 unpadded without EOS, `left_padded_prompt_tokens` padded to `max_prompt_length` (or the
@@ -95,9 +96,13 @@ class HotswapRollout(base_rollout.BaseRollout):
         )
         # The actor's graph and non-Param state rebuild `model()` from the engine's weights.
         self._graphdef, self._param_like, self._rest = nnx.split(rollout_actor, nnx.Param, ...)
+        # The engine starts on a copy of the actor's weights (on their devices): Tunix compares
+        # `model()` with the trainer's actor once, at start, and never syncs a rollout that
+        # shares its arrays; a shared start would also serve buffers the trainer donates.
+        own = nnx.merge(self._graphdef, jax.tree.map(jnp.copy, self._param_like), self._rest)
         cache = rollout_config.kv_cache_size if rollout_config is not None else 1024
         self.llm = LLM.from_flax(
-            rollout_actor,
+            own,
             page_size=page_size,
             num_pages=num_pages,
             max_model_len=max_model_len or cache,
@@ -127,8 +132,9 @@ class HotswapRollout(base_rollout.BaseRollout):
     def model(self) -> nnx.Module:
         """The weights being served, as the actor's NNX module (rebuilt once per version).
 
-        Its arrays are the engine's (reshaped), never the trainer's, so Tunix's learner
-        sees two copies and syncs after every step.
+        Its arrays are the engine's: at start a copy of the actor's (so Tunix's learner sees
+        two copies and syncs after every step), after a sync the synced state's own arrays
+        where they were already on the engine's sharding.
         """
         v = self.llm.weights_version
         if self._model is None or self._model[0] != v:
