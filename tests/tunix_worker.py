@@ -26,8 +26,8 @@ from tunix.generate import tokenizer_adapter
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import rl_cluster as rl_cluster_lib
-from tunix.rl.grpo import grpo_learner as grpo_lib
 from tunix.rl import utils as rl_utils
+from tunix.rl.grpo import grpo_learner as grpo_lib
 from tunix.rl.rollout import base_rollout, vanilla_rollout
 
 from hotswap.checkpoint import create
