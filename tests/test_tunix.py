@@ -56,6 +56,9 @@ def test_greedy_tokens_and_logps_match_vanilla_rollout(result):
     assert v["hotswap_logits"] == v["vanilla_logits"] == []
     assert set(v["tokens_dtype"]) == {"int32"}
     assert v["logp_max_diff"] < 1e-4
+    # sampled at temperature 0.7: rollout log-probs of softmax(logits / 0.7), as vanilla returns
+    assert v["scaled_logprob_max_diff"]["vanilla"] < 1e-4  # the oracle is vanilla's definition
+    assert v["scaled_logprob_max_diff"]["hotswap"] < 1e-4
 
 
 def test_sync_empties_the_prefix_cache_and_matches_a_fresh_engine(result):

@@ -25,6 +25,7 @@ from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
+from tunix.rl import common
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl import utils as rl_utils
 from tunix.rl.grpo import grpo_learner as grpo_lib
@@ -136,7 +137,47 @@ def vs_vanilla(tok) -> dict:
     lv = np.asarray(van.get_per_token_logps(jnp.asarray(a.left_padded_prompt_tokens), jnp.asarray(comp)))
     lh = np.asarray(hs.get_per_token_logps(a.left_padded_prompt_tokens, comp))
     mask = comp != adapter.pad_id()
+    # Sampled at temperature 0.7: rollout log-probs are the scaled distribution's, as vanilla's.
+    # The oracle is Tunix's compute_per_token_logps at that temperature: it matches vanilla's
+    # own log-probs on vanilla's tokens, and hotswap's on hotswap's (the draws differ).
+    rt = base_rollout.RolloutConfig(
+        max_tokens_to_generate=8,
+        max_prompt_length=16,
+        kv_cache_size=256,
+        temperature=0.7,
+        top_p=1.0,
+        seed=0,
+        return_logprobs=True,
+    )
+    graphdef, state = nnx.split(m)
+
+    def scaled_diff(out) -> float:
+        c = padded_completions(out.tokens, adapter.pad_id())
+        want = common.compute_per_token_logps(
+            graphdef,
+            state,
+            prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+            completion_tokens=jnp.asarray(c),
+            pad_id=adapter.pad_id(),
+            eos_id=adapter.eos_id(),
+            temperature=0.7,
+            stop_gradient=True,
+            return_logits=False,
+        )
+        got = np.zeros(c.shape, np.float32)
+        for i, lp in enumerate(out.logprobs):
+            got[i, : len(out.tokens[i])] = lp[: len(out.tokens[i])]
+        # up to the first pad id: a sampled token equal to it (a draw at 0.7 can be one) is
+        # masked out of the oracle's attention, so its later positions are not teacher forcing
+        valid = np.cumprod(c != adapter.pad_id(), axis=1).astype(bool)
+        return float(np.max(np.abs(np.where(valid, np.asarray(want) - got, 0.0))))
+
+    scaled = {
+        "vanilla": scaled_diff(van.generate(PROMPTS, rt)),
+        "hotswap": scaled_diff(hs.generate(PROMPTS, rt)),
+    }
     return {
+        "scaled_logprob_max_diff": scaled,
         "vanilla_tokens": [t.tolist() for t in a.tokens],
         "hotswap_tokens": [t.tolist() for t in b.tokens],
         "same_padded_prompts": a.left_padded_prompt_tokens.tolist() == b.left_padded_prompt_tokens.tolist(),

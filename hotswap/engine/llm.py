@@ -204,12 +204,16 @@ class LLM:
         outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm)
         return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outs, prompts, strict=True)]
 
-    def score(self, prompt_token_ids, completion_token_ids=None):
-        """Teacher-forced log-probs of completion tokens given the prompt (raw distribution).
+    def score(self, prompt_token_ids, completion_token_ids=None, *, temperature: float = 1.0):
+        """Teacher-forced log-probs of completion tokens given the prompt (raw distribution, or
+        with `temperature` the distribution softmax(logits / temperature) a sampler at that
+        temperature draws from, before any top-k/top-p cut).
 
         `score(prompt, completion) -> np.ndarray[len(completion)]`, or
         `score([(prompt, completion), ...]) -> list[np.ndarray]`.
         """
+        if not temperature > 0:
+            raise RequestError(f"score needs temperature > 0, got {temperature}")
         single = completion_token_ids is not None
         pairs = [(prompt_token_ids, completion_token_ids)] if single else list(prompt_token_ids)
         params = self.engine.state.params
@@ -230,7 +234,8 @@ class LLM:
         lens = np.zeros(batch, np.int32)
         for i, s in enumerate(seqs):
             toks[i, : len(s)], lens[i] = s, len(s)
-        lp = np.asarray(token_logprobs_jit(params, jnp.asarray(toks), jnp.asarray(lens), cfg=self.config))
+        t = jnp.float32(temperature)
+        lp = np.asarray(token_logprobs_jit(params, jnp.asarray(toks), jnp.asarray(lens), t, cfg=self.config))
         out = [lp[i, len(p) - 1 : len(s) - 1] for i, ((p, _), s) in enumerate(zip(pairs, seqs, strict=True))]
         return out[0] if single else out
 

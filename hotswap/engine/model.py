@@ -225,9 +225,12 @@ def forward_dense(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg:
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
 
 
-def token_logprobs(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig) -> jax.Array:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: [B, L-1] f32 (raw distribution)."""
-    logits = forward_dense(params, tokens, lengths, cfg=cfg)[:, :-1]
+def token_logprobs(
+    params: Params, tokens: jax.Array, lengths: jax.Array, temperature=1.0, *, cfg: ModelConfig
+) -> jax.Array:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: [B, L-1] f32, under the raw
+    distribution or, with `temperature` (traced: any value, one compile), softmax(logits / T)."""
+    logits = forward_dense(params, tokens, lengths, cfg=cfg)[:, :-1] / temperature
     lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 

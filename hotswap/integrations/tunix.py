@@ -16,8 +16,12 @@ leaf to leaf: leaves already on the engine's sharding are served from their own 
 `generate` returns `RolloutOutput` shaped as Tunix's vanilla rollout returns it: `tokens`
 unpadded without EOS, `left_padded_prompt_tokens` padded to `max_prompt_length` (or the
 next power of two above the longest prompt), `logits` an empty list (vanilla returns no
-logits unless asked, and Tunix's learners recompute log-probs), `logprobs` the sampled
-tokens' log-probs under the raw model distribution when `return_logprobs`. Sampling is
+logits unless asked, and Tunix's learners recompute log-probs), `logprobs` when
+`return_logprobs` the sampled tokens' log-probs as vanilla computes them: under the raw
+distribution for greedy decoding, else under the temperature-scaled one
+(softmax(logits / temperature), before the top-p/top-k cut; teacher-forced on the same
+version when the temperature is not 1). `get_per_token_logps` is the raw distribution's,
+as vanilla's is. Sampling is
 greedy when `top_p` is None (vanilla's rule) or the temperature is 0; each prompt row
 gets its own seed derived from `rollout_config.seed`, so a prompt's `num_generations`
 copies draw different samples.
@@ -184,6 +188,12 @@ class HotswapRollout(base_rollout.BaseRollout):
             logprobs.append(list(c.logprobs[:n]))
             versions.update(c.weights_versions)
         self.version_log.append((version, versions))
+        greedy = rollout_config.top_p is None or rollout_config.temperature == 0
+        if rollout_config.return_logprobs and not greedy and rollout_config.temperature != 1:
+            # the engine reports the raw distribution's log-probs; vanilla, the scaled one's
+            pairs = [(x, t.tolist()) for x, t in zip(ids, tokens, strict=True)]
+            scored = self.llm.score(pairs, temperature=float(rollout_config.temperature))
+            logprobs = [lp.tolist() for lp in scored]
         return base_rollout.RolloutOutput(
             text=[self._tokenizer.decode(t.tolist()) for t in tokens],
             logits=[],
