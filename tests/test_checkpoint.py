@@ -83,8 +83,12 @@ def assert_matches_torch(cfg, params, sd):
     for name in sd:
         assert ours[name].dtype == sd[name].dtype, name
         assert np.array_equal(ours[name], sd[name]), name
-    # The params layout itself: [in, out] matrices and an untied [D, V] head.
-    np.testing.assert_array_equal(params["layers"][0]["wq"], sd["model.layers.0.self_attn.q_proj.weight"].T)
+    # The params layout itself: [in, out] matrices (attention's heads split out: wq [D, Hq, hd],
+    # wo [Hq, hd, D]) and an untied [D, V] head.
+    d, nh, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    wq_hf, wo_hf = (sd[f"model.layers.0.self_attn.{n}.weight"] for n in ("q_proj", "o_proj"))
+    np.testing.assert_array_equal(params["layers"][0]["wq"], wq_hf.T.reshape(d, nh, hd))
+    np.testing.assert_array_equal(params["layers"][0]["wo"], wo_hf.T.reshape(nh, hd, d))
     np.testing.assert_array_equal(
         params["lm_head"], sd.get("lm_head.weight", sd["model.embed_tokens.weight"]).T
     )

@@ -184,7 +184,9 @@ def test_partial_update_keeps_the_other_leaves_uncopied(tied, route):
     )
     np.testing.assert_array_equal(np.asarray(got["embed"]), embed)
     np.testing.assert_array_equal(np.asarray(got["lm_head"]), embed.T)  # the tied head follows
-    np.testing.assert_array_equal(np.asarray(got["layers"][0]["wk"]), tensors[K_PROJ].T * 3)
+    wk = np.asarray(got["layers"][0]["wk"])  # [D, Hkv, hd]: HF's [Hkv*hd, D] transposed, heads split
+    np.testing.assert_array_equal(wk, (tensors[K_PROJ].T * 3).reshape(wk.shape))
+    assert wk.shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)
     assert got["layers"][1]["w_up"] is base["layers"][1]["w_up"] and got["final_norm"] is base["final_norm"]
     np.testing.assert_array_equal(np.asarray(base["embed"]), tensors[hf.EMBED])  # the base is untouched
     with pytest.raises(WeightsMismatch, match="unexpected"):

@@ -120,7 +120,7 @@ def test_each_process_pulls_its_own_shards(tmp_path):
     assert driver["weights_version"] == follower["weights_version"] == 2
     shape, stall, nan = driver["rejected"]
     assert shape[0] == "WeightsMismatch" and "process 1: " in shape[1], shape
-    assert "layers.0.wq: expected (64, 64) float32, got (66, 64) float32" in shape[1], shape
+    assert "layers.0.wq: expected (64, 4, 16) float32, got (66, 4, 16) float32" in shape[1], shape
     assert stall[0] == "TransferError" and "process 1: " in stall[1], stall
     assert "no weights within 3 s" in stall[1], stall
     assert nan[0] == "NonFiniteWeights" and "layers.1.w_up: contains NaN" in nan[1], nan

@@ -29,7 +29,8 @@ def result(tmp_path_factory):
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(HERE),  # the worker imports tests/helpers.py
+        # the worker imports tests/helpers.py, and this checkout's hotswap (not an installed one)
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
     }
     proc = subprocess.run(
         [sys.executable, str(HERE / "sharding_worker.py"), str(tmp_path_factory.mktemp("sharded"))],
@@ -67,9 +68,11 @@ def test_params_and_kv_are_sharded(result, tp):
     assert kv["devices"] == kv["distinct"] == tp
     assert kv["shard_shape"][2] == 16 // tp  # whole (K, V) pairs of 8/tp heads per device
     p = sh["params"]
-    assert p["wq"]["spec"] == [None, "tp"]
-    assert p["wq"]["shard_shape"] == [128, 128 // tp] and p["wq"]["distinct"] == tp
-    assert p["wo"]["shard_shape"] == [128 // tp, 128]
+    # attention is head-split ([D, Hq, hd], o [Hq, hd, D]): whole heads per device
+    assert p["wq"]["spec"] == [None, "tp", None]
+    assert p["wq"]["shard_shape"] == [128, 8 // tp, 16] and p["wq"]["distinct"] == tp
+    assert p["wk"]["shard_shape"] == [128, 8 // tp, 16]
+    assert p["wo"]["shard_shape"] == [8 // tp, 16, 128]
     assert p["w_down"]["shard_shape"] == [256 // tp, 128]
     assert p["lm_head"]["shard_shape"] == [128, 512 // tp]
     assert p["embed"]["shard_shape"] == [512 // tp, 128]  # vocab rows: see sharding.RULES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,7 +34,8 @@ def test_every_param_has_exactly_one_row(name):
     for r in rows:
         assert abstract[r.name].shape == r.shape, r.name
         assert len(r.axes) == len(r.shape) and set(r.axes) <= set(sharding.RULES), r.name
-        assert r.hf_shape == (r.shape[::-1] if r.transpose else r.shape)
+        m = r.matrix or r.shape  # the [in, out] matrix a head-split leaf reshapes, row-major
+        assert r.hf_shape == (m[::-1] if r.transpose else m) and math.prod(m) == math.prod(r.shape)
     # Every HF tensor name is one row's, and only a tied head has none.
     named = spec.hf_specs(cfg)
     assert len(named) == len(rows) - cfg.tie_word_embeddings
@@ -52,6 +54,15 @@ def test_trees_are_maps_over_the_table():
     row = rows["layers"][1]["w_up"]
     assert row.hf_name == "model.layers.1.mlp.up_proj.weight" and row.transpose
     assert row.axes == ("embed", "mlp") and row.shape == (cfg.hidden_size, cfg.intermediate_size)
+    # attention keeps heads as an axis (Tunix's layout): wq [D, Hq, hd] from HF [Hq*hd, D]
+    d, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = rows["layers"][0]
+    assert (layer["wq"].shape, layer["wq"].axes) == ((d, nh, hd), ("embed", "heads", "head_dim"))
+    assert (layer["wk"].shape, layer["wk"].axes) == ((d, nkv, hd), ("embed", "kv_heads", "head_dim"))
+    assert (layer["wo"].shape, layer["wo"].axes) == ((nh, hd, d), ("heads", "head_dim", "embed"))
+    assert layer["wq"].hf_shape == (nh * hd, d) and layer["wo"].hf_shape == (d, nh * hd)
+    assert layer["wq"].hf_dims() == ((1, 2), (0,)) and layer["wo"].hf_dims() == ((2,), (0, 1))
+    assert layer["bq"].shape == (nh * hd,)  # flat, as HF and Tunix store it
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -73,4 +84,6 @@ def test_hf_round_trip_through_the_table_is_exact(tmp_path, name):
     assert set(on_disk) == set(rows)
     for hf_name, row in rows.items():
         leaf = hf.get_leaf(params, row.path)
-        np.testing.assert_array_equal(on_disk[hf_name], leaf.T if row.transpose else leaf, err_msg=hf_name)
+        m = leaf.reshape(row.matrix) if row.matrix else leaf
+        np.testing.assert_array_equal(on_disk[hf_name], m.T if row.transpose else m, err_msg=hf_name)
+        np.testing.assert_array_equal(row.from_hf(on_disk[hf_name]), leaf, err_msg=hf_name)

@@ -194,7 +194,7 @@ def test_push_fault_changes_nothing(server, dirs, fault):
     err = r.json()["error"]
     want = {
         "killed_mid_pull": ("transfer_failed", "Connection closed"),
-        "wrong_shape": ("weights_mismatch", "layers.0.wq: expected (64, 64) float32, got (64, 63)"),
+        "wrong_shape": ("weights_mismatch", "layers.0.wq: expected (64, 4, 16) float32, got (64, 63)"),
         "nan": ("non_finite_weights", "layers.1.w_up: contains NaN"),
         "unreachable": ("transfer_failed", "cannot connect"),
         "never_published": ("transfer_failed", "no header within 2 s"),

@@ -56,6 +56,9 @@ def test_greedy_tokens_and_logps_match_vanilla_rollout(result):
     assert v["hotswap_logits"] == v["vanilla_logits"] == []
     assert set(v["tokens_dtype"]) == {"int32"}
     assert v["logp_max_diff"] < 1e-4
+    # sampled at temperature 0.7: rollout log-probs of softmax(logits / 0.7), as vanilla returns
+    assert v["scaled_logprob_max_diff"]["vanilla"] < 1e-4  # the oracle is vanilla's definition
+    assert v["scaled_logprob_max_diff"]["hotswap"] < 1e-4
 
 
 def test_sync_empties_the_prefix_cache_and_matches_a_fresh_engine(result):
@@ -68,12 +71,18 @@ def test_sync_empties_the_prefix_cache_and_matches_a_fresh_engine(result):
 
 
 def test_update_params_on_the_engine_sharding_makes_no_copy(result):
-    """Under jax.transfer_guard("disallow"); the [in, out] leaves keep their buffers, the
-    heads-split attention leaves are reshaped on their devices."""
+    """Under jax.transfer_guard("disallow"); every params leaf, the head-split attention
+    weights included, is the trainer's own array (same object, same buffer on each shard)."""
     z = result["zero_copy"]
     assert z["version"] == 2
     assert z["same_buffers"] == {"embed": True, "w_up": True, "final_norm": True, "lm_head": True}
     assert z["wq_sharding_ok"]
+    every = z["every_leaf_same_buffers"]
+    assert len(every) == 3 + 2 * 9 and all(every.values()), every  # embed, norm, head; 2 layers of 9
+    assert {"layers.1.wq", "layers.1.wk", "layers.1.wv", "layers.1.wo"} <= every.keys()
+    assert all(z["every_leaf_same_object"].values()), z["every_leaf_same_object"]
+    assert z["shards_per_leaf"] == [2]  # every leaf spans both devices of the tp=2 mesh
+    assert not z["new_rollout_shares_actor"]  # so Tunix's learner syncs after every step
 
 
 @pytest.mark.parametrize(

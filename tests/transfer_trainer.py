@@ -34,7 +34,8 @@ def main(path: str, mode: str) -> None:
         shardings, _ = sharding.engine_shardings(cfg, 2)
         params = jax.tree.map(jax.device_put, params, shardings)
     if mode == "shape":
-        params["layers"][0]["wq"] = params["layers"][0]["wq"].T[:, :-1]
+        wq = params["layers"][0]["wq"]  # [D, Hq, hd]: sent flat, HF-style [out, in] and a column short
+        params["layers"][0]["wq"] = wq.reshape(wq.shape[0], -1).T[:, :-1]
     if mode in ("nan", "procs-nan"):
         params["layers"][1]["w_up"] = params["layers"][1]["w_up"].at[0, 0].set(np.nan)
     if mode == "stall":

@@ -21,11 +21,13 @@ import optax
 import transformers
 from flax import nnx
 from grain import python as grain
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
+from tunix.rl import common
 from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl import utils as rl_utils
 from tunix.rl.grpo import grpo_learner as grpo_lib
 from tunix.rl.rollout import base_rollout, vanilla_rollout
 
@@ -135,7 +137,47 @@ def vs_vanilla(tok) -> dict:
     lv = np.asarray(van.get_per_token_logps(jnp.asarray(a.left_padded_prompt_tokens), jnp.asarray(comp)))
     lh = np.asarray(hs.get_per_token_logps(a.left_padded_prompt_tokens, comp))
     mask = comp != adapter.pad_id()
+    # Sampled at temperature 0.7: rollout log-probs are the scaled distribution's, as vanilla's.
+    # The oracle is Tunix's compute_per_token_logps at that temperature: it matches vanilla's
+    # own log-probs on vanilla's tokens, and hotswap's on hotswap's (the draws differ).
+    rt = base_rollout.RolloutConfig(
+        max_tokens_to_generate=8,
+        max_prompt_length=16,
+        kv_cache_size=256,
+        temperature=0.7,
+        top_p=1.0,
+        seed=0,
+        return_logprobs=True,
+    )
+    graphdef, state = nnx.split(m)
+
+    def scaled_diff(out) -> float:
+        c = padded_completions(out.tokens, adapter.pad_id())
+        want = common.compute_per_token_logps(
+            graphdef,
+            state,
+            prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+            completion_tokens=jnp.asarray(c),
+            pad_id=adapter.pad_id(),
+            eos_id=adapter.eos_id(),
+            temperature=0.7,
+            stop_gradient=True,
+            return_logits=False,
+        )
+        got = np.zeros(c.shape, np.float32)
+        for i, lp in enumerate(out.logprobs):
+            got[i, : len(out.tokens[i])] = lp[: len(out.tokens[i])]
+        # up to the first pad id: a sampled token equal to it (a draw at 0.7 can be one) is
+        # masked out of the oracle's attention, so its later positions are not teacher forcing
+        valid = np.cumprod(c != adapter.pad_id(), axis=1).astype(bool)
+        return float(np.max(np.abs(np.where(valid, np.asarray(want) - got, 0.0))))
+
+    scaled = {
+        "vanilla": scaled_diff(van.generate(PROMPTS, rt)),
+        "hotswap": scaled_diff(hs.generate(PROMPTS, rt)),
+    }
     return {
+        "scaled_logprob_max_diff": scaled,
         "vanilla_tokens": [t.tolist() for t in a.tokens],
         "hotswap_tokens": [t.tolist() for t in b.tokens],
         "same_padded_prompts": a.left_padded_prompt_tokens.tolist() == b.left_padded_prompt_tokens.tolist(),
@@ -181,50 +223,46 @@ def _pointers(x) -> list[int]:
 
 
 def zero_copy(tok) -> dict:
-    """A state already on the engine's sharding (tp=2) is swapped in without copies of its
-    [in, out] leaves, under jax.transfer_guard("disallow")."""
+    """A state already on the engine's sharding (tp=2) is swapped in without a copy of any
+    leaf (attention included: Tunix's head-split layout is hotswap's), under
+    jax.transfer_guard("disallow")."""
+    from hotswap.engine.spec import is_spec, param_specs
+
     mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO)
     hs = HotswapRollout(rollout_actor=model(0), tokenizer=tok, mesh=mesh)
     engine = hs.llm.engine
     new = model(2)
     state = nnx.state(new, nnx.Param)
-    specs = {
-        # the engine's shardings, in the NNX layout: heads split out of the column/row axis
-        "q_proj": PartitionSpec(None, "tp", None),
-        "k_proj": PartitionSpec(None, "tp", None),
-        "v_proj": PartitionSpec(None, "tp", None),
-        "o_proj": PartitionSpec("tp", None, None),
-    }
     flat = []
     for path, var in nnx.to_flat_state(state):
         name = ".".join(map(str, path))
-        proj = next((k for k in specs if f".{k}." in f".{name}"), None)
-        if proj is not None:
-            target = NamedSharding(hs.llm.engine.abstract["embed"].sharding.mesh, specs[proj])
-        else:
-            target = _engine_sharding(hs, name)
-        flat.append((path, var.replace(jax.device_put(var[...], target))))
+        flat.append((path, var.replace(jax.device_put(var[...], _engine_sharding(hs, name)))))
     state = nnx.from_flat_state(flat)
-    before = {
-        "embed": _pointers(state["embedder"]["input_embedding"][...]),
-        "w_up": _pointers(state["layers"][0]["mlp"]["up_proj"]["kernel"][...]),
-        "final_norm": _pointers(state["final_norm"]["w"][...]),
-        "lm_head": _pointers(state["lm_head"]["w"][...]),
-    }
+    # A rollout built from an actor already on the engine's sharding starts on its own copy:
+    # Tunix compares model() with the actor once, and would never sync one that shares it.
+    graphdef, _, rest = nnx.split(new, nnx.Param, ...)
+    placed = nnx.merge(graphdef, state, rest)
+    starts_shared = rl_utils.is_sharing_weights(placed, HotswapRollout(placed, tok, mesh=mesh).model())
+    given = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
+    rows = jax.tree.leaves(param_specs(hs.llm.config), is_leaf=is_spec)
+    before = {s.name: _pointers(given[s.nnx_name]) for s in rows}
     with jax.transfer_guard("disallow"):
         hs.update_params(state)
     p = engine.state.params
-    after = {
-        "embed": _pointers(p["embed"]),
-        "w_up": _pointers(p["layers"][0]["w_up"]),
-        "final_norm": _pointers(p["final_norm"]),
-        "lm_head": _pointers(p["lm_head"]),
-    }
+    after = {s.name: _pointers(x) for s, x in zip(rows, jax.tree.leaves(p), strict=True)}
+    same_object = {s.name: x is given[s.nnx_name] for s, x in zip(rows, jax.tree.leaves(p), strict=True)}
     wq = p["layers"][0]["wq"]
     return {
         "version": hs.weights_version,
-        "same_buffers": {k: before[k] == after[k] for k in before},
-        "wq_sharding_ok": wq.sharding.is_equivalent_to(engine.abstract["layers"][0]["wq"].sharding, 2),
+        "same_buffers": {
+            k: before[n] == after[n]
+            for k, n in (("embed", "embed"), ("w_up", "layers.0.w_up"), ("final_norm",) * 2, ("lm_head",) * 2)
+        },
+        "every_leaf_same_buffers": {k: before[k] == after[k] for k in before},
+        "every_leaf_same_object": same_object,
+        "shards_per_leaf": sorted({len(v) for v in after.values()}),
+        "new_rollout_shares_actor": bool(starts_shared),
+        "wq_sharding_ok": wq.sharding.is_equivalent_to(engine.abstract["layers"][0]["wq"].sharding, wq.ndim),
     }
 
 

@@ -2,8 +2,9 @@
 
 Which HF tensor holds which param, in which layout, is the spec table's
 (`engine/spec.py`: HF name, shape, transpose); this module applies it to files.
-HF linear weights are `[out, in]`; params store `[in, out]`, so linear weights
-are transposed on the way in and back on the way out. Tied-embedding
+HF linear weights are 2-D `[out, in]`; params store `[in, out]` with the
+attention heads split out, so linear weights are transposed (and attention's
+split, a free reshape) on the way in and back on the way out. Tied-embedding
 checkpoints carry no `lm_head.weight`; params always hold an untied `[D, V]`
 head, made here as a copy of `embed.T`. Weight updates do the same conversion
 on the engine's devices (engine/hf_device.py), checked here first by name,
@@ -91,7 +92,7 @@ def _convert(name: str, array: Any, spec: ParamSpec, target: np.dtype) -> np.nda
     a = np.asarray(array)
     # A fresh copy: params must not alias a caller's buffer or a memmapped file.
     with np.errstate(over="ignore", invalid="ignore"):  # overflow shows up in the finiteness check
-        return np.array(a.T if spec.transpose else a, dtype=target, order="C", copy=True)
+        return np.array(spec.from_hf(a), dtype=target, order="C", copy=True)
 
 
 def empty_tree(cfg: ModelConfig) -> Params:
@@ -211,7 +212,7 @@ def hf_from_params(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
             raise WeightsMismatch(f"params has no leaf {spec.name} (for {name})") from e
         if tuple(leaf.shape) != spec.shape:
             raise WeightsMismatch(f"{spec.name}: expected {spec.shape}, got {tuple(leaf.shape)}")
-        out[name] = np.ascontiguousarray(leaf.T if spec.transpose else leaf)
+        out[name] = np.ascontiguousarray(spec.to_hf(leaf))
     return out
 
 

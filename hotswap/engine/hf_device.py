@@ -1,13 +1,14 @@
 """HF-named tensors -> engine params on the engine's devices: the weight-update path.
 
 A checkpoint update is dominated by the layout change: HF linear weights are
-`[out, in]`, params `[in, out]` (`params.py`). As a strided numpy copy that is
+`[out, in]`, params `[in, out]` with attention's heads split out (`params.py`,
+the row's `from_hf` in the spec table). As a strided numpy copy that is
 about a nanosecond per element on one core (0.4 s of a 0.6 s update of a 100M
 f32 model). Here each tensor goes to its devices in the file's layout (a plain
 copy; on CPU none, jax adopts the aligned memmapped bytes) and a small jit per
 shape transposes and casts it there into a fresh array on the engine's
 sharding: XLA's transpose is vectorised and multi-threaded on CPU, and runs in
-HBM on TPU/GPU.
+HBM on TPU/GPU. The heads split is a reshape of the transposed result, fused into it.
 
 Finiteness goes through the one check (`kernels/finite.py`), over the
 converted values on the device (a cast can overflow). On CPU a source already
@@ -41,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from hotswap.checkpoint import hf
 from hotswap.config import ModelConfig
 from hotswap.engine.params import Params
-from hotswap.engine.spec import EMBED
+from hotswap.engine.spec import EMBED, ParamSpec, param_specs
 from hotswap.kernels import finite
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
@@ -50,26 +51,43 @@ _IN_FLIGHT_BYTES = 1 << 30
 
 
 @functools.cache
-def _converter(transpose: bool, dtype: np.dtype, sharding):
-    """jit: HF-layout array -> params-layout array in `dtype` on `sharding`, a fresh buffer."""
+def _converter(layout: ParamSpec, dtype: np.dtype, sharding):
+    """jit: HF-layout array -> params layout (`layout.from_hf`) in `dtype` on `sharding`, a
+    fresh buffer. `layout` is a row's `ParamSpec.layout`: one jit per transform and shape."""
 
     def convert(x):
-        return (x.T if transpose else jnp.copy(x)).astype(dtype)  # copy: never hand back x itself
+        y = layout.from_hf(x)
+        return (jnp.copy(y) if y is x else y).astype(dtype)  # copy: never hand back x itself
 
     if isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
         return jax.jit(convert, out_shardings=sharding)
     return jax.jit(convert)  # an unusual sharding type: place_params reshards afterwards if needed
 
 
-def _source_sharding(sharding, transpose: bool):
-    """Where the HF-layout tensor goes first: the target sharding with its axes swapped for a
-    transposed leaf, so each device transposes its own shard and nothing moves between them."""
+def lower_conversion(spec: ParamSpec, dtype: np.dtype, sharding) -> jax.stages.Lowered:
+    """The program that converts `spec`'s HF tensor on device, lowered from an abstract input
+    placed as `hf_to_device` places it (`programs.py` compiles it ahead of time)."""
+    src = jax.ShapeDtypeStruct(spec.hf_shape, dtype, sharding=_source_sharding(sharding, spec))
+    return _converter(spec.layout, dtype, sharding).lower(src)
+
+
+def _source_sharding(sharding, spec: ParamSpec):
+    """Where the HF-layout tensor goes first: the target sharding laid out as the HF tensor
+    (axes swapped for a transposed leaf, a merged heads dim sharded as its heads), so each
+    device converts its own shard and nothing moves between them. None (default placement)
+    where the HF layout cannot hold the target's split."""
     if not isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
         return None
-    if not transpose or isinstance(sharding, SingleDeviceSharding):
+    if isinstance(sharding, SingleDeviceSharding) or (not spec.transpose and spec.matrix is None):
         return sharding
-    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*reversed(spec)), memory_kind=sharding.memory_kind)
+    target = tuple(sharding.spec) + (None,) * (len(spec.shape) - len(sharding.spec))
+    hf_spec = []
+    for dims in spec.hf_dims():
+        # a merged dim splits evenly as its major dim does, only if the minor ones are whole
+        if any(target[i] is not None for i in dims[1:]):
+            return None
+        hf_spec.append(target[dims[0]])
+    return NamedSharding(sharding.mesh, PartitionSpec(*hf_spec), memory_kind=sharding.memory_kind)
 
 
 def _put(array: Any, sharding) -> jax.Array:
@@ -123,6 +141,7 @@ def hf_to_device(
     target = np.dtype(abstract["embed"].dtype)
     chosen = hf.check_hf_tensors(cfg, tensors, target, partial=base is not None)
     head_want, head = abstract["lm_head"], None
+    head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose
     new: dict[str, jax.Array] = {}
     check = finite.FiniteCheck()
     pending, pending_bytes = [], 0
@@ -132,12 +151,12 @@ def hf_to_device(
         on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
         if on_host:
             check.add({name: src})
-        x = _put(src, _source_sharding(want.sharding, spec.transpose))
-        new[name] = _converter(spec.transpose, dtype, want.sharding)(x)
+        x = _put(src, _source_sharding(want.sharding, spec))
+        new[name] = _converter(spec.layout, dtype, want.sharding)(x)
         if check_finite and not on_host:
             check.add({name: new[name]})  # the converted values: a cast can overflow
         if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
-            head = _converter(True, np.dtype(head_want.dtype), head_want.sharding)(new[name])
+            head = _converter(head_layout, np.dtype(head_want.dtype), head_want.sharding)(new[name])
         pending.append(new[name])
         pending_bytes += x.nbytes
         if pending_bytes > _IN_FLIGHT_BYTES:

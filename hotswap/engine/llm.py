@@ -93,7 +93,7 @@ class LLM:
     def from_flax(cls, model, *, tokenizer: Tokenizer | None = None, **engine_kwargs) -> LLM:
         """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
         checkpoint directory: its params are mapped by the spec table (`integrations/flax.py`),
-        reshapes only. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
+        leaf to leaf, no copy where already on the engine's sharding. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
 
         >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
         >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
@@ -207,12 +207,16 @@ class LLM:
         outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm)
         return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outs, prompts, strict=True)]
 
-    def score(self, prompt_token_ids, completion_token_ids=None):
-        """Teacher-forced log-probs of completion tokens given the prompt (raw distribution).
+    def score(self, prompt_token_ids, completion_token_ids=None, *, temperature: float = 1.0):
+        """Teacher-forced log-probs of completion tokens given the prompt (raw distribution, or
+        with `temperature` the distribution softmax(logits / temperature) a sampler at that
+        temperature draws from, before any top-k/top-p cut).
 
         `score(prompt, completion) -> np.ndarray[len(completion)]`, or
         `score([(prompt, completion), ...]) -> list[np.ndarray]`.
         """
+        if not temperature > 0:
+            raise RequestError(f"score needs temperature > 0, got {temperature}")
         single = completion_token_ids is not None
         pairs = [(prompt_token_ids, completion_token_ids)] if single else list(prompt_token_ids)
         params = self.engine.state.params
@@ -233,7 +237,8 @@ class LLM:
         lens = np.zeros(batch, np.int32)
         for i, s in enumerate(seqs):
             toks[i, : len(s)], lens[i] = s, len(s)
-        lp = np.asarray(token_logprobs_jit(params, jnp.asarray(toks), jnp.asarray(lens), cfg=self.config))
+        t = jnp.float32(temperature)
+        lp = np.asarray(token_logprobs_jit(params, jnp.asarray(toks), jnp.asarray(lens), t, cfg=self.config))
         out = [lp[i, len(p) - 1 : len(s) - 1] for i, ((p, _), s) in enumerate(zip(pairs, seqs, strict=True))]
         return out[0] if single else out
 
@@ -251,7 +256,7 @@ class LLM:
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
         a `hotswap.transfer.TransferRef` another JAX process published: pulled device to device, or a
-        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped by reshapes).
+        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.

@@ -66,14 +66,12 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
-    `mms` is the matmul routine (`Backend.matmuls`)."""
+    `mms` is the matmul routine (`Backend.matmuls`); wq [D, Hq, hd], wk/wv [D, Hkv, hd]."""
     q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    lead = h.shape[:-1]
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qkv_bias:  # biases are flat [H*hd], as checkpoints store them
+        q = q + lp["bq"].reshape(cfg.num_heads, cfg.head_dim)
+        k = k + lp["bk"].reshape(cfg.num_kv_heads, cfg.head_dim)
+        v = v + lp["bv"].reshape(cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -123,13 +121,12 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, ba
     before it optimizes, so the compiled step is the same. Start-up (which traces every
     bucket even when the compiled programs come from the persistent cache) pays for one
     layer, not `num_layers`."""
-    b, c = batch.tokens.shape
     mms = backend.matmuls
     with jax.named_scope("layer"):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, cfg, h, rope, mms)
         o, layer_pages = backend.attend(q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
-        x = x + mms(o.reshape(b, c, cfg.q_size), (lp["wo"],))[0]
+        x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
         return _mlp(lp, cfg, x, mms), (k, v), layer_pages
 
 
@@ -159,14 +156,17 @@ def forward_dense(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg:
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, cfg, h, rope)
         o = reference.dense_causal_attention(q, k, v, lengths, scale=scale)
-        x = x + o.reshape(*tokens.shape, cfg.q_size) @ lp["wo"]
+        x = x + jnp_matmuls(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
         x = _mlp(lp, cfg, x)
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
 
 
-def token_logprobs(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig) -> jax.Array:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: [B, L-1] f32 (raw distribution)."""
-    logits = forward_dense(params, tokens, lengths, cfg=cfg)[:, :-1]
+def token_logprobs(
+    params: Params, tokens: jax.Array, lengths: jax.Array, temperature=1.0, *, cfg: ModelConfig
+) -> jax.Array:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: [B, L-1] f32, under the raw
+    distribution or, with `temperature` (traced: any value, one compile), softmax(logits / T)."""
+    logits = forward_dense(params, tokens, lengths, cfg=cfg)[:, :-1] / temperature
     lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 

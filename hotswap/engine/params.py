@@ -3,6 +3,9 @@
 Params are a plain nested dict of arrays, passed to every jitted step as an
 argument (never closed over). Matrices are stored `[in, out]` and used as
 `x @ W`, which is 3-4x faster on CPU than `x @ W.T` (DESIGN "Numbers to know").
+The attention projections keep their heads as an axis (`[D, H, hd]`, o `[Hq, hd,
+D]`): the model contracts them in that layout, tensor parallelism splits that axis,
+and it is the layout of Tunix's Flax models, whose states map here leaf to leaf.
 The LM head is always its own `[D, V]` array; for tied-embedding models it is a
 copy of `embed.T` made at load time, because an untied `[D, V]` head is the
 fast layout and keeps the forward pass free of a tie branch.
@@ -11,7 +14,7 @@ fast layout and keeps the forward pass free of a tie branch.
       "embed":      [V, D],
       "layers": [   # a Python list: layers are unrolled, not scanned
         {"attn_norm": [D],
-         "wq": [D, Hq*hd], "wk": [D, Hkv*hd], "wv": [D, Hkv*hd], "wo": [Hq*hd, D],
+         "wq": [D, Hq, hd], "wk": [D, Hkv, hd], "wv": [D, Hkv, hd], "wo": [Hq, hd, D],
          "bq": [Hq*hd], "bk": [Hkv*hd], "bv": [Hkv*hd],     # qwen2 only
          "q_norm": [hd], "k_norm": [hd],                     # qwen3 only
          "mlp_norm": [D],

@@ -191,18 +191,14 @@ def update_programs(mcfg: ModelConfig, target: Target) -> Iterator[tuple[str, Ca
     shardings = jax.tree.leaves(target.params)
     seen = set()
     for spec, sh in zip(specs, shardings, strict=True):
-        key = (spec.shape, spec.transpose, str(sh))
+        key = (spec.layout, str(sh))
         if key in seen:
             continue
         seen.add(key)
         dims = "x".join(map(str, spec.shape))
-        src = jax.ShapeDtypeStruct(
-            spec.hf_shape, dtype, sharding=hf_device._source_sharding(sh, spec.transpose)
-        )
         out = jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
-        convert = hf_device._converter(spec.transpose, dtype, sh)
-        yield f"update convert {dims}", lambda convert=convert, src=src: convert.lower(src)
-        yield f"update finite {dims}", lambda out=out: finite._xla_finite.lower(out)
+        yield f"update convert {dims}", lambda spec=spec, sh=sh: hf_device.lower_conversion(spec, dtype, sh)
+        yield f"update finite {dims}", lambda out=out: finite.lower_xla_check(out)
 
 
 def compile_stats(name: str, lower: Callable[[], Any], page: jax.ShapeDtypeStruct | None = None) -> StepStats:

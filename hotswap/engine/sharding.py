@@ -3,8 +3,9 @@
 Arrays are described by *logical* axis names ("heads", "mlp", "vocab", ...): a
 param's are its row of the spec table (`spec.py`), the KV cache's are `KV_AXES`.
 `RULES` maps those names to mesh axes and is the only place in hotswap that
-names a mesh axis. The layout is Megatron-style: q/k/v and gate/up are split
-by output column (heads, mlp), o and down by input row, so each layer needs one
+names a mesh axis. The layout is Megatron-style: q/k/v ([D, H, hd]) are split
+by head and gate/up by output column (mlp), o ([Hq, hd, D]) by its input heads and
+down by input row, so each layer needs one
 all-reduce after attention and one after the MLP, and the KV cache is split by
 kv head, so attention itself never leaves the device that holds its heads.
 
@@ -42,10 +43,10 @@ RULES: dict[str, str | None] = {
     # save (tp-1)/tp of the V*D table on every device. Logits come out vocab-sharded.
     "vocab": TP,
     "embed": None,  # the residual stream D is replicated between layers
-    "heads": TP,  # q heads (and o's input rows)
+    "heads": TP,  # q heads (and o's input heads)
     "kv_heads": TP,  # k/v heads, and the KV cache's interleaved 2*kv_heads axis
     "mlp": TP,  # F
-    "head_dim": None,
+    "head_dim": None,  # within a head: attention never splits it
     "kv_pages": None,
     "page_slots": None,
 }

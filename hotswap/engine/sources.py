@@ -5,7 +5,7 @@ Sources: an in-process params pytree (used as is), a mapping of HF tensor names
 (as a trainer would save them), a local HF safetensors directory, a GGUF file,
 an orbax checkpoint directory, safe payload bytes (safetensors), a `TransferRef` to a
 tree another JAX process published (`hotswap/transfer.py`: pulled device to device), or a
-Flax NNX state or module (`integrations/flax.py`: reshapes on the arrays' own devices). Paths must resolve
+Flax NNX state or module (`integrations/flax.py`: leaf to leaf, the arrays as they are). Paths must resolve
 under the allowed weights root when one is set. Nothing is ever unpickled.
 
 Update payloads (REST bodies, `update_weights(bytes)`, chunks) are decoded in one

@@ -8,15 +8,21 @@ conversion of an update (`hf_device.py`), and the validation of every update
 (through `params.abstract_params`). `checkpoint/` imports this module and nothing
 else from `engine/`: the table is what ties a file's tensor names to the params.
 
-Shapes are the params layout (`params.py`): matrices `[in, out]`, used as `x @ W`.
-HF stores linear weights `[out, in]`, so those rows have `transpose=True`. The LM
-head is always its own `[D, V]` leaf; a tied-embedding checkpoint has no HF tensor
-for it (`hf_name=None`): it is derived from the embedding.
+Shapes are the params layout (`params.py`): matrices `[in, out]`, used as `x @ W`,
+with the attention projections' heads as their own axes (`wq` `[D, Hq, hd]`, `wo`
+`[Hq, hd, D]`): the model contracts them as they are (`model.py`), and the heads axis
+is what tensor parallelism splits. HF stores linear weights as 2-D `[out, in]`
+matrices: `transpose=True` rows are transposed, and a row with `matrix` set is that
+`[in, out]` matrix split into `shape` by a row-major reshape (`from_hf` / `to_hf`,
+the one statement of the transform). The LM head is always its own `[D, V]` leaf; a
+tied-embedding checkpoint has no HF tensor for it (`hf_name=None`): it is derived
+from the embedding.
 
-`nnx_name` / `nnx_shape` name the same parameter in a Tunix Flax NNX model (Llama3,
-Qwen2, Qwen3: `integrations/flax.py`). Those models are already `[in, out]`; only the
-attention projections keep heads as their own axis (`q_proj.w` `[D, N, H]`, `o_proj.w`
-`[N, H, D]`), so every row maps by a reshape, never a transpose.
+`nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3:
+`integrations/flax.py`). Those models are `[in, out]` with heads split out exactly as
+here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so every row
+maps leaf to leaf with the same shape: a state already on the engine's sharding is
+served from its own buffers.
 """
 
 from __future__ import annotations
@@ -39,12 +45,12 @@ class ParamSpec:
     """One parameter: where it sits in params, its shape there, its axes and its HF tensor."""
 
     path: tuple[str | int, ...]  # ("layers", 3, "wq")
-    shape: tuple[int, ...]  # params layout: [in, out] for linear weights
+    shape: tuple[int, ...]  # params layout: [in, out] for linear weights, heads split out
     axes: tuple[str, ...]  # one logical axis per dim; sharding.RULES maps them to mesh axes
     hf_name: str | None  # None: not stored in HF checkpoints (a tied head)
-    transpose: bool = False  # HF stores it [out, in]
+    transpose: bool = False  # HF stores the [in, out] matrix [out, in]
+    matrix: tuple[int, int] | None = None  # the [in, out] matrix `shape` splits ([D, Hq*hd])
     nnx_name: str | None = None  # "layers.3.attn.q_proj.w" in a Tunix NNX model; None: tied head
-    nnx_shape: tuple[int, ...] | None = None  # its shape there when not `shape` (heads split out)
 
     @property
     def name(self) -> str:
@@ -53,7 +59,38 @@ class ParamSpec:
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape)) if self.transpose else self.shape
+        m = self.matrix or self.shape
+        return tuple(reversed(m)) if self.transpose else m
+
+    @property
+    def layout(self) -> ParamSpec:
+        """This row reduced to its HF transform: equal for every row that converts alike (a
+        cache key for one conversion per shape, not per layer)."""
+        return ParamSpec((), self.shape, (), None, self.transpose, self.matrix)
+
+    def from_hf(self, a):
+        """HF-layout array (numpy or jax) -> params layout: transpose, then split the heads.
+        On numpy both are views; under jit the split is a free reshape of the result."""
+        m = a.T if self.transpose else a
+        return m.reshape(self.shape) if self.matrix is not None else m
+
+    def to_hf(self, x):
+        """Params-layout array -> HF layout (views on numpy): merge the heads, then transpose."""
+        m = x.reshape(self.matrix) if self.matrix is not None else x
+        return m.T if self.transpose else m
+
+    def hf_dims(self) -> tuple[tuple[int, ...], ...]:
+        """For each HF dim, the params dims it merges, major first: wq [D, Hq, hd] from HF
+        [Hq*hd, D] -> ((1, 2), (0,))."""
+        groups, dim = [], 0
+        for size in self.matrix or self.shape:
+            group, prod = [], 1
+            while dim < len(self.shape) and (prod < size or not group):
+                prod *= self.shape[dim]
+                group.append(dim)
+                dim += 1
+            groups.append(tuple(group))
+        return tuple(reversed(groups)) if self.transpose else tuple(groups)
 
 
 def is_spec(x: Any) -> bool:
@@ -64,7 +101,6 @@ def is_spec(x: Any) -> bool:
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     """The rows of decoder layer `i`, in checkpoint order."""
     d, f, q, kv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
 
     def row(
@@ -74,38 +110,24 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         hf: str,
         transpose: bool = False,
         nnx: str = "",
-        nnx_shape: tuple[int, ...] | None = None,
+        matrix: tuple[int, int] | None = None,
     ):
         hf_name, nnx_name = f"model.layers.{i}.{hf}", f"layers.{i}.{nnx}"
-        return ParamSpec(("layers", i, key), shape, axes, hf_name, transpose, nnx_name, nnx_shape)
+        return ParamSpec(("layers", i, key), shape, axes, hf_name, transpose, matrix, nnx_name)
+
+    def attn(key: str, heads: int, axis: str, hf: str, nnx: str) -> ParamSpec:
+        # q/k/v: [D, H, hd], split by head (output column); o: [Hq, hd, D], by head (input row).
+        if key == "wo":
+            return row(key, (heads, hd, d), (axis, "head_dim", "embed"), hf, True, nnx, (heads * hd, d))
+        return row(key, (d, heads, hd), ("embed", axis, "head_dim"), hf, True, nnx, (d, heads * hd))
 
     rows = {
         "attn_norm": row("attn_norm", (d,), ("embed",), "input_layernorm.weight", nnx="input_layernorm.w"),
-        # q/k/v split by output column (heads), o by input row: one all-reduce after attention.
-        "wq": row(
-            "wq", (d, q), ("embed", "heads"), "self_attn.q_proj.weight", True, "attn.q_proj.w", (d, nh, hd)
-        ),
-        "wk": row(
-            "wk",
-            (d, kv),
-            ("embed", "kv_heads"),
-            "self_attn.k_proj.weight",
-            True,
-            "attn.k_proj.w",
-            (d, nkv, hd),
-        ),
-        "wv": row(
-            "wv",
-            (d, kv),
-            ("embed", "kv_heads"),
-            "self_attn.v_proj.weight",
-            True,
-            "attn.v_proj.w",
-            (d, nkv, hd),
-        ),
-        "wo": row(
-            "wo", (q, d), ("heads", "embed"), "self_attn.o_proj.weight", True, "attn.o_proj.w", (nh, hd, d)
-        ),
+        # q/k/v split by heads, o by its input heads: one all-reduce after attention.
+        "wq": attn("wq", nh, "heads", "self_attn.q_proj.weight", "attn.q_proj.w"),
+        "wk": attn("wk", nkv, "kv_heads", "self_attn.k_proj.weight", "attn.k_proj.w"),
+        "wv": attn("wv", nkv, "kv_heads", "self_attn.v_proj.weight", "attn.v_proj.w"),
+        "wo": attn("wo", nh, "heads", "self_attn.o_proj.weight", "attn.o_proj.w"),
         "mlp_norm": row(
             "mlp_norm", (d,), ("embed",), "post_attention_layernorm.weight", nnx="post_attention_layernorm.w"
         ),
@@ -118,7 +140,7 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
             "w_down", (f, d), ("mlp", "embed"), "mlp.down_proj.weight", True, "mlp.down_proj.kernel"
         ),
     }
-    if cfg.qkv_bias:  # qwen2
+    if cfg.qkv_bias:  # qwen2; flat [H*hd] as HF and Tunix store them (the model splits them)
         rows["bq"] = row("bq", (q,), ("heads",), "self_attn.q_proj.bias", nnx="attn.q_bias")
         rows["bk"] = row("bk", (kv,), ("kv_heads",), "self_attn.k_proj.bias", nnx="attn.k_bias")
         rows["bv"] = row("bv", (kv,), ("kv_heads",), "self_attn.v_proj.bias", nnx="attn.v_bias")

@@ -1,11 +1,11 @@
 """Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2 and Qwen3 models.
 
 The mapping is the spec table (`engine/spec.py`): each row's `nnx_name` is the
-parameter's path in the NNX model and `nnx_shape` its shape there. Tunix models
-are already `[in, out]`, so every leaf maps by a reshape (`q_proj.w` `[D, N, H]` ->
-`[D, N*H]`) or as it is; a tied LM head is the embedding's transpose. Leaves whose
-shape needs no reshape are passed through as the same `jax.Array` (no copy); a
-reshape runs on the array's devices, so nothing crosses to the host.
+parameter's path in the NNX model. Tunix models use hotswap's params layout
+(`[in, out]`, attention heads split out: `q_proj.w` `[D, N, H]` is `wq`), so every
+leaf is passed through as the same `jax.Array`, never copied or reshaped; only a
+tied LM head is derived (the embedding's transpose, computed on its devices). A
+state already on the engine's sharding is served from its own buffers.
 
     cfg = model_config(tunix_model)                       # hotswap ModelConfig
     params = params_from_state(nnx.state(tunix_model, nnx.Param), cfg)
@@ -126,12 +126,9 @@ def params_from_state(source: nnx.State | nnx.Module, cfg: ModelConfig) -> Param
         if s.nnx_name is None:  # tied head: [D, V] is the embedding's transpose, made on its devices
             return _value(flat[specs["embed"].nnx_name]).T
         x = _value(flat[s.nnx_name])
-        want = s.nnx_shape or s.shape
-        if tuple(x.shape) != tuple(want):
-            raise WeightsMismatch(
-                f"{s.nnx_name}: expected {tuple(want)}, got {tuple(x.shape)} (params {s.name})"
-            )
-        return x if s.nnx_shape is None else x.reshape(s.shape)
+        if tuple(x.shape) != s.shape:
+            raise WeightsMismatch(f"{s.nnx_name}: expected {s.shape}, got {tuple(x.shape)} (params {s.name})")
+        return x
 
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
 
@@ -175,12 +172,11 @@ def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.
     """Hotswap params -> an NNX Param state shaped like `like` (the model's own state)."""
     specs = param_specs(cfg)
     by_name = {
-        s.nnx_name: (s, x)
+        s.nnx_name: x
         for s, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True)
         if s.nnx_name is not None
     }
     out = []
     for path, var in nnx.to_flat_state(like):
-        s, x = by_name[_name(path)]
-        out.append((path, var.replace(x if s.nnx_shape is None else x.reshape(s.nnx_shape))))
+        out.append((path, var.replace(by_name[_name(path)])))
     return nnx.from_flat_state(out)

@@ -9,14 +9,19 @@ The engine serves the actor's weights (Llama3, Qwen2, Qwen3), mapped by the spec
 (`integrations/flax.py`); with a mesh that has a `tp` axis it is sharded over it, otherwise
 it runs on one device. Every weight sync (`update_params`) is hotswap's pure
 `update_weights`: version + 1 and an empty prefix cache, so no token of a step is computed
-over KV from older weights. Leaves already on the engine's sharding are used as they are
-and reshapes run on their devices: a sync moves nothing to the host.
+over KV from older weights. Tunix's models use hotswap's params layout, so a state maps
+leaf to leaf: leaves already on the engine's sharding are served from their own buffers
+(no copy), others are resharded on their devices. A sync moves nothing to the host.
 
 `generate` returns `RolloutOutput` shaped as Tunix's vanilla rollout returns it: `tokens`
 unpadded without EOS, `left_padded_prompt_tokens` padded to `max_prompt_length` (or the
 next power of two above the longest prompt), `logits` an empty list (vanilla returns no
-logits unless asked, and Tunix's learners recompute log-probs), `logprobs` the sampled
-tokens' log-probs under the raw model distribution when `return_logprobs`. Sampling is
+logits unless asked, and Tunix's learners recompute log-probs), `logprobs` when
+`return_logprobs` the sampled tokens' log-probs as vanilla computes them: under the raw
+distribution for greedy decoding, else under the temperature-scaled one
+(softmax(logits / temperature), before the top-p/top-k cut; teacher-forced on the same
+version when the temperature is not 1). `get_per_token_logps` is the raw distribution's,
+as vanilla's is. Sampling is
 greedy when `top_p` is None (vanilla's rule) or the temperature is 0; each prompt row
 gets its own seed derived from `rollout_config.seed`, so a prompt's `num_generations`
 copies draw different samples.
@@ -95,9 +100,13 @@ class HotswapRollout(base_rollout.BaseRollout):
         )
         # The actor's graph and non-Param state rebuild `model()` from the engine's weights.
         self._graphdef, self._param_like, self._rest = nnx.split(rollout_actor, nnx.Param, ...)
+        # The engine starts on a copy of the actor's weights (on their devices): Tunix compares
+        # `model()` with the trainer's actor once, at start, and never syncs a rollout that
+        # shares its arrays; a shared start would also serve buffers the trainer donates.
+        own = nnx.merge(self._graphdef, jax.tree.map(jnp.copy, self._param_like), self._rest)
         cache = rollout_config.kv_cache_size if rollout_config is not None else 1024
         self.llm = LLM.from_flax(
-            rollout_actor,
+            own,
             page_size=page_size,
             num_pages=num_pages,
             max_model_len=max_model_len or cache,
@@ -127,8 +136,9 @@ class HotswapRollout(base_rollout.BaseRollout):
     def model(self) -> nnx.Module:
         """The weights being served, as the actor's NNX module (rebuilt once per version).
 
-        Its arrays are the engine's (reshaped), never the trainer's, so Tunix's learner
-        sees two copies and syncs after every step.
+        Its arrays are the engine's: at start a copy of the actor's (so Tunix's learner sees
+        two copies and syncs after every step), after a sync the synced state's own arrays
+        where they were already on the engine's sharding.
         """
         v = self.llm.weights_version
         if self._model is None or self._model[0] != v:
@@ -178,6 +188,12 @@ class HotswapRollout(base_rollout.BaseRollout):
             logprobs.append(list(c.logprobs[:n]))
             versions.update(c.weights_versions)
         self.version_log.append((version, versions))
+        greedy = rollout_config.top_p is None or rollout_config.temperature == 0
+        if rollout_config.return_logprobs and not greedy and rollout_config.temperature != 1:
+            # the engine reports the raw distribution's log-probs; vanilla, the scaled one's
+            pairs = [(x, t.tolist()) for x, t in zip(ids, tokens, strict=True)]
+            scored = self.llm.score(pairs, temperature=float(rollout_config.temperature))
+            logprobs = [lp.tolist() for lp in scored]
         return base_rollout.RolloutOutput(
             text=[self._tokenizer.decode(t.tolist()) for t in tokens],
             logits=[],

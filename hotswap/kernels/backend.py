@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from hotswap.errors import ConfigError
@@ -45,9 +46,11 @@ ATTENTIONS = ("pallas", "cpu", "reference")  # what "auto" resolves to
 CPU_DTYPES = ("float32", "bfloat16")
 
 
-def jnp_matmuls(x: jax.Array, ws) -> list[jax.Array]:
-    """[x @ w for w in ws]: the matmul routine's interface (`Backend.matmuls`)."""
-    return [x @ w for w in ws]
+def jnp_matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+    """The matmul routine's interface (`Backend.matmuls`): each w contracted over x's last
+    `contract` dims and w's first, `[..., K...] x [K..., N...] -> [..., N...]` (one dot_general,
+    so the head-split attention weights are used in their own layout, no relayout)."""
+    return [jnp.tensordot(x, w, axes=contract) for w in ws]
 
 
 def _pallas_on_tpu_problem(head_dim: int) -> str | None:

@@ -31,21 +31,26 @@ def max_rows() -> int:
     return int(fn())
 
 
-def matmuls(x: jax.Array, ws) -> list[jax.Array]:
-    """[x @ w for w in ws] (x [..., K], each w [K, N]): one C++ call for all the f32 weights
-    when x has at most max_rows() rows, else XLA's dot for each. Weights that share x (a
-    layer's q/k/v, or gate/up) in one call share one parallel region: +2-4% decode at batch
-    1 and +5% at batch 16 against a call per weight (same-process A/B)."""
-    rows = math.prod(x.shape[:-1])
+def matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+    """Each w contracted over x's last `contract` dims and w's first (x [..., K...], w
+    [K..., N...] -> [..., N...]; `x @ w` for a 2-D w): one C++ call for all the f32 weights
+    when x has at most max_rows() rows, else XLA's dot for each. The kernel takes 2-D
+    operands; x and the weights are reshaped to [rows, K] and [K, N], which for row-major
+    arrays on CPU are bitcasts, not copies. Weights that share x (a layer's q/k/v, or
+    gate/up) in one call share one parallel region: +2-4% decode at batch 1 and +5% at
+    batch 16 against a call per weight (same-process A/B)."""
+    lead = x.shape[: x.ndim - contract]
+    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract :])
     ws = list(ws)
     f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
     if not f32 or rows > max_rows():
-        return [x @ w for w in ws]
+        return [jnp.tensordot(x, w, axes=contract) for w in ws]
     target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
-    ys = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32) for w in ws])(
-        x.reshape(rows, -1), *ws
+    flat = [w.reshape(k, math.prod(w.shape[contract:])) for w in ws]  # [K, N]
+    ys = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32) for w in flat])(
+        x.reshape(rows, k), *flat
     )
-    return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws, strict=True)]
+    return [y.reshape(*lead, *w.shape[contract:]) for y, w in zip(ys, ws, strict=True)]
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:

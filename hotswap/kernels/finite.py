@@ -43,6 +43,14 @@ def all_finite(x: jax.Array) -> jax.Array:
 
 
 _xla_finite = jax.jit(all_finite)  # one call per array: compiled per shape and sharding
+
+
+def lower_xla_check(array: jax.ShapeDtypeStruct) -> jax.stages.Lowered:
+    """The XLA finiteness program for an array of this shape and sharding, lowered (compiled
+    ahead of time by `engine/programs.py`)."""
+    return _xla_finite.lower(array)
+
+
 _cpp_finite = jax.jit(cpu_finite.all_finite)  # one call for a list of arrays
 
 
