@@ -3,7 +3,7 @@
 Turning a quantized GGUF file into params costs more than the rest of a warm start
 (SmolLM2-135M Q4_1: about 1 s to dequantize with `gguf`, 0.5 s more to unpermute q/k,
 transpose to `[in, out]` and copy). The result depends only on the file, the dtype and
-the conversion code, so the first load stores it as one safetensors file (the project's
+the conversion code, so the first load stores it (when converting took over `WORTH_CACHING_S`) as one safetensors file (the project's
 own codec, `safetensors_io.py`: no pickle) under the hotswap cache directory
 (`weights/`), and a later load reads it back. The entry is keyed by the file's resolved
 path, size and modification time, the dtype, every parameter's name, shape and dtype
@@ -34,6 +34,9 @@ from hotswap.engine.spec import Params, ParamSpec, param_specs, path_name
 from hotswap.errors import PayloadError
 
 FORMAT = 1  # bump when an entry's layout changes
+# Files converted faster than this are not stored: reading them back would save little
+# (and the seeded files tests write would only fill the cache).
+WORTH_CACHING_S = 0.25
 _HERE = Path(__file__).resolve().parent
 # The code a cached conversion comes from: the GGUF reader, the HF layout change, the spec table.
 _CONVERSION = (_HERE / "gguf_io.py", _HERE / "hf.py", _HERE.parent / "engine" / "spec.py")

@@ -274,6 +274,8 @@ def load_gguf(
     target = hf.np_dtype(cfg.dtype)
     params = converted.load(f.path, cfg, target)
     if params is None:
+        start = time.perf_counter()
         params = hf.params_from_hf(cfg, hf_tensors(f, cfg, target))
-        converted.store(f.path, cfg, params)
+        if time.perf_counter() - start > converted.WORTH_CACHING_S:
+            converted.store(f.path, cfg, params)
     return cfg, params, tokenizer_from_metadata(f.metadata, where=str(f.path))
