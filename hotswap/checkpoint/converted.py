@@ -3,16 +3,18 @@
 Turning a quantized GGUF file into params costs more than the rest of a warm start
 (SmolLM2-135M Q4_1: about 1 s to dequantize with `gguf`, 0.5 s more to unpermute q/k,
 transpose to `[in, out]` and copy). The result depends only on the file, the dtype and
-the conversion code, so the first load stores it (when converting took over `WORTH_CACHING_S`) as one safetensors file (the project's
-own codec, `safetensors_io.py`: no pickle) under the hotswap cache directory
-(`weights/`), and a later load reads it back. The entry is keyed by the file's resolved
+the conversion code, so the first load stores it (when converting took over
+`WORTH_CACHING_S`) as one safetensors file (the project's own codec,
+`safetensors_io.py`: no pickle) under the hotswap cache directory (`weights/`), and a
+later load reads it back. The entry is keyed by the file's resolved
 path, size and modification time, the dtype, every parameter's name, shape and dtype
 (the spec table's, so a layout change is a new entry) and the source of the modules that
 do the conversion. An entry that is missing, stale or unreadable is a miss.
 
-A cached copy is as large as the params (540 MB in float32 for SmolLM2-135M); delete
-`weights/` to reclaim it. Loaded params are views of one buffer read from the entry
-(nothing aliases the file) and go through the same validation as any other (`engine/ingest.py`).
+A cached copy is as large as the params (650 MB in float32 for SmolLM2-135M, its
+untied head included); delete `weights/` to reclaim it. Loaded params are views of one
+buffer read from the entry (nothing aliases the file) and go through the same
+validation as any other (`engine/ingest.py`).
 """
 
 from __future__ import annotations

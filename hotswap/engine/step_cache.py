@@ -19,7 +19,9 @@ as one program (`runner.fused_jit`: the C++ and Pallas kernels) on one device; o
 (the reference attention's two programs, sharded meshes) go through JAX's cache alone.
 
 Only a program compiled in this process is stored: one that JAX itself loaded from its
-cache does not serialize whole again. An entry that is missing, stale or unreadable is a
+cache does not serialize whole again (its machine code is not kept). So after an upgrade
+whose programs JAX's cache still holds, starts go through JAX's cache until its entries
+are gone (delete `xla/` to refill both). An entry that is missing, stale or unreadable is a
 miss. It lives in `steps/` under hotswap's cache directory, and is on exactly when JAX's
 persistent cache is (`compile_cache.enable`).
 """
