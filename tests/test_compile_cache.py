@@ -21,13 +21,18 @@ _CACHE_SETTINGS = (
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
 )
 # A fresh process: start an LLM on the C++ kernels, report what warm-up did and greedy tokens.
+# `traced`: how many times JAX traced the step (the step cache loads it untraced).
 _START = """
 import json, sys
+from jax import monitoring
 from hotswap import LLM, SamplingParams
+traced = []
+monitoring.register_event_duration_secs_listener(
+    lambda e, s, fun_name=None, **kw: traced.append(1) if fun_name == "_step" else None)
 llm = LLM(sys.argv[1], attention="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
 sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 outs = llm.generate([[5, 6, 7, 8], [9, 10]], sp, use_tqdm=False)
-print(json.dumps({"warmup": llm.engine.runner.warmup_counts,
+print(json.dumps({"warmup": llm.engine.runner.warmup_counts, "traced": len(traced),
                   "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
 
@@ -61,16 +66,23 @@ def test_a_second_process_loads_every_step_from_the_cache_and_generates_the_same
     # Every bucket loaded, none compiled: the cached programs' custom calls found their targets.
     assert second["warmup"] == {"compiled": 0, "from_cache": n, "in_memory": 0}
     assert second["tokens"] == first["tokens"]
+    # ... by the step cache: neither warm-up nor serving traced the step again.
+    assert first["traced"] >= n and second["traced"] == 0
+    assert len(list((cache_root / "steps").glob("*.bin"))) == n
     assert f"{n} from cache" in second_err and f"{n} compiled" in first_err  # the progress bar
 
 
 def test_off_by_env_var_writes_nothing(tiny_dir, cache_root):
     got, _ = _start(tiny_dir, cache_root, HOTSWAP_COMPILATION_CACHE="0")
     assert got["warmup"]["compiled"] > 0
-    assert not (cache_root / "xla").exists()
+    assert not (cache_root / "xla").exists() and not (cache_root / "steps").exists()
 
 
-_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+_SETTINGS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_enable_compilation_cache",
+)
 
 
 @pytest.fixture
@@ -112,3 +124,35 @@ def test_progress_text_leaves_zero_counts_out():
     assert (
         compile_cache.describe({"compiled": 3, "from_cache": 8, "in_memory": 0}) == "3 compiled, 8 from cache"
     )
+
+
+def test_the_step_cache_hits_only_the_same_code_and_bucket(
+    tiny_dir, tmp_path, monkeypatch, jax_cache_settings
+):
+    """A stored step loads for the same arguments and gives the same outputs; a change of the
+    package's code or of the bucket is a miss (their programs would differ)."""
+    from hotswap import LLM
+    from hotswap.engine import runner, step_cache
+    from hotswap.kernels.backend import Backend
+
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
+    jax.config.update("jax_enable_compilation_cache", False)  # compiled here: whole to serialize
+    llm = LLM(
+        tiny_dir, attention="cpu", max_model_len=64, max_num_seqs=2, warmup=False, compilation_cache=False
+    )
+    st, cfg, cpu = llm.engine.state, llm.engine.mcfg, llm.engine.backend
+    ref = Backend.choose("reference", head_dim=cfg.head_dim)
+    args = (st.params, st.kv.pages, *runner.placeholder_inputs(2, 1, 4, cpu))
+    assert step_cache.eligible(args, cpu) and not step_cache.eligible(args, ref)
+    assert step_cache.load(args, cfg=cfg, backend=cpu) is None
+    step_cache.store(runner.compile_step(*args, cfg=cfg, backend=cpu), args, cfg=cfg, backend=cpu)
+    loaded = step_cache.load(args, cfg=cfg, backend=cpu)
+    assert loaded is not None
+    fresh = [jax.numpy.zeros_like(x) for x in st.kv.pages]
+    want = runner.fused_jit(st.params, tuple(x.copy() for x in fresh), *args[2:], cfg=cfg, backend=cpu)
+    got = loaded(st.params, tuple(x.copy() for x in fresh), *args[2:])
+    assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True))
+    other = (st.params, st.kv.pages, *runner.placeholder_inputs(1, 1, 4, cpu))
+    assert step_cache.load(other, cfg=cfg, backend=cpu) is None
+    monkeypatch.setattr(step_cache, "code_hash", lambda: "an edited package")
+    assert step_cache.load(args, cfg=cfg, backend=cpu) is None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import gguf
 import httpx
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -342,3 +343,26 @@ def test_the_parsed_header_is_cached_and_read_back_identically(seeded, tmp_path,
     current.write_text("{not json")  # an unreadable entry: the file is parsed again
     assert gguf_header.load(path) is None
     np.testing.assert_array_equal(gguf_io.load_gguf(path)[1]["layers"][0]["wq"], params1["layers"][0]["wq"])
+
+
+def test_converted_weights_are_cached_and_a_changed_file_is_converted_again(seeded, tmp_path, monkeypatch):
+    """The second load of an unchanged file reads its converted params back (bit for bit);
+    another dtype or a changed file (size or mtime) is a miss and converts again."""
+    from hotswap.checkpoint import converted
+
+    monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(converted, "WORTH_CACHING_S", 0.0)
+    path = write_gguf(seeded["seed0"], tmp_path / "m.gguf", Q.Q4_1)
+    cfg, cold, _ = gguf_io.load_gguf(path)
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == 1
+    assert converted.load(path, cfg, np.dtype(np.float32)) is not None
+    assert converted.load(path, cfg, np.dtype(np.float16)) is None
+    _, warm, _ = gguf_io.load_gguf(path)
+    for a, b in zip(jax.tree.leaves(cold), jax.tree.leaves(warm), strict=True):
+        np.testing.assert_array_equal(a, b)
+    before = path.stat().st_mtime_ns
+    write_gguf(seeded["seed1"], path, Q.Q4_1)  # other weights, same name
+    os.utime(path, ns=(before + 10**9,) * 2)
+    assert converted.load(path, cfg, np.dtype(np.float32)) is None
+    _, other, _ = gguf_io.load_gguf(path)
+    assert not np.array_equal(other["layers"][0]["wq"], cold["layers"][0]["wq"])

@@ -29,7 +29,7 @@ import gguf
 import ml_dtypes
 import numpy as np
 
-from hotswap.checkpoint import gguf_header, hf
+from hotswap.checkpoint import converted, gguf_header, hf
 from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import ModelConfig
@@ -267,6 +267,15 @@ def read_gguf(
 def load_gguf(
     path: str | os.PathLike, *, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, Tokenizer | None]:
-    """Read a GGUF file into (ModelConfig, numpy params, Tokenizer or None). `dtype` overrides the file's."""
-    f, cfg, tensors = read_gguf(path, dtype=dtype)
-    return cfg, hf.params_from_hf(cfg, tensors), tokenizer_from_metadata(f.metadata, where=str(f.path))
+    """Read a GGUF file into (ModelConfig, numpy params, Tokenizer or None). `dtype` overrides the file's.
+    The converted params are cached (`converted.py`): a second load reads them back."""
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_hf(hf_config(f), dtype=dtype)
+    target = hf.np_dtype(cfg.dtype)
+    params = converted.load(f.path, cfg, target)
+    if params is None:
+        start = time.perf_counter()
+        params = hf.params_from_hf(cfg, hf_tensors(f, cfg, target))
+        if time.perf_counter() - start > converted.WORTH_CACHING_S:
+            converted.store(f.path, cfg, params)
+    return cfg, params, tokenizer_from_metadata(f.metadata, where=str(f.path))

@@ -61,7 +61,8 @@ class Engine:
                 f"num_pages={ecfg.num_pages} cannot hold one max_model_len={ecfg.max_model_len} sequence "
                 f"({ecfg.pages_per_seq} pages of {ecfg.page_size} plus the null page)"
             )
-        compile_cache.enable(ecfg.compilation_cache)  # before anything compiles: warm-up can load
+        # before anything compiles: warm-up can load
+        self._cache_on = compile_cache.enable(ecfg.compilation_cache) is not None
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
         self.backend, kv_sharding = sharding.engine_backend(mcfg, ecfg.attention, kv_sharding)
@@ -94,7 +95,7 @@ class Engine:
         self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "steps": 0}
         self._pause_mode: str | None = None  # set by pause(): the engine does not step
         if warmup:
-            self.runner.warmup(self.state.params, self.state.kv.pages, progress)
+            self.runner.warmup(self.state.params, self.state.kv.pages, progress, cache=self._cache_on)
 
     # ---- views --------------------------------------------------------------
 

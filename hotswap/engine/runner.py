@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import compile_cache, model
+from hotswap.engine import compile_cache, model, step_cache
 from hotswap.engine.batch import Batch
 from hotswap.engine.params import Params
 from hotswap.engine.sampling import SamplingArrays, sample
@@ -110,8 +110,11 @@ write_jit = partial(jax.jit, static_argnames=("backend",), donate_argnums=(0,))(
 fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=(1,))(_step)
 
 
-def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
-    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps))."""
+def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled=None):
+    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps)).
+    `compiled`: warm-up's program for this bucket, when it holds one (see `Runner.warmup`)."""
+    if compiled is not None:
+        return compiled(params, pages, batch, sa)
     if backend.read_then_write:
         new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
         return write_jit(pages, new_kv, batch.slots, backend=backend), out
@@ -130,12 +133,15 @@ def lower_step(
     return [("step", forward), ("write", write_jit.lower(pages, new_kv, batch.slots, backend=backend))]
 
 
-def compile_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend) -> None:
+def compile_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend) -> jax.stages.Compiled | None:
     """Compile (or load from the persistent cache) every program `run_step` runs for these
     shapes, without running them: a later `run_step` on the same shapes dispatches straight
-    to them. Running warm-up steps instead would cost a full padded step per bucket."""
-    for _, lowered in lower_step(params, pages, batch, sa, cfg=cfg, backend=backend):
-        lowered.compile()
+    to them. Running warm-up steps instead would cost a full padded step per bucket.
+    Returns the step's `Compiled` when it is one program (None for read_then_write's two)."""
+    compiled = [
+        lowered.compile() for _, lowered in lower_step(params, pages, batch, sa, cfg=cfg, backend=backend)
+    ]
+    return None if backend.read_then_write else compiled[0]
 
 
 def flat_pages(backend: Backend, c: int, b: int, p: int) -> int | None:
@@ -162,6 +168,8 @@ class Runner:
         self._cache_only = backend.reads_before_step  # the step's own K/V come separately
         self.buckets = Buckets.for_config(ecfg, backend)
         self.ps = ecfg.page_size
+        # (B, C, P) -> the step warm-up compiled or loaded from the step cache (step_cache.py)
+        self.steps: dict[tuple[int, int, int], jax.stages.Compiled] = {}
 
     def _pages_needed(self, start: int, end: int) -> int:
         """Table columns attention reads: the read-then-write impls read keys before the chunk
@@ -264,7 +272,8 @@ class Runner:
         )
         s = batch.sample_idx.shape[0]
         sa = SamplingArrays.from_rows([(q.params, q.seed, len(q.output_ids)) for q, _ in rows], s)
-        pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend)
+        step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
+        pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
         n_rows = len(rows)
         tok, lp, ti, tl = jax.device_get(out)  # one host copy per call
         return pages, (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
@@ -282,11 +291,13 @@ class Runner:
             outs.append(out)
         return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
-    def warmup(self, params: Params, pages, progress: bool = True) -> None:
+    def warmup(self, params: Params, pages, progress: bool = True, cache: bool = False) -> None:
         """Compile every bucket now, so serving never compiles.
 
-        A bucket whose programs all came from JAX's persistent compilation cache
-        (`compile_cache.py`) is loaded, not compiled: the bar shows both counts, and
+        With `cache` (a persistent compilation cache is on), a bucket's step is first looked
+        up in the step cache (`step_cache.py`: no tracing, no lowering), then in JAX's
+        persistent cache (`compile_cache.py`); a step found in either is loaded, not
+        compiled, and one compiled here is stored in both. The bar shows the counts, and
         `warmup_counts` keeps them (`in_memory`: this process had compiled it already)."""
         from tqdm.auto import tqdm
 
@@ -295,10 +306,19 @@ class Runner:
         backend = self.backend
         counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
         for b, c, p in shapes:
-            with compile_cache.CompileCounter() as n:
-                inputs = placeholder_inputs(b, c, p, backend)
-                compile_step(params, pages, *inputs, cfg=self.mcfg, backend=backend)
-            kind = "compiled" if n.programs > n.loaded else "from_cache" if n.loaded else "in_memory"
+            args = (params, pages, *placeholder_inputs(b, c, p, backend))
+            keep = step_cache.eligible(args, backend)
+            step = step_cache.load(args, cfg=self.mcfg, backend=backend) if cache and keep else None
+            if step is not None:
+                kind = "from_cache"
+            else:
+                with compile_cache.CompileCounter() as n:
+                    step = compile_step(*args, cfg=self.mcfg, backend=backend)
+                kind = "compiled" if n.programs > n.loaded else "from_cache" if n.loaded else "in_memory"
+                if cache and keep and kind == "compiled" and step is not None:
+                    step_cache.store(step, args, cfg=self.mcfg, backend=backend)
+            if keep and step is not None:
+                self.steps[(b, c, p)] = step  # fused steps only: their tables are [B, P]
             counts[kind] += 1
             doing = "loading cached steps" if kind == "from_cache" else "compiling steps"
             bar.set_description(f"hotswap: {doing}", refresh=False)

@@ -89,9 +89,11 @@ def register(name: str, symbol: str) -> str:
 
 @functools.cache
 def available() -> bool:
-    """True when every CPU kernel builds and loads here (cached for the process)."""
+    """True when every CPU kernel builds and loads here (cached for the process). Registers
+    every target, so a program loaded without tracing (engine/step_cache.py) finds them."""
     try:
         register("paged_attention", "HotswapPagedAttention")
+        register("paged_attention", "HotswapPagedAttentionWrite")
         register("small_matmul", "HotswapSmallMatmul")
         register("row_stats", "HotswapRowStats")
         register("all_finite", "HotswapAllFinite")
