@@ -347,7 +347,8 @@ def test_the_parsed_header_is_cached_and_read_back_identically(seeded, tmp_path,
 
 def test_converted_weights_are_cached_and_a_changed_file_is_converted_again(seeded, tmp_path, monkeypatch):
     """The second load of an unchanged file reads its converted params back (bit for bit);
-    another dtype or a changed file (size or mtime) is a miss and converts again."""
+    another dtype or a changed file (size or mtime) is a miss and converts again, replacing
+    the file's old entry."""
     from hotswap.checkpoint import converted
 
     monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path / "cache"))
@@ -366,3 +367,5 @@ def test_converted_weights_are_cached_and_a_changed_file_is_converted_again(seed
     assert converted.load(path, cfg, np.dtype(np.float32)) is None
     _, other, _ = gguf_io.load_gguf(path)
     assert not np.array_equal(other["layers"][0]["wq"], cold["layers"][0]["wq"])
+    # The new conversion replaced the old one: one entry per file, each as large as the params.
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == 1

@@ -12,7 +12,8 @@ path, size and modification time, the dtype, every parameter's name, shape and d
 do the conversion. An entry that is missing, stale or unreadable is a miss.
 
 A cached copy is as large as the params (650 MB in float32 for SmolLM2-135M, its
-untied head included); delete `weights/` to reclaim it. Loaded params are views of one
+untied head included), so one entry per file is kept: storing a new one drops the file's
+older ones. Delete `weights/` to reclaim the space. Loaded params are views of one
 buffer read from the entry (nothing aliases the file) and go through the same
 validation as any other (`engine/ingest.py`).
 """
@@ -62,10 +63,17 @@ def _specs(cfg: ModelConfig) -> list[ParamSpec]:
 def _entry(source: Path, cfg: ModelConfig, dtype: np.dtype) -> Path:
     st = source.stat()
     specs = [(s.name, s.shape) for s in _specs(cfg)]
-    key = repr(
-        (FORMAT, str(source.resolve()), st.st_size, st.st_mtime_ns, str(dtype), specs, _conversion_hash())
-    )
-    return cache_dir() / "weights" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+    key = repr((FORMAT, st.st_size, st.st_mtime_ns, str(dtype), specs, _conversion_hash()))
+    return _root() / f"{_file_tag(source)}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+
+
+def _root() -> Path:
+    return cache_dir() / "weights"
+
+
+def _file_tag(source: Path) -> str:
+    """The part of an entry's name that names its source file: one entry per file is kept."""
+    return hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:16]
 
 
 def load(source: Path, cfg: ModelConfig, dtype: np.dtype) -> Params | None:
@@ -100,5 +108,10 @@ def store(source: Path, cfg: ModelConfig, params: Params) -> None:
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         write_safetensors(tmp, {path_name(path): np.asarray(a) for path, a in flat})
         tmp.replace(target)  # atomic: a concurrent reader sees no entry or a whole one
+        # Entries of this file from before (another dtype, an edited file or conversion code)
+        # are dropped: each is as large as the params, and nothing would ever read most again.
+        for old in _root().glob(f"{_file_tag(source)}-*.safetensors"):
+            if old != target:
+                old.unlink(missing_ok=True)
     except (OSError, ValueError, TypeError):
         return
