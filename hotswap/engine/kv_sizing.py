@@ -6,10 +6,13 @@
 - On an accelerator, as vLLM (and tpu-inference) size it, the cache takes what is left of
   the chip's memory:
 
-      pages = (free × gpu_memory_utilization − params − the compiled steps' temporaries)
+      pages = (free × gpu_memory_utilization − 2 × params − the compiled steps' temporaries)
               ÷ bytes of one page (all layers, this chip's kv heads)
 
-  per chip, the tightest chip deciding. `free` is `device.memory_stats()`'s
+  per chip, the tightest chip deciding. Params count twice: a hot update stages the new
+  weights beside the serving ones and swaps only once they are checked (`engine/ingest.py`:
+  a rejected update must leave the old ones serving), so a cache sized for one copy, as
+  vLLM sizes it, would make the first update run out of memory. `free` is `device.memory_stats()`'s
   `bytes_limit − bytes_in_use` on a real device, or the chip's HBM size when compiling
   ahead of time for a TPU slice (`hotswap/aot.py`). The temporaries are measured, not
   guessed: the largest decode and prefill steps are compiled for a first guess of the pool
@@ -30,6 +33,7 @@ from hotswap.config import ModelConfig
 from hotswap.errors import DeviceMemoryError
 
 DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
+PARAM_COPIES = 2  # the serving params and an update's staged ones (module doc)
 
 
 def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1) -> int:
@@ -58,15 +62,15 @@ def free_bytes(devices: Sequence[jax.Device]) -> int | None:
 
 
 def pages_that_fit(free: int, utilization: float, params: int, temps: int, one_page: int) -> int:
-    """(free × utilization − params − temps) ÷ one_page, all bytes per chip. Raises
-    DeviceMemoryError when not even the null page and one more fit."""
-    budget = int(free * utilization) - params - temps
+    """(free × utilization − PARAM_COPIES × params − temps) ÷ one_page, all bytes per chip.
+    Raises DeviceMemoryError when not even the null page and one more fit."""
+    budget = int(free * utilization) - PARAM_COPIES * params - temps
     pages = budget // one_page if budget > 0 else 0
     if pages < 2:
         gib = 2**30
         raise DeviceMemoryError(
             f"no room for the KV cache: {free / gib:.2f} GiB free x gpu_memory_utilization {utilization} "
-            f"- params {params / gib:.2f} GiB - step temporaries {temps / gib:.2f} GiB leaves "
+            f"- params {params / gib:.2f} GiB x {PARAM_COPIES} (serving + an update's staged copy) - step temporaries {temps / gib:.2f} GiB leaves "
             f"{budget / gib:.2f} GiB, under 2 pages of {one_page / 2**20:.2f} MiB; use more chips "
             "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, or a higher "
             "gpu_memory_utilization"
