@@ -111,21 +111,11 @@ def test_llm_from_flax_and_update_weights_take_nnx():
     update_weights takes its nnx.State or the nnx.Module itself."""
     from flax import nnx
     from tunix.models.llama3 import model as llama3
+    from tunix_worker import CFG
 
     from hotswap import LLM, SamplingParams
 
-    cfg = llama3.ModelConfig(
-        num_layers=2,
-        vocab_size=512,
-        embed_dim=32,
-        hidden_dim=64,
-        num_heads=4,
-        head_dim=8,
-        num_kv_heads=2,
-        rope_theta=10000,
-        norm_eps=1e-5,
-    )
-    a, b = llama3.Llama3(cfg, rngs=nnx.Rngs(0)), llama3.Llama3(cfg, rngs=nnx.Rngs(1))
+    a, b = llama3.Llama3(CFG, rngs=nnx.Rngs(0)), llama3.Llama3(CFG, rngs=nnx.Rngs(1))
     opts = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warmup=False)
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     prompt = [5, 17, 42, 99]
@@ -154,21 +144,18 @@ def test_other_families_match_vanilla_rollout(family):
     from tunix.models.qwen2 import model as qwen2
     from tunix.models.qwen3 import model as qwen3
     from tunix.rl.rollout import base_rollout, vanilla_rollout
-    from tunix_worker import PROMPTS, padded_completions, tokenizer
+    from tunix_worker import PROMPTS, SIZES, padded_completions, tokenizer
 
     from hotswap.integrations.tunix import HotswapRollout
 
-    sizes = dict(
-        num_layers=2, vocab_size=512, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2
-    )
     if family == "llama3_tied":
         m = llama3.Llama3(
-            llama3.ModelConfig(**sizes, rope_theta=10000, norm_eps=1e-5, weight_tying=True), rngs=nnx.Rngs(1)
+            llama3.ModelConfig(**SIZES, rope_theta=10000, norm_eps=1e-5, weight_tying=True), rngs=nnx.Rngs(1)
         )
     else:
         mod, cls = (qwen2, qwen2.Qwen2) if family == "qwen2" else (qwen3, qwen3.Qwen3)
         cfg = mod.ModelConfig(
-            **sizes, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=family == "qwen2"
+            **SIZES, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=family == "qwen2"
         )
         m = cls(cfg, rngs=nnx.Rngs(1))
     if family == "qwen2":  # nonzero biases, so a mis-mapped bias shows

@@ -35,17 +35,11 @@ from hotswap.checkpoint import create
 from hotswap.errors import HotswapError
 from hotswap.integrations.tunix import HotswapRollout
 
-CFG = llama3.ModelConfig(
-    num_layers=2,
-    vocab_size=512,
-    embed_dim=32,
-    hidden_dim=64,
-    num_heads=4,
-    head_dim=8,
-    num_kv_heads=2,
-    rope_theta=10000,
-    norm_eps=1e-5,
+# The tiny shapes every Tunix check here and in test_tunix.py uses (the families differ in rope/norm).
+SIZES = dict(
+    num_layers=2, vocab_size=512, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2
 )
+CFG = llama3.ModelConfig(**SIZES, rope_theta=10000, norm_eps=1e-5)
 PROMPTS = ["hello world", "My name is", "input string", "the cat sat"]
 AUTO = (AxisType.Auto, AxisType.Auto)
 
@@ -296,17 +290,7 @@ def bad_inputs(tok) -> dict:
     def with_value(name, value):
         return edit(lambda f: [(p, v.replace(value) if ".".join(map(str, p)) == name else v) for p, v in f])
 
-    qcfg = qwen3.ModelConfig(
-        num_layers=2,
-        vocab_size=512,
-        embed_dim=32,
-        hidden_dim=64,
-        num_heads=4,
-        head_dim=8,
-        num_kv_heads=2,
-        rope_theta=10000,
-        norm_eps=1e-5,
-    )
+    qcfg = qwen3.ModelConfig(**SIZES, rope_theta=10000, norm_eps=1e-5)
     lora = nnx.LoRA(32, 4, 64, rngs=nnx.Rngs(0))
     w_up = good["layers"][0]["mlp"]["up_proj"]["kernel"][...]
     cases = {
