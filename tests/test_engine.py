@@ -228,3 +228,45 @@ def test_a_step_that_fails_after_donating_the_cache_loses_no_request(tiny_dir, p
     for i, r in enumerate(rids):
         assert done[r] == hf_ref[i], f"request {i} after recovery"
     eng.check_invariants()
+
+
+def test_fill_pads_or_defers_whichever_costs_fewer_tokens():
+    from hotswap.config import EngineConfig
+    from hotswap.engine.runner import Buckets
+    from hotswap.kernels.backend import Backend
+
+    ecfg = EngineConfig(max_model_len=1088, max_num_seqs=32, max_num_batched_tokens=512, page_size=16)
+    b = Buckets.for_config(ecfg, Backend.choose("cpu", head_dim=64))
+    assert b.batch == (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512) and b.blocks == ()
+    assert b.samples(512, 1) == 32 and b.samples(16, 1) == 16
+    assert b.fill(300) == 256  # 44 tokens wait a step rather than 84 padded ones
+    assert b.fill(350) == 350  # 34 padded rather than 94 deferred
+    assert b.fill(512) == 512 and b.fill(1) == 1
+    # Backends that tile a packed prefill keep their decode and prefill calls apart and pad.
+    ref = Buckets.for_config(ecfg, Backend.choose("reference", head_dim=64))
+    assert ref.batch == (1, 2, 4, 8, 16, 32) and ref.blocks[-1] == 32 and ref.fill(300) == 300
+
+
+def test_decode_rows_and_prefill_chunks_run_in_one_call(tiny_dir, prompts, hf_ref, monkeypatch):
+    """On the C++ backend a step is one [T, 1] call holding every decode token and prefill
+    chunk, trimmed so its tokens land on a compiled size; the tokens still equal HF's."""
+    from hotswap.engine.runner import Runner
+
+    llm = LLM(tiny_dir, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, page_size=16)
+    assert llm.engine.backend.ragged_steps
+    calls = []
+    real = Runner._call
+
+    def spy(self, params, pages, rows, tables, kind):
+        calls.append((kind, sum(n for _, n in rows), sum(n > 1 for _, n in rows), len(rows)))
+        return real(self, params, pages, rows, tables, kind)
+
+    monkeypatch.setattr(Runner, "_call", spy)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_ref
+    assert {kind for kind, *_ in calls} == {"ragged"}
+    assert any(chunks and chunks < rows for _, _, chunks, rows in calls)  # decode + prefill together
+    buckets = llm.engine.runner.buckets.batch
+    assert any(tokens in buckets and tokens > 32 for _, tokens, chunks, _ in calls if chunks)
+    assert llm.engine.stats["steps"] == len(calls)  # one call per step
+    llm.engine.check_invariants()

@@ -81,8 +81,8 @@ class Engine:
         self.abstract = spec
         placed = ingest.stage_params(params, self.abstract).params
         self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
-        self.sched = Scheduler(ecfg)
         self.runner = Runner(mcfg, ecfg, self.backend)
+        self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)
         self.requests: dict[str, Request] = {}
         self.stager = ChunkStager()
         self._lock = threading.RLock()

@@ -141,8 +141,7 @@ def step_name(b: int, c: int, p: int) -> str:
 def largest_shapes(ecfg: EngineConfig, backend: Backend) -> list[tuple[int, int, int]]:
     """The largest decode and the largest packed-prefill bucket: the steps with the most
     temporaries (what the KV sizing subtracts, and a quick AOT check)."""
-    b = runner.Buckets.for_config(ecfg, backend)
-    return [(b.batch[-1], 1, b.pages[-1]), (b.blocks[-1], runner.PREFILL_ROW, b.prefill_pages[-1])]
+    return runner.Buckets.for_config(ecfg, backend).largest()
 
 
 def largest_temps(mcfg: ModelConfig, ecfg: EngineConfig, target: Target) -> int:
@@ -159,8 +158,9 @@ def step_programs(
     not depend on P)."""
     params, pages = abstract_inputs(mcfg, ecfg, target)
     writes = set()
+    buckets = runner.Buckets.for_config(ecfg, target.backend)
     for b, c, p in shapes:
-        inputs = runner.placeholder_inputs(b, c, p, target.backend)
+        inputs = runner.placeholder_inputs(b, c, p, target.backend, buckets.samples(b, c))
         batch, sa = (_abstract(t, target.replicated) for t in inputs)
         lowered = dict(runner.lower_step(params, pages, batch, sa, cfg=mcfg, backend=target.backend))
         yield step_name(b, c, p), lambda low=lowered["step"]: low

@@ -53,16 +53,19 @@ def _pow2_upto(lo: int, hi: int, *, halves: bool = False) -> list[int]:
 class Buckets:
     """Every shape the step is compiled for."""
 
-    batch: tuple[int, ...]  # decode rows B
-    blocks: tuple[int, ...]  # packed prefill rows (of PREFILL_ROW tokens each)
+    batch: tuple[int, ...]  # decode rows B; for a ragged backend, the tokens T of any step
+    blocks: tuple[int, ...]  # packed prefill rows (of PREFILL_ROW tokens each); () when ragged
     pages: tuple[int, ...]  # block-table columns P of a decode batch
     prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
+    max_samples: int  # rows sampled in one call at most: each running sequence once
 
     @staticmethod
     def for_config(ecfg: EngineConfig, backend: Backend) -> Buckets:
         pps = ecfg.pages_per_seq
         pages = tuple(_pow2_upto(min(8, pps), pps))
         prefill_pages = pages
+        batch = _pow2_upto(1, ecfg.max_num_seqs)
+        blocks = _pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))
         if backend.attention == "cpu":
             # The C++ kernel reads only the pages before each chunk, whatever P the table has:
             # one full-width table, so warm-up compiles one shape per batch bucket, not per P.
@@ -73,18 +76,47 @@ class Buckets:
             pages = tuple(_pow2_upto(min(8, pps), pps, halves=True))
             # The reference prefill reads only keys cached before each chunk, often none.
             prefill_pages = (0, *prefill_pages)
+        if backend.ragged_steps:
+            # Past the decode sizes, steps of 1.5x apart: a padded token costs a real one's
+            # matmuls, and the scheduler trims a step down to a bucket (`fill`) only when that
+            # defers fewer tokens than padding would waste.
+            top = max(ecfg.max_num_batched_tokens, ecfg.max_num_seqs)
+            batch = sorted({*batch, *_pow2_upto(batch[-1], top, halves=True)})
+            blocks = []
         return Buckets(
-            batch=tuple(_pow2_upto(1, ecfg.max_num_seqs)),
-            blocks=tuple(_pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))),
+            batch=tuple(batch),
+            blocks=tuple(blocks),
             pages=pages,
             prefill_pages=prefill_pages,
+            max_samples=ecfg.max_num_seqs,
         )
 
     def shapes(self) -> list[tuple[int, int, int]]:
-        """(B, C, P) for every compiled step: decode batches, then packed prefills."""
+        """(B, C, P) for every compiled step: decode batches (or ragged steps), then packed prefills."""
         return [(b, 1, p) for b in self.batch for p in self.pages] + [
             (nb, PREFILL_ROW, p) for nb in self.blocks for p in self.prefill_pages
         ]
+
+    def largest(self) -> list[tuple[int, int, int]]:
+        """The largest decode (or ragged) step and the largest packed prefill: the steps with
+        the most temporaries."""
+        big = [(self.batch[-1], 1, self.pages[-1])]
+        return big + ([(self.blocks[-1], PREFILL_ROW, self.prefill_pages[-1])] if self.blocks else [])
+
+    def samples(self, b: int, c: int) -> int:
+        """S, the rows a (B, C) step samples: one per sequence in it. A packed prefill has at most
+        one sequence per row; a [T, 1] step at most every running sequence."""
+        return b if c != 1 else min(b, self.max_samples)
+
+    def fill(self, n: int) -> int:
+        """Tokens a ragged step should run when `n` are ready: n, or the bucket below n when
+        deferring the tokens past it (to the next step) is cheaper than padding up to the bucket
+        above. Non-ragged steps pad (n): their prefill rows are few and coarse."""
+        if self.blocks or n <= self.batch[0] or n > self.batch[-1]:
+            return n
+        hi = pick(self.batch, n)
+        lo = max(b for b in self.batch if b <= n)
+        return lo if hi - n > n - lo else n
 
 
 def pick(buckets: tuple[int, ...], n: int) -> int:
@@ -153,12 +185,16 @@ def flat_pages(backend: Backend, c: int, b: int, p: int) -> int | None:
     return b * p if c == 1 else p
 
 
-def placeholder_inputs(b: int, c: int, p: int, backend: Backend) -> tuple[Batch, SamplingArrays]:
-    """All-padding step inputs of bucket shape (B, C, P): what warm-up compiles against."""
+def placeholder_inputs(
+    b: int, c: int, p: int, backend: Backend, s: int | None = None
+) -> tuple[Batch, SamplingArrays]:
+    """All-padding step inputs of bucket shape (B, C, P) sampling S rows (`Buckets.samples`;
+    default B): what warm-up compiles against."""
+    s = b if s is None else s
     n = flat_pages(backend, c, b, p)
     if n is not None:
-        return Batch.zeros(b, c, 0, b, n=n), SamplingArrays.from_rows([], b)
-    return Batch.zeros(b, c, p, b), SamplingArrays.from_rows([], b)
+        return Batch.zeros(b, c, 0, s, n=n), SamplingArrays.from_rows([], s)
+    return Batch.zeros(b, c, p, s), SamplingArrays.from_rows([], s)
 
 
 class Runner:
@@ -193,12 +229,15 @@ class Runner:
             at += k
 
     def pack(self, rows: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
-        """Split prefill chunks into calls that fit the largest packed-prefill bucket (rows,
-        and for the reference attention, cached pages listed)."""
+        """Split prefill chunks (for a ragged backend, every row of the step) into calls that
+        fit the largest bucket: packed-prefill rows, or a ragged step's tokens, and for the
+        reference attention, cached pages listed."""
         calls, cur, used, listed = [], [], 0, 0
-        cap, page_cap = self.buckets.blocks[-1], self.buckets.prefill_pages[-1]
+        ragged = not self.buckets.blocks
+        cap = self.buckets.batch[-1] if ragged else self.buckets.blocks[-1]
+        page_cap = self.buckets.prefill_pages[-1]
         for seq, n in rows:
-            need = -(-n // PREFILL_ROW)
+            need = n if ragged else -(-n // PREFILL_ROW)
             pages = self._pages_needed(seq.num_computed, seq.num_computed + n)
             if cur and (used + need > cap or (self._flat and listed + pages > page_cap)):
                 calls.append(cur)
@@ -235,6 +274,27 @@ class Runner:
         bt.sample_idx[:] = np.arange(b)
         return bt
 
+    def ragged_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
+        """[T, 1]: every row's tokens end to end, one token per batch row, decode rows being
+        chunks of one token (a ragged backend's step: `Backend.ragged_steps`)."""
+        t = pick(self.buckets.batch, sum(n for _, n in rows))
+        bt = Batch.zeros(t, 1, self.buckets.pages[-1], self.buckets.samples(t, 1))
+        at = 0
+        for r, (seq, n) in enumerate(rows):
+            start, table = seq.num_computed, np.asarray(tables[seq.seq_id], np.int32)
+            pos, span = np.arange(start, start + n), slice(at, at + n)
+            k = self._pages_needed(start, start + n)
+            bt.tokens[span, 0] = seq.token_slice(start, n)
+            bt.positions[span, 0] = pos
+            bt.slots[span, 0] = self._slots(table, pos)
+            bt.block_tables[span, :k] = table[:k]
+            bt.kv_lens[span] = start + n
+            bt.chunk_starts[span] = start
+            bt.segments[span] = r
+            bt.sample_idx[r] = at + n - 1
+            at += n
+        return bt
+
     def prefill_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
         """[Nb, PREFILL_ROW]: each chunk laid out from a fresh row, padded to whole rows."""
         q = PREFILL_ROW
@@ -265,11 +325,15 @@ class Runner:
             row += k
         return bt
 
-    def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], tables: Tables, decode: bool):
-        """One jitted call for `rows`: a decode batch, or prefill chunks packed together."""
-        batch = (
-            self.decode_batch([s for s, _ in rows], tables) if decode else self.prefill_batch(rows, tables)
-        )
+    def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], tables: Tables, kind: str):
+        """One jitted call for `rows`: a decode batch, prefill chunks packed together, or (ragged)
+        both in one [T, 1] block."""
+        if kind == "ragged":
+            batch = self.ragged_batch(rows, tables)
+        elif kind == "decode":
+            batch = self.decode_batch([s for s, _ in rows], tables)
+        else:
+            batch = self.prefill_batch(rows, tables)
         s = batch.sample_idx.shape[0]
         sa = SamplingArrays.from_rows([(q.params, q.seed, len(q.output_ids)) for q, _ in rows], s)
         step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
@@ -280,14 +344,19 @@ class Runner:
 
     def run(self, state: EngineState, plan: Plan):
         """Run a plan on the state's params and pages: one call for the decode batch, one for
-        every prefill chunk packed together. Returns the new page buffers (the old ones are
-        donated) and the sampled rows in `plan.rows` order."""
+        every prefill chunk packed together; on a ragged backend, one call for both (decode
+        rows ride in the prefill's matmuls instead of streaming the weights again). Returns
+        the new page buffers (the old ones are donated) and the sampled rows in `plan.rows`
+        order."""
         tables, pages = state.pool.tables, state.kv.pages
-        calls = [(True, [(s, 1) for s in plan.decode])] if plan.decode else []
-        calls += [(False, rows) for rows in self.pack(plan.prefill)]
+        if self.backend.ragged_steps:
+            calls = [("ragged", rows) for rows in self.pack(plan.rows)]
+        else:
+            calls = [("decode", [(s, 1) for s in plan.decode])] if plan.decode else []
+            calls += [("prefill", rows) for rows in self.pack(plan.prefill)]
         outs = []
-        for decode, rows in calls:
-            pages, out = self._call(state.params, pages, rows, tables, decode)
+        for kind, rows in calls:
+            pages, out = self._call(state.params, pages, rows, tables, kind)
             outs.append(out)
         return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
@@ -306,7 +375,7 @@ class Runner:
         backend = self.backend
         counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
         for b, c, p in shapes:
-            args = (params, pages, *placeholder_inputs(b, c, p, backend))
+            args = (params, pages, *placeholder_inputs(b, c, p, backend, self.buckets.samples(b, c)))
             keep = step_cache.eligible(args, backend)
             step = step_cache.load(args, cfg=self.mcfg, backend=backend) if cache and keep else None
             if step is not None:

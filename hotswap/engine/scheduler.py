@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,8 +66,11 @@ class _Work:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig):
+    def __init__(self, ecfg: EngineConfig, fill: Callable[[int], int] | None = None):
+        """`fill(n)`: how many of a step's n ready tokens to run, so that the step lands on a
+        compiled size (`runner.Buckets.fill`); None runs them all."""
         self.cfg = ecfg
+        self.fill = fill or (lambda n: n)
         self.ps = ecfg.page_size
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -238,7 +242,18 @@ class Scheduler:
                 plan.prefill.append((seq, n))
             else:
                 plan.decode.append(seq)
+        self._fit(plan)
         return plan, w.into(state)
+
+    def _fit(self, plan: Plan) -> None:
+        """Trim the youngest prefill chunk so the step's tokens land on a compiled size: the cut
+        tokens run next step instead of this step paying for padding. Its pages stay allocated
+        (the next step needs them), and a chunk short of its prompt's end samples nothing."""
+        total = len(plan.decode) + sum(n for _, n in plan.prefill)
+        cut = total - self.fill(total)
+        if cut > 0 and plan.prefill and plan.prefill[-1][1] > cut:
+            seq, n = plan.prefill[-1]
+            plan.prefill[-1] = (seq, n - cut)
 
     def _parent_pending(self, seq: Sequence) -> bool:
         p = seq.fork_parent

@@ -132,6 +132,14 @@ class Backend:
         return self.attention == "reference"
 
     @property
+    def ragged_steps(self) -> bool:
+        """A step is one [T, 1] block: decode tokens and prefill chunks end to end, a row per
+        token, in one call (the C++ kernel reads each row's keys on its own). Else a decode
+        batch and a packed prefill ([Nb, PREFILL_ROW], what Pallas and the reference tile
+        over) run as separate calls."""
+        return self.attention == "cpu"
+
+    @property
     def folded_pages(self) -> bool:
         """Pages are `[num_pages, ps, 2*Hkv*hd]` (see module doc), not `[.., 2*Hkv, hd]`."""
         return self.attention == "pallas"
