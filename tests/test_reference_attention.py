@@ -155,9 +155,7 @@ def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, pa
     from hotswap.kernels import cpu_attention
 
     runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"), Backend("cpu", "cpu"))
-    batch = (
-        runner.decode_batch([s for s, _ in rows], tables) if decode else runner.prefill_batch(rows, tables)
-    )
+    batch = runner.ragged_batch(rows, tables)  # [T, 1]: decode rows are chunks of one token
     b, c = batch.tokens.shape
     assert batch.block_tables.shape[1] == ecfg.pages_per_seq  # one full-width table per shape
     hd = pages.shape[-1]
@@ -207,23 +205,30 @@ def test_cpu_kernel_decode(dtype, hd, ps):
         np.testing.assert_allclose(out[i : i + 1], want, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("hd,ps", [(32, PS), (64, PS), (64, 32)])
-def test_cpu_kernel_packed_prefill(hd, ps):
+# A ragged step ([T, 1], what the engine runs on this backend): chunks of many queries, of one
+# (a decode row among them), after cached prefixes or none.
+@pytest.mark.parametrize(
+    "dtype,hd,ps",
+    [(np.float32, 32, PS), (np.float32, 64, PS), (np.float32, 64, 32), (np.float32, 128, PS)]
+    + [(jnp.bfloat16, 64, PS), (jnp.bfloat16, 128, 32)],
+)
+def test_cpu_kernel_packed_prefill(dtype, hd, ps):
     rng = np.random.default_rng(3)
-    chunks = [(0, 37), (21, 16), (40, 1), (70, 40)]
+    chunks = [(0, 37), (21, 16), (40, 1), (70, 40), (5, 3)]
     pages, seqs, tables = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks], hd, ps)
     ecfg = EngineConfig(page_size=ps, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
-    batch, out, q, k, v = _cpu_step(rows, tables, pages, ecfg, rng, decode=False)
+    batch, out, q, k, v = _cpu_step(rows, tables, pages, ecfg, rng, decode=False, dtype=dtype)
     assert np.isfinite(out).all()
+    pages32 = np.asarray(jnp.asarray(pages, dtype).astype(jnp.float32))
+    tol = 1e-5 if dtype == np.float32 else 2e-2
     real = np.zeros(len(out), bool)
     for r, (seq, n) in enumerate(rows):
         first = int(batch.sample_idx[r]) - n + 1
         sl = slice(first, first + n)
         real[sl] = True
-        np.testing.assert_allclose(
-            out[sl], _oracle(pages, seq, tables[seq.seq_id], q[sl], k[sl], v[sl], n), atol=1e-5, rtol=0
-        )
+        want = _oracle(pages32, seq, tables[seq.seq_id], q[sl], k[sl], v[sl], n)
+        np.testing.assert_allclose(out[sl], want, atol=tol, rtol=0)
     assert not out[~real].any(), "padding slots must come back as zeros"
 
 
