@@ -1,8 +1,10 @@
 """The jitted step and the only host->device bridge.
 
-One jitted function serves both step kinds: a [B, C] block of tokens (batch.py)
-where a decode batch is [B, 1] and a packed prefill is [Nb, PREFILL_ROW] holding
-every prefill chunk of the step. B, Nb and P (block-table columns for a kernel;
+One jitted function serves every step kind: a [B, C] block of tokens (batch.py).
+On a ragged backend (the C++ kernels, `Backend.ragged_steps`) a step is one [T, 1]
+block holding every decode token and prefill chunk end to end. Otherwise a decode
+batch is [B, 1] and a packed prefill is [Nb, PREFILL_ROW] holding every prefill
+chunk of the step, run as two calls. B (or T), Nb and P (block-table columns for a kernel;
 for the reference attention, the flat list's pages: B*P in a decode batch, P in a
 prefill, see `flat_pages`) are padded to the buckets listed here, all compiled at start-up, so
 steady-state serving never recompiles. KV page buffers are donated
@@ -31,7 +33,7 @@ from hotswap.engine.state import EngineState
 from hotswap.kernels.backend import Backend
 
 Tables = Mapping[int, tuple[int, ...]]  # seq_id -> block table (the state's page pool)
-PREFILL_ROW = 16  # C of a packed prefill: a chunk wastes < 16 padded slots
+PREFILL_ROW = 16  # C of a packed prefill (Pallas, reference): a chunk wastes < 16 padded slots
 
 
 def _pow2_upto(lo: int, hi: int, *, halves: bool = False) -> list[int]:
