@@ -152,7 +152,7 @@ def run(args) -> int:
                     )
                     for r in rows
                 ],
-                "serving": serving_workload(llm, args.serving_requests, cfg.vocab_size)["throughput_tok_s"],
+                "serving": serving_workload(llm, args.serving_requests, cfg.vocab_size),
             }
 
         _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size, ours_now)
@@ -243,12 +243,22 @@ def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab
                 line += f" | {name}_hf_agree={row[f'{name}_hf_agree']:.3g} (sequences greedy-equal to HF)"
             print(line, flush=True)
         if "serving" in result:
-            ours = serving["throughput_tok_s"]
-            if before is not None:
-                serving[f"throughput_tok_s_around_{name}"] = [before["serving"], after["serving"]]
-                ours = statistics.mean(serving[f"throughput_tok_s_around_{name}"])
-            serving[name] = result["serving"]
-            serving[f"ratio_vs_{name}"] = ours / result["serving"]["throughput_tok_s"]
+            theirs = serving[name] = result["serving"]
+            for key in ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s"):
+                ours = serving[key]
+                if before is not None:
+                    serving[f"{key}_around_{name}"] = [before["serving"][key], after["serving"][key]]
+                    ours = statistics.mean(serving[f"{key}_around_{name}"])
+                # throughput: ours / theirs (> 1 is faster); TTFT: ours / theirs (< 1 is sooner)
+                label = "ratio_vs" if key == "throughput_tok_s" else f"{key[:-2]}_ratio_vs"
+                serving[f"{label}_{name}"] = ours / theirs[key]
+            print(
+                f"{name} serving | tok_s={theirs['throughput_tok_s']:.3g} | ttft p50/p99="
+                f"{theirs['ttft_p50_s']:.3g}/{theirs['ttft_p99_s']:.3g} s | hotswap/{name}: throughput "
+                f"{serving[f'ratio_vs_{name}']:.3g}x, ttft p50 {serving[f'ttft_p50_ratio_vs_{name}']:.3g}x, "
+                f"p99 {serving[f'ttft_p99_ratio_vs_{name}']:.3g}x",
+                flush=True,
+            )
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -40,7 +40,7 @@ emit_result({
         {"batch": len(p), "tok_s": 5.0 * len(p), "tokens": [[7] * req.new_tokens for _ in p]}
         for p in req.decode
     ],
-    "serving": {"throughput_tok_s": sum(req.serving_outputs) / 2.0},
+    "serving": {"throughput_tok_s": sum(req.serving_outputs) / 2.0, "ttft_p50_s": 0.5, "ttft_p99_s": 2.0},
 })
 """
 
@@ -80,7 +80,7 @@ def test_round_trip_through_a_driver_subprocess(tmp_path, monkeypatch):
     result = bench_peers.run_peer("llama_cpp", _request(), tmp_path)
     assert result["echo"] == {"model_dir": "/models/m", "threads": 3, "max_num_seqs": 2}
     assert [d["tok_s"] for d in result["decode"]] == [5.0, 10.0]
-    assert result["serving"] == {"throughput_tok_s": 3.5}
+    assert result["serving"] == {"throughput_tok_s": 3.5, "ttft_p50_s": 0.5, "ttft_p99_s": 2.0}
 
 
 def test_a_missing_venv_says_how_to_install_it(tmp_path, capsys):
@@ -144,12 +144,14 @@ def test_bench_adds_peer_columns_serving_ratio_and_a_plot_line(tmp_path, monkeyp
         {"batch": b, "hotswap_tok_s": 20.0, "mem_limit_tok_s": 50.0, "compute_limit_tok_s": 90.0}
         for b in (1, 2)
     ]
-    serving = {"throughput_tok_s": 7.0}
+    serving = {"throughput_tok_s": 7.0, "ttft_p50_s": 0.25, "ttft_p99_s": 4.0}
     plan = ([6, 9], [3, 4])
     bench._run_peers(["llama_cpp"], args, tmp_path / "m", tmp_path / "out", rows, serving, plan, None, 32000)
     assert [r["llama_cpp_tok_s"] for r in rows] == [5.0, 10.0]
     assert [r["ratio_vs_llama_cpp"] for r in rows] == [4.0, 2.0]
-    assert serving["llama_cpp"] == {"throughput_tok_s": 3.5} and serving["ratio_vs_llama_cpp"] == 2.0
+    assert serving["llama_cpp"] == {"throughput_tok_s": 3.5, "ttft_p50_s": 0.5, "ttft_p99_s": 2.0}
+    assert serving["ratio_vs_llama_cpp"] == 2.0
+    assert serving["ttft_p50_ratio_vs_llama_cpp"] == 0.5 and serving["ttft_p99_ratio_vs_llama_cpp"] == 2.0
     labels = []
     real_plot = Axes.plot
     monkeypatch.setattr(
@@ -166,8 +168,13 @@ def test_peer_ratios_use_hotswap_measured_just_before_and_after_the_peer(tmp_pat
     _install_fake(tmp_path, "llama_cpp")
     args = argparse.Namespace(new_tokens=4, repeats=1, prompt_len=8, peers_dir=str(tmp_path))
     rows = [{"batch": b, "hotswap_tok_s": 20.0} for b in (1, 2)]
-    serving = {"throughput_tok_s": 7.0}
-    again = iter([{"decode": [30.0, 40.0], "serving": 9.0}, {"decode": [10.0, 20.0], "serving": 5.0}])
+    serving = {"throughput_tok_s": 7.0, "ttft_p50_s": 9.0, "ttft_p99_s": 9.0}
+    around = [(9.0, 1.0, 3.0), (5.0, 0.0, 1.0)]  # throughput, TTFT p50, p99 before and after
+    keys = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s")
+    again = iter(
+        {"decode": decode, "serving": dict(zip(keys, s, strict=True))}
+        for decode, s in zip([[30.0, 40.0], [10.0, 20.0]], around, strict=True)
+    )
     bench._run_peers(
         ["llama_cpp"],
         args,
@@ -185,6 +192,9 @@ def test_peer_ratios_use_hotswap_measured_just_before_and_after_the_peer(tmp_pat
     assert rows[0]["hotswap_tok_s"] == 20.0  # the first measurement (beside its limit) stays
     assert serving["throughput_tok_s_around_llama_cpp"] == [9.0, 5.0]
     assert serving["ratio_vs_llama_cpp"] == 7.0 / 3.5
+    assert serving["ttft_p50_s_around_llama_cpp"] == [1.0, 0.0]
+    assert serving["ttft_p50_ratio_vs_llama_cpp"] == 0.5 / 0.5  # the peer's p50 is 0.5 s
+    assert serving["ttft_p99_ratio_vs_llama_cpp"] == 2.0 / 2.0
 
 
 def test_hf_reference_is_hf_greedy_with_its_margins(tiny_dir):
