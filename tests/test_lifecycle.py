@@ -84,9 +84,12 @@ def _in_flight(llm, n=3, max_tokens=30):
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(n):
         llm.engine.add_request(f"r{i}", PROMPT[i:], sp, sink=lambda o: got.__setitem__(o.request_id, o))
-    for _ in range(4):
+    seqs = [llm.engine.requests[f"r{i}"].seqs[0] for i in range(n)]
+    for _ in range(8):  # until every request has sampled a token (4 steps at this budget)
         llm.engine.step()
-    assert llm.engine.num_running() == n
+        if all(s.output_ids for s in seqs):
+            break
+    assert llm.engine.num_running() == n and all(s.output_ids for s in seqs)
     return got
 
 

@@ -25,11 +25,16 @@ def params_a(tiny_dir):
 
 
 def _start(llm, n=3, steps=4):
+    """n requests running; with the default, each has sampled a token (4 steps at this budget,
+    or the one after when the scheduler trims a step to a compiled size)."""
     got = {}
     for i in range(n):
         llm.engine.add_request(f"r{i}", PROMPT[i:], SP, sink=lambda o: got.__setitem__(o.request_id, o))
-    for _ in range(steps):
+    seqs = [llm.engine.requests[f"r{i}"].seqs[0] for i in range(n)]
+    for i in range(2 * steps):
         llm.engine.step()
+        if i + 1 >= steps and all(s.output_ids for s in seqs):
+            break
     assert llm.engine.num_running() == n
     return got
 
