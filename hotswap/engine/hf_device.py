@@ -43,7 +43,7 @@ from hotswap.checkpoint import hf
 from hotswap.config import ModelConfig
 from hotswap.engine.params import Params
 from hotswap.engine.spec import EMBED, ParamSpec, param_specs
-from hotswap.kernels import finite
+from hotswap.kernels import cpu_convert, finite
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.
@@ -62,6 +62,16 @@ def _converter(layout: ParamSpec, dtype: np.dtype, sharding):
     if isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
         return jax.jit(convert, out_shardings=sharding)
     return jax.jit(convert)  # an unusual sharding type: place_params reshards afterwards if needed
+
+
+@functools.cache
+def _fused_converter(layout: ParamSpec, sharding):
+    """jit: HF-layout array -> (params-layout copy on `sharding`, finite flag) in one pass of
+    the C++ kernel (`kernels/cpu_convert.py`): one CPU device, no cast."""
+    return jax.jit(
+        lambda x: cpu_convert.convert(x, layout.shape, layout.transpose),
+        out_shardings=(sharding, sharding),
+    )
 
 
 def lower_conversion(spec: ParamSpec, dtype: np.dtype, sharding) -> jax.stages.Lowered:
@@ -109,6 +119,12 @@ def _on_cpu(sharding) -> bool:
     return all(d.platform == "cpu" for d in devices)
 
 
+def _fused(x: jax.Array, dtype: np.dtype, sharding) -> bool:
+    """Convert with the C++ kernel, which checks finiteness in the same pass? On one CPU
+    device, when no cast is needed (so the values it checks are the params' values)."""
+    return _on_cpu(sharding) and cpu_convert.usable(x.dtype, dtype, sharding)
+
+
 def _check_source_on_host(src: Any, dtype: np.dtype, sharding) -> bool:
     """Let numpy check finiteness on the source instead of the device on the output?
 
@@ -148,15 +164,24 @@ def hf_to_device(
     for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
         spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
         src, dtype = tensors[name], np.dtype(want.dtype)
-        on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
-        if on_host:
-            check.add({name: src})
         x = _put(src, _source_sharding(want.sharding, spec))
-        new[name] = _converter(spec.layout, dtype, want.sharding)(x)
-        if check_finite and not on_host:
-            check.add({name: new[name]})  # the converted values: a cast can overflow
+        if _fused(x, dtype, want.sharding):
+            new[name], flag = _fused_converter(spec.layout, want.sharding)(x)
+            if check_finite:
+                check.add_flag(name, flag)
+        else:
+            on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
+            if on_host:
+                check.add({name: src})
+            new[name] = _converter(spec.layout, dtype, want.sharding)(x)
+            if check_finite and not on_host:
+                check.add({name: new[name]})  # the converted values: a cast can overflow
         if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
-            head = _converter(head_layout, np.dtype(head_want.dtype), head_want.sharding)(new[name])
+            head_dtype = np.dtype(head_want.dtype)
+            if _fused(new[name], head_dtype, head_want.sharding):
+                head, _ = _fused_converter(head_layout, head_want.sharding)(new[name])
+            else:
+                head = _converter(head_layout, head_dtype, head_want.sharding)(new[name])
         pending.append(new[name])
         pending_bytes += x.nbytes
         if pending_bytes > _IN_FLIGHT_BYTES:

@@ -94,6 +94,11 @@ class FiniteCheck:
         if cpp:
             self._cpp.append((cpp, _cpp_finite([named[n] for n in cpp])))
 
+    def add_flag(self, name: str, flag: Any) -> None:
+        """A flag computed elsewhere (True: finite), a bool or a device scalar not yet fetched:
+        for a kernel that checks the values while it copies them (`cpu_convert.py`)."""
+        self._flags[name] = flag
+
     def non_finite(self) -> list[str]:
         for (names, _), flags in zip(self._cpp, jax.device_get([f for _, f in self._cpp]), strict=True):
             self._flags.update(zip(names, map(bool, flags), strict=True))
