@@ -6,14 +6,20 @@ the row's `from_hf` in the spec table). As a strided numpy copy that is
 about a nanosecond per element on one core (0.4 s of a 0.6 s update of a 100M
 f32 model). Here each tensor goes to its devices in the file's layout (a plain
 copy; on CPU none, jax adopts the aligned memmapped bytes) and a small jit per
-shape transposes and casts it there into a fresh array on the engine's
-sharding: XLA's transpose is vectorised and multi-threaded on CPU, and runs in
-HBM on TPU/GPU. The heads split is a reshape of the transposed result, fused into it.
+shape converts it there into a fresh array on the engine's sharding. The heads
+split is a reshape of the transposed result: the same bytes.
 
-Finiteness goes through the one check (`kernels/finite.py`), over the
-converted values on the device (a cast can overflow). On CPU a source already
-in the engine's dtype is checked instead, on the host just before its
-conversion, which then reads it from cache.
+- On one CPU device with no cast (f32 or bf16 into the same dtype), the jit is one
+  C++ call (`kernels/cpu_convert.py`) that reads the tensor once, checks it for
+  NaN/Inf while it is in registers and writes it once in the params layout: the
+  update costs about a read and copy of the file's bytes. (A tied head made in the
+  same pass as its embedding's copy was slower: the copy then follows the
+  transpose's tiles instead of streaming.)
+- Elsewhere (TPU/GPU HBM, a sharded CPU mesh, a cast), XLA transposes and casts,
+  and finiteness goes through the one check (`kernels/finite.py`), over the
+  converted values on the device (a cast can overflow); on CPU a source already
+  in the engine's dtype is checked on the host just before its conversion,
+  which then reads it from cache.
 
 Largest tensors go first. On CPU the new weights are malloc'd while the old
 ones still serve; allocated first, the big buffers reuse the holes the

@@ -12,7 +12,9 @@ and picks, per array:
 - any other device array (TPU/GPU HBM, a sharded array): `all_finite`, a jitted
   reduction dispatched as the array is added, so it runs while the caller moves
   the next one; it compiles per shape, so any subset of a model reuses it.
-Device flags come back to the host once, in `non_finite()`.
+A kernel that checks values while it copies them (a CPU checkpoint update,
+`cpu_convert.py`) hands its flag over with `add_flag`. Device flags come back to
+the host once, in `non_finite()`.
 """
 
 from __future__ import annotations
