@@ -17,7 +17,7 @@ from hotswap.engine.params import abstract_params
 from hotswap.kernels import cpu_build, cpu_convert
 
 convert = jax.jit(cpu_convert.convert, static_argnums=(1, 2))
-# Ragged against the 16 x 16 register transpose and the 64 x 64 work items, and one whole.
+# Ragged against the 16 x 16 register transpose and the 16-row work items, and whole ones.
 SHAPES = [(1, 1), (3, 5), (16, 16), (17, 33), (65, 130), (128, 64), (100, 7)]
 
 

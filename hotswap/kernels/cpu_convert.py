@@ -4,9 +4,9 @@ FFI call (`cpu/convert_finite.cc`), the CPU route of a checkpoint update (`engin
 An update from an HF directory reads every weight from the file and writes it into a new
 buffer, transposing `[out, in]` to `[in, out]` on the way for most tensors. A numpy
 finiteness pass over the file, then XLA's transpose, read every byte twice, and the transpose
-ran well below memory speed; the kernel reads each tensor once in cache-sized tiles over XLA's
-intra-op threads, checks it while it is in registers, and writes the output once, so an update
-costs about what a plain read and copy of the same bytes costs.
+ran well below memory speed; the kernel reads each tensor once (16-row strips for a transpose)
+over XLA's intra-op threads, checks it while it is in registers, and writes the output once, so
+an update costs about what a plain read and copy of the same bytes costs.
 """
 
 from __future__ import annotations
