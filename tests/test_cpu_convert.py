@@ -55,24 +55,39 @@ def test_output_is_a_fresh_buffer():
     assert y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
 
 
+@pytest.mark.parametrize("transpose", [True, False])
+def test_widens_bf16_to_f32_exactly_and_matches_the_jnp_twin(transpose):
+    x = np.random.default_rng(3).standard_normal((33, 48)).astype(ml_dtypes.bfloat16)
+    x[5, 7] = np.inf
+    shape = (48, 33) if transpose else (33, 48)
+    got = jax.jit(cpu_convert.convert, static_argnums=(1, 2, 3))(jnp.asarray(x), shape, transpose, np.float32)
+    want = jax.jit(cpu_convert.convert_jnp, static_argnums=(1, 2, 3))(
+        jnp.asarray(x), shape, transpose, np.float32
+    )
+    assert got[0].dtype == np.float32 and not bool(got[1]) and not bool(want[1])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 def test_refuses_what_it_cannot_take():
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     assert cpu_convert.usable(f32, f32, dev) and cpu_convert.usable(bf16, bf16, dev)
-    assert not cpu_convert.usable(bf16, f32, dev)  # a cast: XLA converts, and checks what it made
+    assert cpu_convert.usable(bf16, f32, dev)  # exact
+    assert not cpu_convert.usable(f32, bf16, dev)  # a rounding cast: XLA converts, and checks what it made
     assert not cpu_convert.usable(np.dtype(np.int32), np.dtype(np.int32), dev)
     target = cpu_build.register("convert_finite", "HotswapConvertFinite")
     call = jax.ffi.ffi_call(
         target, (jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((), jnp.uint8))
     )
-    with pytest.raises(Exception, match="f32 or bf16"):
+    with pytest.raises(Exception, match="f32 or bf16 into the same dtype"):
         jax.block_until_ready(jax.jit(lambda x: call(x, transpose=np.int64(0)))(jnp.ones((3,), jnp.int32)))
 
 
 @pytest.mark.parametrize(
-    ("source", "engine", "fused"), [("float32", "float32", True), ("bfloat16", "float32", False)]
+    ("source", "engine", "fused"),
+    [("float32", "float32", True), ("bfloat16", "float32", True), ("float32", "bfloat16", False)],
 )
-def test_the_update_path_takes_the_kernel_without_a_cast(tmp_path, source, engine, fused):
+def test_the_update_path_takes_the_kernel_for_an_exact_cast(tmp_path, source, engine, fused):
     d = create_checkpoint(tmp_path / "ck", seed=2, overrides={"tie_word_embeddings": True})
     cfg = ModelConfig.from_dir(d)
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -9,13 +9,13 @@ copy; on CPU none, jax adopts the aligned memmapped bytes) and a small jit per
 shape converts it there into a fresh array on the engine's sharding. The heads
 split is a reshape of the transposed result: the same bytes.
 
-- On one CPU device with no cast (f32 or bf16 into the same dtype), the jit is one
-  C++ call (`kernels/cpu_convert.py`) that reads the tensor once, checks it for
-  NaN/Inf while it is in registers and writes it once in the params layout: the
-  update costs about a read and copy of the file's bytes. (A tied head made in the
-  same pass as its embedding's copy was slower: the copy then follows the
-  transpose's tiles instead of streaming.)
-- Elsewhere (TPU/GPU HBM, a sharded CPU mesh, a cast), XLA transposes and casts,
+- On one CPU device with an exact cast (f32 or bf16 into the same dtype, bf16
+  into f32), the jit is one C++ call (`kernels/cpu_convert.py`) that reads the
+  tensor once, checks it for NaN/Inf while it is in registers and writes it once
+  in the params layout: the update costs about a read and copy of the file's
+  bytes. (A tied head made in the same pass as its embedding's copy was slower:
+  the copy then follows the transpose's strips instead of streaming.)
+- Elsewhere (TPU/GPU HBM, a sharded CPU mesh, another cast), XLA transposes and casts,
   and finiteness goes through the one check (`kernels/finite.py`), over the
   converted values on the device (a cast can overflow); on CPU a source already
   in the engine's dtype is checked on the host just before its conversion,
@@ -71,11 +71,11 @@ def _converter(layout: ParamSpec, dtype: np.dtype, sharding):
 
 
 @functools.cache
-def _fused_converter(layout: ParamSpec, sharding):
-    """jit: HF-layout array -> (params-layout copy on `sharding`, finite flag) in one pass of
-    the C++ kernel (`kernels/cpu_convert.py`): one CPU device, no cast."""
+def _fused_converter(layout: ParamSpec, dtype: np.dtype, sharding):
+    """jit: HF-layout array -> (params-layout copy in `dtype` on `sharding`, finite flag) in
+    one pass of the C++ kernel (`kernels/cpu_convert.py`): one CPU device, an exact cast."""
     return jax.jit(
-        lambda x: cpu_convert.convert(x, layout.shape, layout.transpose),
+        lambda x: cpu_convert.convert(x, layout.shape, layout.transpose, dtype),
         out_shardings=(sharding, sharding),
     )
 
@@ -127,7 +127,7 @@ def _on_cpu(sharding) -> bool:
 
 def _fused(x: jax.Array, dtype: np.dtype, sharding) -> bool:
     """Convert with the C++ kernel, which checks finiteness in the same pass? On one CPU
-    device, when no cast is needed (so the values it checks are the params' values)."""
+    device, when the cast is exact (so the values it checks are the params' values)."""
     return _on_cpu(sharding) and cpu_convert.usable(x.dtype, dtype, sharding)
 
 
@@ -172,7 +172,7 @@ def hf_to_device(
         src, dtype = tensors[name], np.dtype(want.dtype)
         x = _put(src, _source_sharding(want.sharding, spec))
         if _fused(x, dtype, want.sharding):
-            new[name], flag = _fused_converter(spec.layout, want.sharding)(x)
+            new[name], flag = _fused_converter(spec.layout, dtype, want.sharding)(x)
             if check_finite:
                 check.add_flag(name, flag)
         else:
@@ -185,7 +185,7 @@ def hf_to_device(
         if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
             head_dtype = np.dtype(head_want.dtype)
             if _fused(new[name], head_dtype, head_want.sharding):
-                head, _ = _fused_converter(head_layout, head_want.sharding)(new[name])
+                head, _ = _fused_converter(head_layout, head_dtype, head_want.sharding)(new[name])
             else:
                 head = _converter(head_layout, head_dtype, head_want.sharding)(new[name])
         pending.append(new[name])
