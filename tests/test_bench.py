@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import limits, workloads
 from hotswap import LLM
 
@@ -47,5 +49,6 @@ def test_weight_updates_time_the_check_beside_the_bandwidth_probe(tiny_dir):
     assert len(calls) == 3
     assert got["zero_copy"]
     assert got["bandwidth_ms"] == got["param_bytes"] / 1e10 * 1e3
-    assert got["same_sharding_vs_bandwidth"] == got["same_sharding_ms"] / got["bandwidth_ms"]
+    # one bandwidth throughout: the median of the per-repeat ratios is the ratio of the medians
+    assert got["same_sharding_vs_bandwidth"] == pytest.approx(got["same_sharding_ms"] / got["bandwidth_ms"])
     assert got["directory_vs_raw"] == got["directory_s"] / got["raw_read_copy_s"]
