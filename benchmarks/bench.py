@@ -158,7 +158,17 @@ def run(args) -> int:
         _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size, ours_now)
     prefix = prefix_ttft(llm, cfg.vocab_size)
     prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
-    updates = weight_updates(llm, model_dir)
+    gemv = GemvProbe()  # again: the first one's 512 MiB were freed before the serving run
+    updates = weight_updates(llm, model_dir, probe=lambda: gemv()["gemv_bytes_per_s"])
+    gemv.close()
+    print(
+        f"updates | same_sharding_ms={updates['same_sharding_ms']:.3g} | "
+        f"bandwidth_ms={updates['bandwidth_ms']:.3g} (params read once at the probed bandwidth) | "
+        f"same_sharding_vs_bandwidth={updates['same_sharding_vs_bandwidth']:.3g} | "
+        f"directory_s={updates['directory_s']:.3g} | raw_read_copy_s={updates['raw_read_copy_s']:.3g} | "
+        f"directory_vs_raw={updates['directory_vs_raw']:.3g}",
+        flush=True,
+    )
     result = {
         "startup": starts,
         "limits": limits,

@@ -224,15 +224,31 @@ def prefix_ttft(llm, vocab: int) -> dict:
     return {"uncached_s": statistics.median(cold), "cached_s": statistics.median(warm)}
 
 
-def weight_updates(llm, model_dir: Path) -> dict:
-    """In-process same-sharding update vs an HF directory update vs raw read + device copy."""
+def weight_updates(llm, model_dir: Path, probe=None, repeats: int = 7) -> dict:
+    """In-process same-sharding update vs an HF directory update vs raw read + device copy.
+
+    `probe()` (bytes/s: the GEMV bandwidth probe) runs before each timed same-sharding update,
+    so its bandwidth-time (the params' bytes read once at the probed bandwidth) is measured
+    next to it: `same_sharding_vs_bandwidth` is the median over the repeats of each update's
+    time over the bandwidth-time probed just before it (this machine's bandwidth drifts within
+    seconds). The directory update and the raw read + copy are timed in turn (A B A B), and
+    `directory_vs_raw` is the ratio of their medians.
+    """
     import jax
 
     from hotswap.checkpoint import hf
 
     params = llm.params
-    same = timeit(lambda: llm.update_weights(params), 5)
-    same_unchecked = timeit(lambda: llm.update_weights(params, check_finite=False), 5)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    llm.update_weights(params)
+    same, bandwidth = [], []
+    for _ in range(repeats):
+        if probe is not None:
+            bandwidth.append(probe())
+        t = time.perf_counter()
+        llm.update_weights(params)
+        same.append(time.perf_counter() - t)
+    same_unchecked = timeit(lambda: llm.update_weights(params, check_finite=False), repeats)
     zero_copy = all(a is b for a, b in zip(jax.tree.leaves(llm.params), jax.tree.leaves(params), strict=True))
     t = time.perf_counter()
     llm.update_weights(str(model_dir))
@@ -241,19 +257,33 @@ def weight_updates(llm, model_dir: Path) -> dict:
     # which place the new weights on fresh (page-faulting) memory while the old ones serve.
     for _ in range(2):
         llm.update_weights(str(model_dir))
-    directory = timeit(lambda: llm.update_weights(str(model_dir)), 3)
 
     def raw():  # the floor: read every byte of the same files and put them on the device
         tensors = hf.read_hf_tensors(model_dir)
         jax.block_until_ready([jax.device_put(np.array(t, copy=True)) for t in tensors.values()])
 
-    raw_s = timeit(raw, 3)
-    return {
-        "same_sharding_ms": same * 1e3,
+    raw()
+    directory, raw_s = [], []
+    for _ in range(3):
+        for times, fn in ((directory, lambda: llm.update_weights(str(model_dir))), (raw_s, raw)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    out = {
+        "param_bytes": param_bytes,
+        "same_sharding_ms": statistics.median(same) * 1e3,
         "same_sharding_no_finite_check_ms": same_unchecked * 1e3,
         "zero_copy": zero_copy,
         "directory_first_s": first,
-        "directory_s": directory,
-        "raw_read_copy_s": raw_s,
-        "directory_vs_raw": directory / raw_s,
+        "directory_s": statistics.median(directory),
+        "raw_read_copy_s": statistics.median(raw_s),
+        "directory_vs_raw": statistics.median(directory) / statistics.median(raw_s),
     }
+    if bandwidth:
+        bw = statistics.median(bandwidth)
+        out["gemv_bytes_per_s"] = bw
+        out["bandwidth_ms"] = param_bytes / bw * 1e3
+        out["same_sharding_vs_bandwidth"] = statistics.median(
+            t / (param_bytes / b) for t, b in zip(same, bandwidth, strict=True)
+        )
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import limits, workloads
 from hotswap import LLM
 
@@ -36,3 +38,17 @@ def test_startup_measures_a_cold_then_a_warm_process(tiny_dir):
     assert got["warm"]["warmup"]["from_cache"] == n
     assert got["cache_bytes"] > 0
     assert got["speedup"] == got["cold"]["llm_s"] / got["warm"]["llm_s"]
+
+
+def test_weight_updates_time_the_check_beside_the_bandwidth_probe(tiny_dir):
+    """The checked same-sharding update is timed right after a probe each time, and reported
+    over the params' bandwidth-time; the directory update beside a raw read + copy (~5 s)."""
+    llm = LLM(tiny_dir, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=16)
+    calls = []
+    got = workloads.weight_updates(llm, tiny_dir, probe=lambda: calls.append(1) or 1e10, repeats=3)
+    assert len(calls) == 3
+    assert got["zero_copy"]
+    assert got["bandwidth_ms"] == got["param_bytes"] / 1e10 * 1e3
+    # one bandwidth throughout: the median of the per-repeat ratios is the ratio of the medians
+    assert got["same_sharding_vs_bandwidth"] == pytest.approx(got["same_sharding_ms"] / got["bandwidth_ms"])
+    assert got["directory_vs_raw"] == got["directory_s"] / got["raw_read_copy_s"]

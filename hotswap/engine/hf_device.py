@@ -6,14 +6,20 @@ the row's `from_hf` in the spec table). As a strided numpy copy that is
 about a nanosecond per element on one core (0.4 s of a 0.6 s update of a 100M
 f32 model). Here each tensor goes to its devices in the file's layout (a plain
 copy; on CPU none, jax adopts the aligned memmapped bytes) and a small jit per
-shape transposes and casts it there into a fresh array on the engine's
-sharding: XLA's transpose is vectorised and multi-threaded on CPU, and runs in
-HBM on TPU/GPU. The heads split is a reshape of the transposed result, fused into it.
+shape converts it there into a fresh array on the engine's sharding. The heads
+split is a reshape of the transposed result: the same bytes.
 
-Finiteness goes through the one check (`kernels/finite.py`), over the
-converted values on the device (a cast can overflow). On CPU a source already
-in the engine's dtype is checked instead, on the host just before its
-conversion, which then reads it from cache.
+- On one CPU device with an exact cast (f32 or bf16 into the same dtype, bf16
+  into f32), the jit is one C++ call (`kernels/cpu_convert.py`) that reads the
+  tensor once, checks it for NaN/Inf while it is in registers and writes it once
+  in the params layout: the update costs about a read and copy of the file's
+  bytes. (A tied head made in the same pass as its embedding's copy was slower:
+  the copy then follows the transpose's strips instead of streaming.)
+- Elsewhere (TPU/GPU HBM, a sharded CPU mesh, another cast), XLA transposes and casts,
+  and finiteness goes through the one check (`kernels/finite.py`), over the
+  converted values on the device (a cast can overflow); on CPU a source already
+  in the engine's dtype is checked on the host just before its conversion,
+  which then reads it from cache.
 
 Largest tensors go first. On CPU the new weights are malloc'd while the old
 ones still serve; allocated first, the big buffers reuse the holes the
@@ -43,7 +49,7 @@ from hotswap.checkpoint import hf
 from hotswap.config import ModelConfig
 from hotswap.engine.params import Params
 from hotswap.engine.spec import EMBED, ParamSpec, param_specs
-from hotswap.kernels import finite
+from hotswap.kernels import cpu_convert, finite
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.
@@ -62,6 +68,16 @@ def _converter(layout: ParamSpec, dtype: np.dtype, sharding):
     if isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
         return jax.jit(convert, out_shardings=sharding)
     return jax.jit(convert)  # an unusual sharding type: place_params reshards afterwards if needed
+
+
+@functools.cache
+def _fused_converter(layout: ParamSpec, dtype: np.dtype, sharding):
+    """jit: HF-layout array -> (params-layout copy in `dtype` on `sharding`, finite flag) in
+    one pass of the C++ kernel (`kernels/cpu_convert.py`): one CPU device, an exact cast."""
+    return jax.jit(
+        lambda x: cpu_convert.convert(x, layout.shape, layout.transpose, dtype),
+        out_shardings=(sharding, sharding),
+    )
 
 
 def lower_conversion(spec: ParamSpec, dtype: np.dtype, sharding) -> jax.stages.Lowered:
@@ -109,6 +125,12 @@ def _on_cpu(sharding) -> bool:
     return all(d.platform == "cpu" for d in devices)
 
 
+def _fused(x: jax.Array, dtype: np.dtype, sharding) -> bool:
+    """Convert with the C++ kernel, which checks finiteness in the same pass? On one CPU
+    device, when the cast is exact (so the values it checks are the params' values)."""
+    return _on_cpu(sharding) and cpu_convert.usable(x.dtype, dtype, sharding)
+
+
 def _check_source_on_host(src: Any, dtype: np.dtype, sharding) -> bool:
     """Let numpy check finiteness on the source instead of the device on the output?
 
@@ -148,15 +170,24 @@ def hf_to_device(
     for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
         spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
         src, dtype = tensors[name], np.dtype(want.dtype)
-        on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
-        if on_host:
-            check.add({name: src})
         x = _put(src, _source_sharding(want.sharding, spec))
-        new[name] = _converter(spec.layout, dtype, want.sharding)(x)
-        if check_finite and not on_host:
-            check.add({name: new[name]})  # the converted values: a cast can overflow
+        if _fused(x, dtype, want.sharding):
+            new[name], flag = _fused_converter(spec.layout, dtype, want.sharding)(x)
+            if check_finite:
+                check.add_flag(name, flag)
+        else:
+            on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
+            if on_host:
+                check.add({name: src})
+            new[name] = _converter(spec.layout, dtype, want.sharding)(x)
+            if check_finite and not on_host:
+                check.add({name: new[name]})  # the converted values: a cast can overflow
         if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
-            head = _converter(head_layout, np.dtype(head_want.dtype), head_want.sharding)(new[name])
+            head_dtype = np.dtype(head_want.dtype)
+            if _fused(new[name], head_dtype, head_want.sharding):
+                head, _ = _fused_converter(head_layout, head_dtype, head_want.sharding)(new[name])
+            else:
+                head = _converter(head_layout, head_dtype, head_want.sharding)(new[name])
         pending.append(new[name])
         pending_bytes += x.nbytes
         if pending_bytes > _IN_FLIGHT_BYTES:

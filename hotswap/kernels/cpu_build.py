@@ -97,6 +97,7 @@ def available() -> bool:
         register("small_matmul", "HotswapSmallMatmul")
         register("row_stats", "HotswapRowStats")
         register("all_finite", "HotswapAllFinite")
+        register("convert_finite", "HotswapConvertFinite")
     except (ConfigError, OSError):
         return False
     return True

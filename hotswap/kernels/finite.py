@@ -12,7 +12,9 @@ and picks, per array:
 - any other device array (TPU/GPU HBM, a sharded array): `all_finite`, a jitted
   reduction dispatched as the array is added, so it runs while the caller moves
   the next one; it compiles per shape, so any subset of a model reuses it.
-Device flags come back to the host once, in `non_finite()`.
+A kernel that checks values while it copies them (a CPU checkpoint update,
+`cpu_convert.py`) hands its flag over with `add_flag`. Device flags come back to
+the host once, in `non_finite()`.
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ class FiniteCheck:
             self._flags[name] = host_all_finite(np.asarray(array), self._scratch)
         if cpp:
             self._cpp.append((cpp, _cpp_finite([named[n] for n in cpp])))
+
+    def add_flag(self, name: str, flag: Any) -> None:
+        """A flag computed elsewhere (True: finite), a bool or a device scalar not yet fetched:
+        for a kernel that checks the values while it copies them (`cpu_convert.py`)."""
+        self._flags[name] = flag
 
     def non_finite(self) -> list[str]:
         for (names, _), flags in zip(self._cpp, jax.device_get([f for _, f in self._cpp]), strict=True):

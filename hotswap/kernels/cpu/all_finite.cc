@@ -26,6 +26,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPieceBytes = 1 << 20;
+// Lines are prefetched into L2 this far ahead: the hardware's streams stop at each 4 KB page
+// and restart on its first misses; a prefetch a page ahead keeps the next page coming.
+constexpr int64_t kPrefetchBytes = 4096;
 
 // f32: x - x is 0 for a finite value and NaN for NaN or Inf, and a sum keeps the NaN.
 bool FiniteF32(const float* x, int64_t n) {
@@ -33,6 +36,8 @@ bool FiniteF32(const float* x, int64_t n) {
 #if defined(__AVX512F__)
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (; i + 64 <= n; i += 64) {
+    const char* ahead = reinterpret_cast<const char*>(x + i) + kPrefetchBytes;  // may pass the end: no fault
+    for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
     const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16), v2 = _mm512_loadu_ps(x + i + 32),
                  v3 = _mm512_loadu_ps(x + i + 48);
     a0 = _mm512_add_ps(a0, _mm512_sub_ps(v0, v0));
