@@ -72,12 +72,17 @@ constexpr int kMR = 9;
 constexpr int kV = 3;
 // Bytes of w per k-block: the block sits in L2 while the next one is prefetched.
 constexpr int64_t kSlabBytes = 256 << 10;
-// k rows per block, at least: a tile call's accumulator load and store are paid once per
+// k rows per block, at most: a tile call's accumulator load and store are paid once per
 // block, and a 32-row block ran at 85% of a 128-row one.
-constexpr int64_t kMinKB = 64, kMaxKB = 128;
-// Columns of one work item at most: row segments of 4 KB, which DRAM streams about as well
-// as whole rows.
-constexpr int64_t kMaxWidth = 1024;
+constexpr int64_t kMaxKB = 128;
+// A step of M rows does 2M FLOP per 4-byte weight, and both cores' ~220 GFLOP/s over DRAM's
+// ~20 GB/s is ~11 FLOP/B: up to ~20 rows reading w is the bound, and long row segments
+// stream best. Up to kWideRows rows an item may be 2,048 columns wide (8 KB: a whole
+// bench-100m MLP row) in blocks of >= 32 rows (+4-10% at 4-8 rows); above it that cost the
+// tile 5% at 32 rows, so at most 1,024 columns in blocks of >= 64 rows.
+constexpr int64_t kWideRows = 8;
+int64_t MaxWidth(int64_t M) { return M <= kWideRows ? 2048 : 1024; }
+int64_t MinKB(int64_t M) { return M <= kWideRows ? 32 : 64; }
 
 // Prefetches a run of weight row segments into L2, a few lines per call, spread over the
 // compute of the block before it.
@@ -134,7 +139,7 @@ void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64
   const int64_t vmax = M <= kMR4 ? 4 : kV, nr = 16 * vmax;  // panel width
   const int64_t width = n1 - n0, panels = (width + nr - 1) / nr, lines = width / 16;
   const int64_t passes = (M + kMR - 1) / kMR;
-  const int64_t kb = std::clamp<int64_t>(kSlabBytes / (4 * width), kMinKB, kMaxKB);
+  const int64_t kb = std::clamp<int64_t>(kSlabBytes / (4 * width), MinKB(M), kMaxKB);
   for (int64_t kk = k0; kk < k1; kk += kb) {
     const int64_t kn = std::min(kb, k1 - kk);
     // The block after next (the first block also fetches the next one): a panel of the next
@@ -142,6 +147,10 @@ void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64
     const int64_t from = kk == k0 ? kk + kb : kk + 2 * kb, to = std::min(k1, kk + 3 * kb);
     Prefetch pf{w + from * N + n0, N, lines, std::max<int64_t>(0, to - from)};
     pf.per_step = (pf.rows_left * lines + panels * passes * kn - 1) / (panels * passes * kn);
+    // One line of each row of the block after next: its page walks (rows of a wide weight
+    // are pages apart) are done before the next block's prefetches need them.
+    for (int64_t k = kk + kn + kb; k < std::min(k1, kk + kn + 2 * kb); ++k)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n0), _MM_HINT_T1);
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t v = std::min(vmax, (width - p * nr) / 16);
       for (int64_t t = 0; t < passes; ++t) {
@@ -178,14 +187,14 @@ void PlanGemv(Product& p, int64_t K, int64_t threads) {
 }
 
 #if defined(__AVX512F__)
-// 3-32 rows: items are column chunks, each at most kMaxWidth and at most one thread's share
+// 3-32 rows: items are column chunks, each at most MaxWidth(M) and at most one thread's share
 // of the call's columns (`share`): a layer's q [768] splits in two while its k and v [256]
 // stay whole, so both threads get 640 columns. A product too narrow to give every thread a
 // chunk when alone is split over K as well. Columns past the last multiple of 16 are left to
 // `Tail`.
-void PlanTiled(Product& p, int64_t K, int64_t threads, int64_t share, bool alone) {
+void PlanTiled(Product& p, int64_t M, int64_t K, int64_t threads, int64_t share, bool alone) {
   const int64_t n16 = p.N / 16 * 16, lanes = n16 / 16;  // lanes: 16-column groups
-  const int64_t most = std::max<int64_t>(16, std::min(kMaxWidth, share));
+  const int64_t most = std::max<int64_t>(16, std::min(MaxWidth(M), share));
   const int64_t chunks = std::min(lanes, (n16 + most - 1) / most);
   p.cols = n16;
   p.width = chunks > 0 ? (lanes + chunks - 1) / chunks * 16 : 1;
@@ -223,7 +232,7 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
   for (Product& p : ps) {
 #if defined(__AVX512F__)
     if (tiled) {
-      PlanTiled(p, K, threads, share, ps.size() == 1);
+      PlanTiled(p, M, K, threads, share, ps.size() == 1);
       Tail(xp, p, M, K);  // on this thread, before it joins in
     } else
 #endif
