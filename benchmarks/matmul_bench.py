@@ -2,14 +2,17 @@
 builds of it and XLA's dot, over a chain of bench-100m's layer matmuls.
 
     python benchmarks/matmul_bench.py [OLD_SOURCE.cc ...] [--rows 1,2,4,8,12,16,24,32] [--reps 15]
+        [--min] [--shared] [--huge] [--no-xla]
 
 The chain is 12 layers of q/k/v [768, 768|256|256], o [768, 768], gate/up [768, 2048] and
 down [2048, 768], each layer its own f32 weights (302 MB, read from DRAM as in a decode step,
 not from cache), calls grouped as the model groups them (`cpu_matmul.matmuls`). Each source
 given is built (same flags as `cpu_build`) into a temp dir and registered under its own FFI
 target; the worktree's kernel is "new". Timings are interleaved (old, new, xla, old, ...) and
-the medians printed with GFLOP/s: this machine's speed drifts, so only ratios within one run
-mean anything.
+the medians (or, with --min, the fastest reps: less swayed by other processes) printed with
+GFLOP/s: this machine's speed drifts, so only ratios within one run mean anything. --shared
+runs one layer's weights 12 times (25 MB, cache-resident: not a decode step), --huge puts the
+weights on 2 MB pages first.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def build(source: Path, tag: int) -> str:
     return target
 
 
+def collapse_to_huge_pages(a: jax.Array) -> None:
+    """madvise(MADV_COLLAPSE) the 2 MB pages inside `a`'s buffer (Linux >= 6.1): a decode
+    step that streams weights on 4 KB pages pays a page walk per weight row segment."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    p, huge = a.unsafe_buffer_pointer(), 2 << 20
+    lo, hi = -(-p // huge) * huge, (p + a.nbytes) // huge * huge
+    if hi > lo and libc.madvise(lo, hi - lo, 25) != 0:  # 25: MADV_COLLAPSE
+        raise OSError(ctypes.get_errno(), "madvise(MADV_COLLAPSE) failed")
+
+
 def ffi_matmuls(target: str):
     def mm(x, ws):
         out = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws]
@@ -74,11 +88,15 @@ def main() -> None:
     ap.add_argument("--shared", action="store_true", help="one layer's weights 12 times (25 MB: from L3)")
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--min", action="store_true", help="the fastest rep, not the median (a busy machine)")
+    ap.add_argument("--huge", action="store_true", help="weights on 2 MB pages (MADV_COLLAPSE)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     layers = [[jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for s in SHAPES] for _ in range(LAYERS)]
     if args.shared:
         layers = [layers[0]] * LAYERS
+    if args.huge:
+        for w in (w for ws in layers for w in ws):
+            collapse_to_huge_pages(w)
     fns = {f"old{i}": chain(ffi_matmuls(build(src, i))) for i, src in enumerate(args.old)}
     fns["new"] = chain(cpu_matmul.matmuls)
     if not args.no_xla:

@@ -4,14 +4,16 @@
 // Why: decode multiplies a handful of rows by every weight matrix, and XLA:CPU does that
 // poorly at both ends of the range served here:
 //   - 1-2 rows: XLA emits a matrix-vector product as single-threaded loops, so a batch-1
-//     step read its weights at one core's bandwidth. `Gemv` splits the weight rows over
+//     step read its weights at one core's bandwidth. `KSlice` splits the weight rows over
 //     the threads: bench-100m's batch-1 step went from 12.0 to 9.3 ms.
-//   - 3-32 rows: XLA's dot (YNNPACK) reached 180-260 GFLOP/s over bench-100m's layer
-//     weights, far from both the 450 GFLOP/s the cores do and the memory limit. `Tiled`
-//     keeps a 6 x 64 block of y in 24 AVX-512 registers and reads w in place (no
-//     packing: the engine's weights are the trainer's arrays, zero copy), 1.1-1.2x XLA
-//     over a chain of bench-100m's matmuls at 8 and 32 rows. At 9-16 rows `StripItem`
-//     multiplies each w vector into every row at once: 1.3x XLA at 16 rows.
+//   - 3-32 rows: XLA's dot ran at 30-70 GFLOP/s over a chain of bench-100m's layer weights
+//     (302 MB, streamed from DRAM as in a decode step). Up to ~20 rows a step is bound by
+//     reading w (2M FLOP per 4-byte weight against ~11 FLOP/B of the cores over DRAM), above
+//     it by the FMAs. `Item` reads w in place (no packing: the engine's weights are the
+//     trainer's arrays, zero copy), prefetching each block of row segments into L2 a block
+//     ahead, and multiplies every w vector it loads into up to 9 rows held in registers (a
+//     tile's rows set its speed on Zen 4: 5-9 rows run at the FMA peak, 4 or fewer at half
+//     of it). Over that chain: 1.2-2x XLA's dot at 8-32 rows.
 //
 // Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
 // at most HotswapSmallMatmulMaxRows() rows.
@@ -64,10 +66,10 @@ void KSlice(const float* __restrict x, const float* __restrict w, float* __restr
 
 #if defined(__AVX512F__)
 // A register tile is up to kMR rows x kV zmm (48 columns): 27 accumulators, 3 w vectors and
-// a broadcast x value in the 32 zmm registers. Each w vector loaded feeds kMR FMAs, so the
-// tile pulls 64 / kMR bytes of w per FMA cycle into L1: a 4-row tile (16 B/cycle) ran at 40%
-// of a 6- to 9-row one on Zen 4, where the w panel's re-reads come from L2 (at row strides
-// of 4 KB multiples its rows share L1 sets and do not stay in L1).
+// a broadcast x value in the 32 zmm registers. Rows are what set a tile's speed on Zen 4:
+// on one core with w in L1, tiles of 5-9 rows ran at 105-114 GFLOP/s (the FMA peak) and
+// tiles of 3-4 rows at 45-63 whatever their width, so M rows go in ceil(M / 9) tiles as
+// even as possible (16 = 8 + 8, 32 = 4 x 8): M = 8 in one tile instead of two of 4 is 1.5x.
 constexpr int kMR = 9;
 constexpr int kV = 3;
 // Bytes of w per k-block: the block sits in L2 while the next one is prefetched.
@@ -124,7 +126,7 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, f
 template <int V>
 constexpr TileFn kRow[kMR + 1] = {nullptr,     Tile<1, V>, Tile<2, V>, Tile<3, V>, Tile<4, V>,
                                   Tile<5, V>, Tile<6, V>, Tile<7, V>, Tile<8, V>, Tile<9, V>};
-// At most kMR4 rows, the tile is 4 zmm wide: fewer, wider panels.
+// At most kMR4 rows (one tile), the tile is 4 zmm wide: 1.02-1.09x the 3-wide one at 3-4 rows.
 constexpr int kMR4 = 4;
 constexpr TileFn kRow4[kMR + 1] = {nullptr, Tile<1, 4>, Tile<2, 4>, Tile<3, 4>, Tile<4, 4>};
 constexpr const TileFn* kTiles[kV + 2] = {nullptr, kRow<1>, kRow<2>, kRow<3>, kRow4};  // [V][MR]
@@ -142,14 +144,12 @@ void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64
   const int64_t kb = std::clamp<int64_t>(kSlabBytes / (4 * width), MinKB(M), kMaxKB);
   for (int64_t kk = k0; kk < k1; kk += kb) {
     const int64_t kn = std::min(kb, k1 - kk);
-    // The block after next (the first block also fetches the next one): a panel of the next
-    // block reads every one of its rows at once, so a block is fetched whole a block ahead.
-    const int64_t from = kk == k0 ? kk + kb : kk + 2 * kb, to = std::min(k1, kk + 3 * kb);
-    Prefetch pf{w + from * N + n0, N, lines, std::max<int64_t>(0, to - from)};
+    const int64_t next = std::min(k1, kk + kn);
+    Prefetch pf{w + next * N + n0, N, lines, std::min(kb, k1 - next)};
     pf.per_step = (pf.rows_left * lines + panels * passes * kn - 1) / (panels * passes * kn);
     // One line of each row of the block after next: its page walks (rows of a wide weight
-    // are pages apart) are done before the next block's prefetches need them.
-    for (int64_t k = kk + kn + kb; k < std::min(k1, kk + kn + 2 * kb); ++k)
+    // are pages apart) are done before its prefetches need them (1.03-1.13x at 4-32 rows).
+    for (int64_t k = next + kb; k < std::min(k1, next + 2 * kb); ++k)
       _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n0), _MM_HINT_T1);
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t v = std::min(vmax, (width - p * nr) / 16);
@@ -199,7 +199,8 @@ void PlanTiled(Product& p, int64_t M, int64_t K, int64_t threads, int64_t share,
   p.cols = n16;
   p.width = chunks > 0 ? (lanes + chunks - 1) / chunks * 16 : 1;
   p.chunks = chunks > 0 ? (n16 + p.width - 1) / p.width : 0;
-  p.ksplit = !alone || p.chunks >= threads || p.chunks == 0 ? 1 : std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1));
+  const bool split = alone && p.chunks > 0 && p.chunks < threads;
+  p.ksplit = split ? std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1)) : 1;
 }
 
 void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
