@@ -26,11 +26,11 @@ from hotswap.kernels.backend import Backend
         ((2,), 131, 77),
         ((1, 1), 5, 3),
         ((2, 1), 1000, 64),
-        ((3,), 131, 77),  # tiled (AVX-512): 3-32 rows, one narrow chunk split over K, 13 tail columns
-        ((16,), 768, 2048),  # 9-16 rows (strips of 16 columns): a column chunk per thread
-        ((9,), 131, 77),  # strips: one narrow chunk split over K, 13 tail columns
-        ((2, 6), 100, 4160),  # strips: 1,024-column chunks and a last one of 64
-        ((4, 8), 200, 4160),  # 32 rows; L2-sized column chunks of a wide matrix, like the lm head
+        ((3,), 131, 77),  # tiled (AVX-512): 3-32 rows, a chunk per thread, 13 tail columns
+        ((16,), 768, 2048),  # two 8-row tiles: 1,024-column chunks, one per thread
+        ((9,), 131, 20),  # one 9-row tile: one 16-column chunk split over K, 4 tail columns
+        ((2, 6), 100, 4160),  # 12 rows (6 + 6): five 832-column chunks
+        ((4, 8), 200, 4160),  # 32 rows (4 x 8): column chunks of a wide matrix, like the lm head
         ((7,), 9, 64),  # K too short to split
         ((5,), 0, 70),  # empty K: zeros
         ((1,), 0, 70),
@@ -175,6 +175,21 @@ def test_weights_sharing_x_go_in_one_call(rows):
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
     assert fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul") == 1
     for y, w in zip(fn(x, *ws), ws, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
+        )
+
+
+@pytest.mark.parametrize("rows", [3, 4, 5, 9, 10, 13, 17, 23, 27, 31, 32])
+def test_every_row_count_of_the_tiled_path(rows):
+    """3-32 rows go in register tiles of at most 9 rows (4 zmm wide up to 4 rows, else 3): row
+    counts that split unevenly (10 = 5 + 5, 17 = 9 + 8, 31 = 8 + 8 + 8 + 7), widths whose last
+    panel is 16 or 32 columns or that end in columns past a multiple of 16, K not a multiple
+    of the k-block, and a wide weight beside narrow ones in one call. About 1 s."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 300)).astype(np.float32)
+    ws = [rng.standard_normal((300, n)).astype(np.float32) for n in (2085, 784, 80, 35)]
+    for y, w in zip(jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))(x, *ws), ws, strict=True):
         np.testing.assert_allclose(
             np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
         )

@@ -1,14 +1,15 @@
 """Matmuls for decode steps of up to 32 rows on XLA:CPU (`cpu/small_matmul.cc`).
 
 XLA:CPU handles the few rows of a decode step poorly: a matrix-vector product runs on one
-core (so batch 1 read its weights at one core's bandwidth), and its dot for 3-32 rows
-reached 180-260 GFLOP/s of the cores' 450. The C++ kernel splits the weight rows over
-XLA's intra-op threads for 1-2 rows (bench-100m's batch-1 step: 12.0 -> 9.3 ms) and uses
-an AVX-512 register-tiled product for 3-32 rows (1.1-1.2x XLA's dot over a chain of
-bench-100m's matmuls at 8 and 32 rows; at 9-16 rows a product that multiplies each weight
-vector into every row at once, 1.3x XLA's dot at 16 rows). A layer's q/k/v (or gate/up)
-weights go in one call (`matmuls`). More rows (prefill) stay on XLA's dot, as do CPUs
-without AVX-512 from 3 rows on (`max_rows()`).
+core (so batch 1 read its weights at one core's bandwidth), and its dot for 3-32 rows ran at
+30-70 GFLOP/s over bench-100m's layer weights streamed from DRAM. Such a step is bound by
+reading the weights up to ~20 rows and by the FMAs above. The C++ kernel splits the weight
+rows over XLA's intra-op threads for 1-2 rows (bench-100m's batch-1 step: 12.0 -> 9.3 ms),
+and for 3-32 rows reads the weights in place, prefetched a block ahead, into AVX-512
+register tiles of up to 9 rows (on Zen 4 a tile of 5-9 rows runs at the FMA peak, one of 3-4
+at half of it): 1.2-2x XLA's dot over a chain of bench-100m's matmuls at 8-32 rows. A
+layer's q/k/v (or gate/up) weights go in one call (`matmuls`). More rows (prefill) stay on
+XLA's dot, as do CPUs without AVX-512 from 3 rows on (`max_rows()`).
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@
 // Why: decode multiplies a handful of rows by every weight matrix, and XLA:CPU does that
 // poorly at both ends of the range served here:
 //   - 1-2 rows: XLA emits a matrix-vector product as single-threaded loops, so a batch-1
-//     step read its weights at one core's bandwidth. `Gemv` splits the weight rows over
+//     step read its weights at one core's bandwidth. `KSlice` splits the weight rows over
 //     the threads: bench-100m's batch-1 step went from 12.0 to 9.3 ms.
-//   - 3-32 rows: XLA's dot (YNNPACK) reached 180-260 GFLOP/s over bench-100m's layer
-//     weights, far from both the 450 GFLOP/s the cores do and the memory limit. `Tiled`
-//     keeps a 6 x 64 block of y in 24 AVX-512 registers and reads w in place (no
-//     packing: the engine's weights are the trainer's arrays, zero copy), 1.1-1.2x XLA
-//     over a chain of bench-100m's matmuls at 8 and 32 rows. At 9-16 rows `StripItem`
-//     multiplies each w vector into every row at once: 1.3x XLA at 16 rows.
+//   - 3-32 rows: XLA's dot ran at 30-70 GFLOP/s over a chain of bench-100m's layer weights
+//     (302 MB, streamed from DRAM as in a decode step). Up to ~20 rows a step is bound by
+//     reading w (2M FLOP per 4-byte weight against ~11 FLOP/B of the cores over DRAM), above
+//     it by the FMAs. `Item` reads w in place (no packing: the engine's weights are the
+//     trainer's arrays, zero copy), prefetching each block of row segments into L2 a block
+//     ahead, and multiplies every w vector it loads into up to 9 rows held in registers (a
+//     tile's rows set its speed on Zen 4: 5-9 rows run at the FMA peak, 4 or fewer at half
+//     of it). Over that chain: 1.2-2x XLA's dot at 8-32 rows.
 //
 // Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
 // at most HotswapSmallMatmulMaxRows() rows.
@@ -63,13 +65,26 @@ void KSlice(const float* __restrict x, const float* __restrict w, float* __restr
 }
 
 #if defined(__AVX512F__)
-constexpr int64_t kNR = 64;  // columns of a register tile: 4 zmm
-constexpr int kMR = 6;       // rows of a register tile: 6 x 4 = 24 accumulators of 32
-// Bytes of w per k-block: the next block is prefetched into L2 while this one is computed.
-// 64-256 KB measured within noise of each other; 128 KB was never the slowest.
-constexpr int64_t kSlabBytes = 128 << 10;
-// Bytes of y accumulated by one work item: its [M, columns] tile stays in L2.
-constexpr int64_t kTileBytes = 256 << 10;
+// A register tile is up to kMR rows x kV zmm (48 columns): 27 accumulators, 3 w vectors and
+// a broadcast x value in the 32 zmm registers. Rows are what set a tile's speed on Zen 4:
+// on one core with w in L1, tiles of 5-9 rows ran at 105-114 GFLOP/s (the FMA peak) and
+// tiles of 3-4 rows at 45-63 whatever their width, so M rows go in ceil(M / 9) tiles as
+// even as possible (16 = 8 + 8, 32 = 4 x 8): M = 8 in one tile instead of two of 4 is 1.5x.
+constexpr int kMR = 9;
+constexpr int kV = 3;
+// Bytes of w per k-block: the block sits in L2 while the next one is prefetched.
+constexpr int64_t kSlabBytes = 256 << 10;
+// k rows per block, at most: a tile call's accumulator load and store are paid once per
+// block, and a 32-row block ran at 85% of a 128-row one.
+constexpr int64_t kMaxKB = 128;
+// A step of M rows does 2M FLOP per 4-byte weight, and both cores' ~220 GFLOP/s over DRAM's
+// ~20 GB/s is ~11 FLOP/B: up to ~20 rows reading w is the bound, and long row segments
+// stream best. Up to kWideRows rows an item may be 2,048 columns wide (8 KB: a whole
+// bench-100m MLP row) in blocks of >= 32 rows (+4-10% at 4-8 rows); above it that cost the
+// tile 5% at 32 rows, so at most 1,024 columns in blocks of >= 64 rows.
+constexpr int64_t kWideRows = 8;
+int64_t MaxWidth(int64_t M) { return M <= kWideRows ? 2048 : 1024; }
+int64_t MinKB(int64_t M) { return M <= kWideRows ? 32 : 64; }
 
 // Prefetches a run of weight row segments into L2, a few lines per call, spread over the
 // compute of the block before it.
@@ -84,104 +99,66 @@ struct Prefetch {
   }
 };
 
-// c[0:MR, 0:64] (+)= x[0:MR, 0:kn] @ w[0:kn, 0:64] (row strides ldx, ldw, ldc): w is read
-// once per row tile, x broadcast from L1, y held in registers for the whole block.
-template <int MR>
+// c[0:MR, 0:16V] (+)= x[0:MR, 0:kn] @ w[0:kn, 0:16V] (row strides ldx, ldw, ldc): each w
+// vector is loaded once and multiplied into MR rows, x broadcast from L1, y held in
+// registers for the whole block.
+template <int MR, int V>
 void Tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t kn,
           float* __restrict c, int64_t ldc, bool first, Prefetch& pf) {
-  __m512 acc[MR][4];
+  __m512 acc[MR][V];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * j);
+    for (int j = 0; j < V; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * j);
   Prefetch p = pf;  // a local copy lives in registers, not in a store-to-load chain
   for (int64_t k = 0; k < kn; ++k, w += ldw, ++x) {
     p.Step();
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32),
-                 w3 = _mm512_loadu_ps(w + 48);
+    __m512 wv[V];
+    for (int j = 0; j < V; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
     for (int r = 0; r < MR; ++r) {
       const __m512 b = _mm512_set1_ps(x[r * ldx]);
-      acc[r][0] = _mm512_fmadd_ps(b, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(b, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(b, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(b, w3, acc[r][3]);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_fmadd_ps(b, wv[j], acc[r][j]);
     }
   }
   pf = p;
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
 }
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, Prefetch&);
-constexpr TileFn kTiles[] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>};
+template <int V>
+constexpr TileFn kRow[kMR + 1] = {nullptr,     Tile<1, V>, Tile<2, V>, Tile<3, V>, Tile<4, V>,
+                                  Tile<5, V>, Tile<6, V>, Tile<7, V>, Tile<8, V>, Tile<9, V>};
+// At most kMR4 rows (one tile), the tile is 4 zmm wide: 1.02-1.09x the 3-wide one at 3-4 rows.
+constexpr int kMR4 = 4;
+constexpr TileFn kRow4[kMR + 1] = {nullptr, Tile<1, 4>, Tile<2, 4>, Tile<3, 4>, Tile<4, 4>};
+constexpr const TileFn* kTiles[kV + 2] = {nullptr, kRow<1>, kRow<2>, kRow<3>, kRow4};  // [V][MR]
 
 // One work item: c[M, 0:n1-n0] (row stride ldc) = x[:, k0:k1] @ w[k0:k1, n0:n1], n1 - n0 a
-// multiple of 64. Walks k in blocks, prefetching the next block's row segments (contiguous
+// multiple of 16. Rows go in as few tiles as kMR allows, as even as possible (32 = 4 x 8,
+// 12 = 6 + 6), each the full height of a panel of 48 columns (the last panel 16 or 32 when
+// the width asks). Walks k in blocks, prefetching the next block's row segments (contiguous
 // runs, which the memory system streams best) while computing this one.
 void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, int64_t n0,
           int64_t n1, float* c, int64_t ldc) {
-  const int64_t width = n1 - n0, panels = width / kNR, lines = width / 16;
-  const int64_t passes = (M + kMR - 1) / kMR;  // row tiles as even as possible: 16 = 6 + 5 + 5
-  const int64_t kb = std::max<int64_t>(8, kSlabBytes / (4 * width));
+  const int64_t vmax = M <= kMR4 ? 4 : kV, nr = 16 * vmax;  // panel width
+  const int64_t width = n1 - n0, panels = (width + nr - 1) / nr, lines = width / 16;
+  const int64_t passes = (M + kMR - 1) / kMR;
+  const int64_t kb = std::clamp<int64_t>(kSlabBytes / (4 * width), MinKB(M), kMaxKB);
   for (int64_t kk = k0; kk < k1; kk += kb) {
     const int64_t kn = std::min(kb, k1 - kk);
-    Prefetch pf{w + (kk + kn) * N + n0, N, lines, std::min(kb, k1 - kk - kn)};
+    const int64_t next = std::min(k1, kk + kn);
+    Prefetch pf{w + next * N + n0, N, lines, std::min(kb, k1 - next)};
     pf.per_step = (pf.rows_left * lines + panels * passes * kn - 1) / (panels * passes * kn);
-    for (int64_t p = 0; p < panels; ++p)
+    // One line of each row of the block after next: its page walks (rows of a wide weight
+    // are pages apart) are done before its prefetches need them (1.03-1.13x at 4-32 rows).
+    for (int64_t k = next + kb; k < std::min(k1, next + 2 * kb); ++k)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n0), _MM_HINT_T1);
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t v = std::min(vmax, (width - p * nr) / 16);
       for (int64_t t = 0; t < passes; ++t) {
         const int64_t r0 = M * t / passes, mr = M * (t + 1) / passes - r0;
-        kTiles[mr](x + r0 * K + kk, K, w + kk * N + n0 + p * kNR, N, kn, c + r0 * ldc + p * kNR, ldc, kk == k0, pf);
+        kTiles[v][mr](x + r0 * K + kk, K, w + kk * N + n0 + p * nr, N, kn, c + r0 * ldc + p * nr, ldc, kk == k0, pf);
       }
+    }
   }
-}
-
-// 9-16 rows (a batch-16 step): every row shares each weight vector. A strip of 16 columns
-// holds y[0:MR, strip] in MR registers; each k loads one w vector and multiplies it into
-// every row with the x value broadcast from memory inside the FMA (x is transposed first, so
-// a k's MR values sit together). w is read from memory once per step, each line used at
-// once, so there is no reuse through L1 to lose (the 6 x 64 tile re-read each panel three
-// times at 16 rows, and at row strides of 4 KB multiples those re-reads miss L1). Over a
-// chain of bench-100m's matmuls at 16 rows: 1.11-1.18x the 6 x 64 tile. At 8 rows and
-// fewer, or over 16 (two passes), it is level or slower, so those keep the tile above.
-constexpr int64_t kStrip = 16;
-// Columns of one work item: its y block accumulates in a contiguous local buffer (y's own
-// rows are N apart, which for N a multiple of 1,024 maps them onto the same L1 sets).
-constexpr int64_t kStripItemWidth = 1024;
-
-template <int MR>
-void Strip(const float* __restrict xt, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t kn,
-           float* __restrict c, bool first, Prefetch& pf) {
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * kStrip);
-  Prefetch p = pf;
-  for (int64_t k = 0; k < kn; ++k, w += ldw, xt += ldx) {
-    p.Step();
-    const __m512 wv = _mm512_loadu_ps(w);
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xt[r]), wv, acc[r]);
-  }
-  pf = p;
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(c + r * kStrip, acc[r]);
-}
-using StripFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, bool, Prefetch&);
-constexpr StripFn kStrips[] = {nullptr,    nullptr,    nullptr,    nullptr,    nullptr,    nullptr,
-                               nullptr,    nullptr,    nullptr,    Strip<9>,   Strip<10>,  Strip<11>,
-                               Strip<12>,  Strip<13>,  Strip<14>,  Strip<15>,  Strip<16>};
-constexpr int64_t kStripMinRows = 9, kStripMaxRows = 16;
-
-// One work item of the strip path: y[:, n0:n1] (row stride ldy) = xt[k0:k1, :]^T @ w[k0:k1, n0:n1].
-void StripItem(const float* xt, int64_t M, const float* w, int64_t N, int64_t k0, int64_t k1, int64_t n0,
-               int64_t n1, float* y, int64_t ldy) {
-  const int64_t width = n1 - n0, strips = width / kStrip, lines = width / 16;
-  std::unique_ptr<float[]> local(new float[M * width]);  // strip s: [M, 16] at s * M * 16
-  float* cl = local.get();
-  const int64_t kb = std::max<int64_t>(8, kSlabBytes / (4 * width));
-  for (int64_t kk = k0; kk < k1; kk += kb) {
-    const int64_t kn = std::min(kb, k1 - kk);
-    Prefetch pf{w + (kk + kn) * N + n0, N, lines, std::min(kb, k1 - kk - kn)};
-    pf.per_step = (pf.rows_left * lines + strips * kn - 1) / (strips * kn);
-    for (int64_t s = 0; s < strips; ++s)
-      kStrips[M](xt + kk * M, M, w + kk * N + n0 + s * kStrip, N, kn, cl + s * M * kStrip, kk == k0, pf);
-  }
-  for (int64_t s = 0; s < strips; ++s)
-    for (int64_t r = 0; r < M; ++r)
-      std::memcpy(y + r * ldy + s * kStrip, cl + (s * M + r) * kStrip, kStrip * sizeof(float));
 }
 
 constexpr int64_t kMaxRows = 32;  // from 64 rows (prefill) on, XLA's dot is compute-efficient
@@ -210,17 +187,20 @@ void PlanGemv(Product& p, int64_t K, int64_t threads) {
 }
 
 #if defined(__AVX512F__)
-// 3-32 rows: items are column chunks (each thread its own >= 1,024 columns, or chunks of a
-// wide matrix such as the lm head); a matrix too narrow for that is split over K as well.
-// Columns past the last multiple of 64 are left to `Tail`.
-void PlanTiled(Product& p, int64_t M, int64_t K, int64_t threads, int64_t max_width) {
-  const int64_t n64 = p.N / kNR * kNR;
-  int64_t nc = std::max<int64_t>(kNR, std::min<int64_t>(n64, max_width / kNR * kNR));
-  if (n64 / threads >= 1024) nc = std::min<int64_t>(nc, (n64 / threads + kNR - 1) / kNR * kNR);
-  p.cols = n64;
-  p.width = nc;
-  p.chunks = n64 > 0 ? (n64 + nc - 1) / nc : 0;
-  p.ksplit = p.chunks >= threads || p.chunks == 0 ? 1 : std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1));
+// 3-32 rows: items are column chunks, each at most MaxWidth(M) and at most one thread's share
+// of the call's columns (`share`): a layer's q [768] splits in two while its k and v [256]
+// stay whole, so both threads get 640 columns. A product too narrow to give every thread a
+// chunk when alone is split over K as well. Columns past the last multiple of 16 are left to
+// `Tail`.
+void PlanTiled(Product& p, int64_t M, int64_t K, int64_t threads, int64_t share, bool alone) {
+  const int64_t n16 = p.N / 16 * 16, lanes = n16 / 16;  // lanes: 16-column groups
+  const int64_t most = std::max<int64_t>(16, std::min(MaxWidth(M), share));
+  const int64_t chunks = std::min(lanes, (n16 + most - 1) / most);
+  p.cols = n16;
+  p.width = chunks > 0 ? (lanes + chunks - 1) / chunks * 16 : 1;
+  p.chunks = chunks > 0 ? (n16 + p.width - 1) / p.width : 0;
+  const bool split = alone && p.chunks > 0 && p.chunks < threads;
+  p.ksplit = split ? std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1)) : 1;
 }
 
 void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
@@ -243,23 +223,17 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
     for (Product& p : ps) std::fill(p.y, p.y + M * p.N, 0.0f);
     return;
   }
-  enum { kGemv, kStrip, kTile } kind = kGemv;
-  std::unique_ptr<float[]> xt;
+  bool tiled = false;
 #if defined(__AVX512F__)
-  if (M >= kStripMinRows && M <= kStripMaxRows) {
-    kind = kStrip;
-    xt.reset(new float[K * M]);  // [K, M]: a k's row values together
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t k = 0; k < K; ++k) xt[k * M + r] = xp[r * K + k];
-  } else if (M > 2) {
-    kind = kTile;
-  }
+  tiled = M > 2;
 #endif
-  int64_t total = 0;
+  int64_t total = 0, cols = 0;
+  for (const Product& p : ps) cols += p.N / 16 * 16;
+  const int64_t share = (cols / 16 + threads - 1) / threads * 16;
   for (Product& p : ps) {
 #if defined(__AVX512F__)
-    if (kind != kGemv) {
-      PlanTiled(p, M, K, threads, kind == kStrip ? kStripItemWidth : kTileBytes / (4 * M));
+    if (tiled) {
+      PlanTiled(p, M, K, threads, share, ps.size() == 1);
       Tail(xp, p, M, K);  // on this thread, before it joins in
     } else
 #endif
@@ -275,16 +249,12 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
     const int64_t n0 = ch * p.width, n1 = std::min(n0 + p.width, p.cols);
     const int64_t k0 = K * part / p.ksplit, k1 = K * (part + 1) / p.ksplit;
     float* y = (part == 0 ? p.y : p.partial.get() + (part - 1) * M * p.N) + n0;
-    if (kind == kGemv) {
+    if (!tiled) {
       KSlice(xp, p.w, y, M, K, p.N, k0, k1);
       return;
     }
 #if defined(__AVX512F__)
-    if (kind == kStrip) {
-      StripItem(xt.get(), M, p.w, p.N, k0, k1, n0, n1, y, p.N);
-    } else {
-      Item(xp, M, K, p.w, p.N, k0, k1, n0, n1, y, p.N);
-    }
+    Item(xp, M, K, p.w, p.N, k0, k1, n0, n1, y, p.N);
 #endif
   });
   for (Product& p : ps)
