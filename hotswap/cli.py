@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from hotswap import huge_pages
 from hotswap.cache_dir import cache_dir
 from hotswap.errors import HotswapError
 
@@ -191,7 +192,13 @@ def _add_aot(sub) -> None:
     p.set_defaults(func=_aot)
 
 
+# Commands that run an engine: they start with 2 MB pages for its buffers (huge_pages.py).
+ENGINE_COMMANDS = ("serve", "bench", "demo")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in ENGINE_COMMANDS:
+        huge_pages.maybe_reexec(sys.argv[1:])  # before anything large is allocated
     parser = argparse.ArgumentParser(prog="hotswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -83,3 +83,17 @@ def test_one_cache_directory_setting(tmp_path, monkeypatch):
     path = cli.default_model_dir()
     assert path == tmp_path / "tiny-llama-seed0" and (path / "model.safetensors").exists()
     assert cli.default_model_dir() == path  # created once
+
+
+def test_huge_page_restart_keeps_other_tunables_and_can_be_turned_off(monkeypatch):
+    from hotswap import huge_pages
+
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(huge_pages.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    env = huge_pages.reexec_env({"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    assert huge_pages.reexec_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is None  # the restarted one
+    assert huge_pages.reexec_env({"HOTSWAP_HUGE_PAGES": "0"}) is None
+    for mode in ("always", "never", None):  # every large mapping has them already, or none can
+        monkeypatch.setattr(huge_pages, "thp_mode", lambda mode=mode: mode)
+        assert huge_pages.reexec_env({}) is None
