@@ -141,6 +141,26 @@ def _update_bytes(http, tensors: dict, **params) -> httpx.Response:
 # --------------------------------------------------------------------------- basics and auth
 
 
+def test_the_server_runs_on_2mb_pages_where_the_kernel_gives_them_on_request(server):
+    """`hotswap serve` restarts itself (same pid) with glibc's huge-page tunable when THP is in
+    `madvise` mode, so XLA's large buffers (the weights it streams every step) sit on 2 MB
+    pages; elsewhere it runs as started."""
+    from hotswap import huge_pages
+
+    pid = server["proc"].pid
+    environ = dict(
+        kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv
+    )
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    huge_kb = int(next(ln.split()[1] for ln in rollup.splitlines() if ln.startswith("AnonHugePages")))
+    started = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if huge_pages.reexec_env(started) is None:
+        assert huge_pages.TUNABLE not in environ.get("GLIBC_TUNABLES", "")
+    else:
+        assert huge_pages.TUNABLE in environ["GLIBC_TUNABLES"]
+        assert huge_kb > 0, rollup
+
+
 def test_health_models_and_auth(server, client, http):
     assert http.get("/health").json()["status"] == "ok"
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -590,23 +610,3 @@ def test_sigterm_finishes_in_flight_then_exits_0(server, client):
     assert sum(len(c.choices[0].text) for c in chunks) > 0
     assert server["proc"].wait(60) == 0
     assert "Traceback" not in Path(server["log"]).read_text()
-
-
-def test_the_server_runs_on_2mb_pages_where_the_kernel_gives_them_on_request(server):
-    """`hotswap serve` restarts itself (same pid) with glibc's huge-page tunable when THP is in
-    `madvise` mode, so XLA's large buffers (the weights it streams every step) sit on 2 MB
-    pages; elsewhere it runs as started."""
-    from hotswap import huge_pages
-
-    pid = server["proc"].pid
-    environ = dict(
-        kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv
-    )
-    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    huge_kb = int(next(ln.split()[1] for ln in rollup.splitlines() if ln.startswith("AnonHugePages")))
-    started = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if huge_pages.reexec_env(started) is None:
-        assert huge_pages.TUNABLE not in environ.get("GLIBC_TUNABLES", "")
-    else:
-        assert huge_pages.TUNABLE in environ["GLIBC_TUNABLES"]
-        assert huge_kb > 0, rollup
