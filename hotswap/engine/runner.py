@@ -60,6 +60,7 @@ class Buckets:
     pages: tuple[int, ...]  # block-table columns P of a decode batch
     prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
     max_samples: int  # rows sampled in one call at most: each running sequence once
+    ragged: bool  # steps are [T, 1] blocks (`Backend.ragged_steps`): `batch` holds every T
 
     @staticmethod
     def for_config(ecfg: EngineConfig, backend: Backend) -> Buckets:
@@ -91,6 +92,7 @@ class Buckets:
             pages=pages,
             prefill_pages=prefill_pages,
             max_samples=ecfg.max_num_seqs,
+            ragged=backend.ragged_steps,
         )
 
     def shapes(self) -> list[tuple[int, int, int]]:
@@ -114,7 +116,7 @@ class Buckets:
         """Tokens a ragged step should run when `n` are ready: n, or the bucket below n when
         deferring the tokens past it (to the next step) is cheaper than padding up to the bucket
         above. Non-ragged steps pad (n): their prefill rows are few and coarse."""
-        if self.blocks or n <= self.batch[0] or n > self.batch[-1]:
+        if not self.ragged or n <= self.batch[0] or n > self.batch[-1]:
             return n
         hi = pick(self.batch, n)
         lo = max(b for b in self.batch if b <= n)
@@ -235,7 +237,7 @@ class Runner:
         fit the largest bucket: packed-prefill rows, or a ragged step's tokens, and for the
         reference attention, cached pages listed."""
         calls, cur, used, listed = [], [], 0, 0
-        ragged = not self.buckets.blocks
+        ragged = self.buckets.ragged
         cap = self.buckets.batch[-1] if ragged else self.buckets.blocks[-1]
         page_cap = self.buckets.prefill_pages[-1]
         for seq, n in rows:
@@ -351,7 +353,7 @@ class Runner:
         the new page buffers (the old ones are donated) and the sampled rows in `plan.rows`
         order."""
         tables, pages = state.pool.tables, state.kv.pages
-        if self.backend.ragged_steps:
+        if self.buckets.ragged:
             calls = [("ragged", rows) for rows in self.pack(plan.rows)]
         else:
             calls = [("decode", [(s, 1) for s in plan.decode])] if plan.decode else []
