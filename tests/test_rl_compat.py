@@ -20,14 +20,16 @@ from hotswap.checkpoint.hf import read_hf_tensors
 from hotswap.checkpoint.payload import encode_safetensors
 
 KNOBS = {
-    "max_model_len": 512,
+    "max_model_len": 2048,
     "max_num_seqs": 4,
     "max_num_batched_tokens": 32,
     "page_size": 16,
-    "num_pages": 96,
+    "num_pages": 320,
 }
 PROMPTS = [list(range(30 + 7 * i, 46 + 7 * i)) for i in range(3)]  # 16 tokens: one full page
-NEW = 400  # long enough to still be running when the pause lands
+# Long enough to still be running when the pause lands: the tiny model decodes 400 tokens in
+# ~0.45 s on a quiet box, and a loaded CI box once finished all of them before the pause arrived.
+NEW = 1500
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def oracle(ckpts):
 
     def get(name):
         if name not in cache:
-            cache[name] = LLM(ckpts[name], max_model_len=512, num_pages=48, warmup=False)
+            cache[name] = LLM(ckpts[name], max_model_len=2048, num_pages=136, warmup=False)
         return cache[name]
 
     return get
