@@ -156,3 +156,25 @@ def test_the_step_cache_hits_only_the_same_code_and_bucket(
     assert step_cache.load(other, cfg=cfg, backend=cpu) is None
     monkeypatch.setattr(step_cache, "code_hash", lambda: "an edited package")
     assert step_cache.load(args, cfg=cfg, backend=cpu) is None
+
+
+def test_the_compile_counter_gives_each_thread_its_own_counts():
+    """Warm-up compiles steps on several threads under one counter: each reads only its own."""
+    import threading
+
+    import jax.numpy as jnp
+
+    seen = {}
+    with compile_cache.CompileCounter() as counter:
+
+        def compile_one(n: int) -> None:
+            jax.jit(lambda x: x * n + 1).lower(jax.ShapeDtypeStruct((n,), jnp.float32)).compile()
+            seen[n] = counter.mine()
+
+        threads = [threading.Thread(target=compile_one, args=(n,)) for n in (3, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert counter.mine() == (0, 0)  # this thread compiled nothing
+    assert seen == {3: (1, 0), 5: (1, 0)} and counter.programs == 2 and counter.loaded == 0

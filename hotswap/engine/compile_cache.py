@@ -27,6 +27,7 @@ loading one takes milliseconds.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -61,19 +62,36 @@ def enable(on: bool = True) -> Path | None:
 
 class CompileCounter:
     """`with CompileCounter() as c: ...`: `c.programs` handed to XLA meanwhile, `c.loaded` of
-    them from the persistent cache (the rest were compiled). Counts every thread's programs."""
+    them from the persistent cache (the rest were compiled), over every thread. JAX records
+    both events in the compiling thread, so `c.mine()` gives the calling thread's own counts:
+    warm-up's threads share one counter (one listener, registered before they start) and each
+    reads what its step took."""
 
     def __init__(self):
-        self.programs = 0
-        self.loaded = 0
+        self._counts: dict[int, list[int]] = {}  # thread -> [programs, loaded]
+
+    def _add(self, i: int) -> None:
+        self._counts.setdefault(threading.get_ident(), [0, 0])[i] += 1
 
     def _on_event(self, name: str, **_kw) -> None:
         if name == _CACHE_HIT:
-            self.loaded += 1
+            self._add(1)
 
     def _on_duration(self, name: str, _secs: float, **_kw) -> None:
         if name == _BACKEND_COMPILE:
-            self.programs += 1
+            self._add(0)
+
+    @property
+    def programs(self) -> int:
+        return sum(c[0] for c in list(self._counts.values()))
+
+    @property
+    def loaded(self) -> int:
+        return sum(c[1] for c in list(self._counts.values()))
+
+    def mine(self) -> tuple[int, int]:
+        """(programs, loaded) of the calling thread so far."""
+        return tuple(self._counts.get(threading.get_ident(), (0, 0)))
 
     def __enter__(self) -> CompileCounter:
         monitoring.register_event_listener(self._on_event)
