@@ -285,37 +285,26 @@ class Runner:
     def ragged_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
         """[T, 1]: every row's tokens end to end, one token per batch row, decode rows being
         chunks of one token (a ragged backend's step: `Backend.ragged_steps`)."""
-        t = pick(self.buckets.batch, sum(n for _, n in rows))
-        bt = Batch.zeros(t, 1, self.buckets.pages[-1], self.buckets.samples(t, 1))
-        at = 0
-        for r, (seq, n) in enumerate(rows):
-            start, table = seq.num_computed, np.asarray(tables[seq.seq_id], np.int32)
-            pos, span = np.arange(start, start + n), slice(at, at + n)
-            k = self._pages_needed(start, start + n)
-            bt.tokens[span, 0] = seq.token_slice(start, n)
-            bt.positions[span, 0] = pos
-            bt.slots[span, 0] = self._slots(table, pos)
-            bt.block_tables[span, :k] = table[:k]
-            bt.kv_lens[span] = start + n
-            bt.chunk_starts[span] = start
-            bt.segments[span] = r
-            bt.sample_idx[r] = at + n - 1
-            at += n
-        return bt
+        return self._chunks(rows, tables, 1, self.buckets.batch)
 
     def prefill_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
         """[Nb, PREFILL_ROW]: each chunk laid out from a fresh row, padded to whole rows."""
-        q = PREFILL_ROW
+        return self._chunks(rows, tables, PREFILL_ROW, self.buckets.blocks)
+
+    def _chunks(self, rows: list[tuple[Sequence, int]], tables: Tables, q: int, row_buckets) -> Batch:
+        """[Nb, q]: each chunk laid out from a fresh row of q tokens, padded to whole rows;
+        Nb from `row_buckets`."""
         need = [-(-n // q) for _, n in rows]
-        nb = pick(self.buckets.blocks, sum(need))
+        nb = pick(row_buckets, sum(need))
+        samples = self.buckets.samples(nb, q)
         cached = [self._pages_needed(s.num_computed, s.num_computed + n) for s, n in rows]
         if self._flat:  # every sequence's cached pages once, end to end
             p = pick(self.buckets.prefill_pages, sum(cached))
-            bt = Batch.zeros(nb, q, 0, nb, n=p)
+            bt = Batch.zeros(nb, q, 0, samples, n=p)
             self._list_pages(bt, [(tables[seq.seq_id], k) for (seq, _), k in zip(rows, cached, strict=True)])
         else:
             p = pick(self.buckets.prefill_pages, max(cached))
-            bt = Batch.zeros(nb, q, p, nb)
+            bt = Batch.zeros(nb, q, p, samples)
         tokens, positions, slots = bt.tokens.reshape(-1), bt.positions.reshape(-1), bt.slots.reshape(-1)
         row = 0
         for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
