@@ -148,7 +148,7 @@ def test_packed_prefill_keeps_sequences_apart():
         np.testing.assert_allclose(out[sl], want, atol=1e-5, rtol=0)
 
 
-def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, page_dtype=None):
+def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, page_dtype=None, g: int = G):
     """The C++ kernel over a batch the runner lays out for attention="cpu" (block tables), as
     the engine calls it: it also writes the step's K/V into its aliased page output, which
     must equal the reference's write (`reference.write_kv`), bit for bit."""
@@ -159,7 +159,7 @@ def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, pa
     b, c = batch.tokens.shape
     assert batch.block_tables.shape[1] == ecfg.pages_per_seq  # one full-width table per shape
     hd = pages.shape[-1]
-    q, k, v = (rng.standard_normal((b, c, h, hd)).astype(np.float32) for h in (HKV * G, HKV, HKV))
+    q, k, v = (rng.standard_normal((b, c, h, hd)).astype(np.float32) for h in (HKV * g, HKV, HKV))
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     pages_in = jnp.asarray(pages, page_dtype or dtype)
     out, written = cpu_attention.paged_attention(
@@ -213,12 +213,25 @@ def test_cpu_kernel_decode(dtype, hd, ps):
     + [(jnp.bfloat16, 64, PS), (jnp.bfloat16, 128, 32)],
 )
 def test_cpu_kernel_packed_prefill(dtype, hd, ps):
+    _check_ragged_step(dtype, hd, ps, G)
+
+
+# The kernel folds up to 4 (head_dim 64) or 2 (128) q heads of a kv head at once: group sizes
+# that fill those, leave a remainder, or are a single head (no GQA).
+@pytest.mark.parametrize("hd,g", [(64, 1), (64, 4), (64, 5), (64, 7), (128, 1), (128, 4), (128, 5)])
+def test_cpu_kernel_any_number_of_q_heads_per_kv_head(hd, g):
+    _check_ragged_step(np.float32, hd, PS, g)
+
+
+def _check_ragged_step(dtype, hd, ps, g):
+    """Chunks of many queries (runs of consecutive queries share each key block), of one, and
+    a decode row, after cached prefixes or none: every query equals the per-sequence oracle."""
     rng = np.random.default_rng(3)
     chunks = [(0, 37), (21, 16), (40, 1), (70, 40), (5, 3)]
     pages, seqs, tables = _world(rng, [c + n for c, n in chunks], [c for c, _ in chunks], hd, ps)
     ecfg = EngineConfig(page_size=ps, num_pages=len(pages), max_model_len=256, max_num_batched_tokens=128)
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
-    batch, out, q, k, v = _cpu_step(rows, tables, pages, ecfg, rng, decode=False, dtype=dtype)
+    batch, out, q, k, v = _cpu_step(rows, tables, pages, ecfg, rng, decode=False, dtype=dtype, g=g)
     assert np.isfinite(out).all()
     pages32 = np.asarray(jnp.asarray(pages, dtype).astype(jnp.float32))
     tol = 1e-5 if dtype == np.float32 else 2e-2
