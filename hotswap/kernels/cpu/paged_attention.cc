@@ -133,18 +133,23 @@ inline void Fold16(const float* qg, const float* kb, const float* vb, int64_t ks
 template <int HD>
 constexpr int kMaxGH = HD == 64 ? 4 : 2;
 
+// Fold16 for gh (1..G) heads: the compile-time head count for a run-time one.
+template <int HD, int G>
+inline void FoldGroup(int64_t gh, const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float* m,
+                      float* l, float* acc) {
+  if constexpr (G > 1) {
+    if (gh < G) return FoldGroup<HD, G - 1>(gh, qg, kb, vb, kstride, n, m, l, acc);
+  }
+  Fold16<HD, G>(qg, kb, vb, kstride, n, m, l, acc);
+}
+
+// Every q head of a kv head, kMaxGH at a time.
 template <int HD>
 inline void FoldHeads16(int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
                         float* m, float* l, float* acc) {
   for (int64_t g = 0; g < g_n; g += kMaxGH<HD>) {
-    const float *qh = qg + g * HD;
-    float *mh = m + g, *lh = l + g, *ah = acc + g * HD;
-    switch (std::min<int64_t>(kMaxGH<HD>, g_n - g)) {
-      case 1: Fold16<HD, 1>(qh, kb, vb, kstride, n, mh, lh, ah); break;
-      case 2: Fold16<HD, 2>(qh, kb, vb, kstride, n, mh, lh, ah); break;
-      case 3: Fold16<HD, (kMaxGH<HD> >= 3 ? 3 : 1)>(qh, kb, vb, kstride, n, mh, lh, ah); break;
-      default: Fold16<HD, kMaxGH<HD>>(qh, kb, vb, kstride, n, mh, lh, ah); break;
-    }
+    const int64_t gh = std::min<int64_t>(kMaxGH<HD>, g_n - g);
+    FoldGroup<HD, kMaxGH<HD>>(gh, qg + g * HD, kb, vb, kstride, n, m + g, l + g, acc + g * HD);
   }
 }
 #endif
