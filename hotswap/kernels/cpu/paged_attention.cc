@@ -216,6 +216,7 @@ inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, cons
 // against runs of 1: 4.2 -> 3.8 ms a layer at 512 tokens; runs of 4 or 16 no different).
 struct QueryRun {
   int64_t i0, n;
+  bool real;  // false: a run of one query that may read nothing (see Real)
 };
 constexpr int64_t kRunQueries = 8;  // queries a run holds at most (their state: 8 x G x hd floats a head)
 
@@ -247,7 +248,7 @@ std::vector<QueryRun> Runs(const Shape& s, const int32_t* block_tables, const in
     if (join) {
       ++runs.back().n;
     } else {
-      runs.push_back({i, 1});
+      runs.push_back({i, 1, real});
     }
     prev_real = real;
   }
@@ -266,13 +267,9 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
               const int32_t* kv_lens, A* out) {
   const int64_t g_n = s.hq / s.hkv, hd = s.hd, ps = s.ps, nh = (h1 - h0) * g_n, nq = r.n;
   const int64_t b = r.i0 / s.c, start = chunk_starts[b];
-  std::vector<float> row(hd), tmp(hd);
-  auto zeros = [&](int64_t i) {
-    std::fill(row.begin(), row.end(), 0.0f);
-    for (int64_t h = 0; h < nh; ++h) store(out + (i * s.hq + h0 * g_n + h) * hd, row.data(), hd);
-  };
-  if (!Real(s, r.i0, positions, chunk_starts, kv_lens)) {  // a run of one (Runs)
-    zeros(r.i0);
+  std::vector<float> row(hd, 0.0f), tmp(hd);
+  if (!r.real) {
+    for (int64_t h = 0; h < nh; ++h) store(out + (r.i0 * s.hq + h0 * g_n + h) * hd, row.data(), hd);
     return positions[r.i0] >= kv_lens[b];  // padding, or a real query whose chunk does not fit
   }
   std::vector<float> qv(nq * nh * hd), acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(ps);
