@@ -235,11 +235,13 @@ def _random_params(abstract, seed: int = 0):
 def check_decode(smoke: bool, budget: Budget) -> dict:
     """Decode tok/s at each batch size over `ctx`-token contexts, and the HBM fraction."""
     from hotswap.checkpoint.create import load_preset
-    from hotswap.config import EngineConfig, ModelConfig
-    from hotswap.engine import runner as runner_mod
+    from hotswap.config import EngineConfig
     from hotswap.engine.engine import Engine
-    from hotswap.engine.params import abstract_params
-    from hotswap.engine.sampling import SamplingArrays, SamplingParams
+    from hotswap.engine.sampling import SamplingParams
+    from hotswap.model.config import ModelConfig
+    from hotswap.model.params import abstract_params
+    from hotswap.programs.sampler import SamplingArrays
+    from hotswap.programs.step import run_step
 
     if smoke:
         hf = {**load_preset("tiny"), "architectures": ["LlamaForCausalLM"]}
@@ -280,15 +282,15 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
             [(SamplingParams(temperature=0.0), 0, 0)] * b, batch.sample_idx.shape[0]
         )
         t0 = time.perf_counter()
-        pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
+        pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
         jax.device_get(out)
         first = time.perf_counter() - t0
         for _ in range(2):
-            pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
+            pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
             jax.device_get(out)
         t0 = time.perf_counter()
         for _ in range(steps):  # one host copy per step, as the engine does
-            pages, out = runner_mod.run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
+            pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
             jax.device_get(out)
         step_s = (time.perf_counter() - t0) / steps
         kv_pages = b * math.ceil((ctx + 1) / ps)

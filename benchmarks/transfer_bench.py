@@ -1,5 +1,5 @@
 """One update of bench-100m's weights into a running `hotswap serve`, three ways, one run each:
-a device-to-device push from a separate trainer process (`hotswap.transfer`), safetensors
+a device-to-device push from a separate trainer process (`hotswap.weights.transfer`), safetensors
 bytes over HTTP, and a checkpoint directory under --weights-root.
 
     python -m benchmarks.transfer_bench            # prints one line
@@ -36,9 +36,9 @@ def trainer(ckpt: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from hotswap import transfer
-    from hotswap.config import ModelConfig
-    from hotswap.engine.sources import resolve_source
+    from hotswap.model.config import ModelConfig
+    from hotswap.weights import transfer
+    from hotswap.weights.sources import resolve_source
 
     params = jax.tree.map(jnp.asarray, resolve_source(ckpt, ModelConfig.from_dir(ckpt), current=None))
     print(json.dumps(transfer.publish(params).to_json()), flush=True)

@@ -78,7 +78,8 @@ def serve(args) -> None:
     from hotswap.engine import multihost
 
     multihost.initialize(args.coordinator, args.num_processes, args.process_id)
-    from hotswap import LLM, SamplingParams, transfer
+    from hotswap import LLM, SamplingParams
+    from hotswap.weights import transfer
 
     # One model over every device of every process.
     llm = LLM(args.model, tensor_parallel_size=jax.device_count(), **ENGINE)
@@ -128,7 +129,7 @@ def serve(args) -> None:
 def transfer_updates(llm, refs: list[dict], generate, record: dict) -> None:
     """Each process pulls its own shards of the first offer; each other one fails everywhere."""
     from hotswap.errors import HotswapError
-    from hotswap.transfer import TransferRef
+    from hotswap.weights.transfer import TransferRef
 
     good, *bad = (TransferRef.from_json(r) for r in refs)
     llm.update_weights(good)

@@ -25,7 +25,7 @@ import optax
 
 from hotswap import LLM, SamplingParams
 from hotswap.checkpoint.create import create_checkpoint
-from hotswap.engine.model import token_logprobs
+from hotswap.model.forward import token_logprobs
 
 TARGET = "The robot counted the boats and wrote the number in a notebook."
 

@@ -1,8 +1,8 @@
 """The one directory hotswap caches files in: `$HOTSWAP_CACHE_DIR`, default `~/.cache/hotswap`.
 
 It holds the compiled C++ CPU kernels (`kernels/`, see `kernels/cpu_build.py`), JAX's
-persistent compilation cache of the engine's steps (`xla/`, see `engine/compile_cache.py`),
-the same steps loadable without tracing (`steps/`, `engine/step_cache.py`), GGUF headers
+persistent compilation cache of the engine's steps (`xla/`, see `programs/compile_cache.py`),
+the same steps loadable without tracing (`steps/`, `programs/step_cache.py`), GGUF headers
 (`gguf/`) and converted GGUF weights (`weights/`, `checkpoint/converted.py`), and the
 embedded default model that `hotswap serve` creates once when given none (`cli.py`).
 """

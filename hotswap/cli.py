@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from hotswap import huge_pages
+from hotswap import host_memory
 from hotswap.cache_dir import cache_dir
 from hotswap.errors import HotswapError
 
@@ -138,7 +138,7 @@ def _add_bench(sub) -> None:
 def _aot(args) -> int:
     import json
 
-    from hotswap import aot
+    from hotswap.programs import aot
 
     acfg = aot.AotConfig(
         topology=args.topology,
@@ -163,7 +163,7 @@ def _aot(args) -> int:
 
 
 def _add_aot(sub) -> None:
-    """`hotswap aot MODEL --topology NAME`: compile for a TPU slice on this host (`hotswap/aot.py`)."""
+    """`hotswap aot MODEL --topology NAME`: compile for a TPU slice on this host (`hotswap/programs/aot.py`)."""
     p = sub.add_parser(
         "aot", help="compile every program for a TPU slice on this host and report its memory (needs [aot])"
     )
@@ -192,13 +192,13 @@ def _add_aot(sub) -> None:
     p.set_defaults(func=_aot)
 
 
-# Commands that run an engine: they start with 2 MB pages for its buffers (huge_pages.py).
+# Commands that run an engine: they start with 2 MB pages for its buffers (host_memory.py).
 ENGINE_COMMANDS = ("serve", "bench", "demo")
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in ENGINE_COMMANDS:
-        huge_pages.maybe_reexec(sys.argv[1:])  # before anything large is allocated
+        host_memory.maybe_reexec(sys.argv[1:])  # before anything large is allocated
     parser = argparse.ArgumentParser(prog="hotswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

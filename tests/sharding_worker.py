@@ -24,8 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hotswap import LLM, SamplingParams
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
-from hotswap.engine import runner, sharding
 from hotswap.errors import ConfigError
+from hotswap.model import sharding
+from hotswap.programs.step import PREFILL_ROW, forward_jit, placeholder_inputs, write_jit
 
 # head_dim 16; every sharded dim (8 heads, 8 kv heads, F=256, V=512) divides by 8.
 SHAPES = {"num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 128, "intermediate_size": 256}
@@ -71,12 +72,12 @@ def collectives(llm: LLM) -> dict:
     KV write; both are checked.
     """
     e, out = llm.engine, {}
-    for name, (b, c) in {"decode": (4, 1), "prefill": (2, runner.PREFILL_ROW)}.items():
-        batch, sa = runner.placeholder_inputs(b, c, 4, e.backend)
+    for name, (b, c) in {"decode": (4, 1), "prefill": (2, PREFILL_ROW)}.items():
+        batch, sa = placeholder_inputs(b, c, 4, e.backend)
         args = (e.state.params, e.state.kv.pages, batch, sa)
-        fwd = runner.forward_jit.lower(*args, cfg=e.mcfg, backend=e.backend).compile()
-        new_kv, _ = runner.forward_jit(*args, cfg=e.mcfg, backend=e.backend)
-        write = runner.write_jit.lower(e.state.kv.pages, new_kv, batch.slots, backend=e.backend).compile()
+        fwd = forward_jit.lower(*args, cfg=e.mcfg, backend=e.backend).compile()
+        new_kv, _ = forward_jit(*args, cfg=e.mcfg, backend=e.backend)
+        write = write_jit.lower(e.state.kv.pages, new_kv, batch.slots, backend=e.backend).compile()
         for prog, compiled in (("forward", fwd), ("write", write)):
             found = KV_COLLECTIVE.findall(compiled.as_text())
             out[f"{name}/{prog}"] = dict(Counter(f"{op} {shape}" for shape, op in found))

@@ -17,11 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from hotswap import aot, cli
+from hotswap import cli
 from hotswap.checkpoint.create import load_preset
-from hotswap.config import ModelConfig
-from hotswap.engine import kv_sizing
 from hotswap.errors import ConfigError, DeviceMemoryError
+from hotswap.model.config import ModelConfig
+from hotswap.programs import aot, kv_sizing
 
 GIB = 2**30
 

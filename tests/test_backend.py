@@ -1,5 +1,5 @@
 """The Backend choice (kernels/backend.py), the Pallas kernel under tensor parallelism, and the
-engine's decode step compiled for real TPUs on this CPU host (engine/programs.py)."""
+engine's decode step compiled for real TPUs on this CPU host (programs/catalog.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from hotswap import aot
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import programs, runner
+from hotswap.config import EngineConfig
 from hotswap.errors import ConfigError
 from hotswap.kernels.backend import Backend
+from hotswap.model.config import ModelConfig
+from hotswap.programs import aot, catalog
+from hotswap.programs.step import Buckets
 
 HERE = Path(__file__).parent
 
@@ -75,12 +76,12 @@ def test_decode_step_compiles_for_v5e_and_updates_the_cache_in_place(v5e, head_d
     aliased to the output. (A 16,384-page cache: XLA keeps a toy-sized one in VMEM.)"""
     ecfg = EngineConfig(page_size=16, num_pages=16384, max_model_len=1024, max_num_seqs=64)
     mcfg = _model(head_dim)
-    target = programs.Target.first_chips(mcfg, "auto", v5e, tp)
+    target = catalog.Target.first_chips(mcfg, "auto", v5e, tp)
     assert target.backend.attention == "pallas"
-    buckets = runner.Buckets.for_config(ecfg, target.backend)
-    page = programs.abstract_inputs(mcfg, ecfg, target)[1][0]
-    ((name, lower),) = programs.step_programs(mcfg, ecfg, target, [(64, 1, buckets.pages[-1])])
-    step = programs.compile_stats(name, lower, page)
+    buckets = Buckets.for_config(ecfg, target.backend)
+    page = catalog.abstract_inputs(mcfg, ecfg, target)[1][0]
+    ((name, lower),) = catalog.step_programs(mcfg, ecfg, target, [(64, 1, buckets.pages[-1])])
+    step = catalog.compile_stats(name, lower, page)
     kv = mcfg.num_layers * int(np.prod(page.sharding.shard_shape(page.shape))) * page.dtype.itemsize
     assert kv == 2 * 16384 * 16 * 2 * 4 * head_dim * 2 // tp
     assert step.pallas_calls == 2 and step.kv_copies == 0, step

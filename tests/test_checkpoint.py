@@ -26,8 +26,6 @@ from hotswap.checkpoint.hf import (  # noqa: E402
     save_hf_dir,
 )
 from hotswap.checkpoint.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
-from hotswap.config import ModelConfig  # noqa: E402
-from hotswap.engine.params import param_paths, param_shapes  # noqa: E402
 from hotswap.errors import (  # noqa: E402
     CheckpointError,
     ConfigError,
@@ -35,6 +33,8 @@ from hotswap.errors import (  # noqa: E402
     RequestError,
     WeightsMismatch,
 )
+from hotswap.model.config import ModelConfig  # noqa: E402
+from hotswap.model.params import param_paths, param_shapes  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -1,4 +1,4 @@
-"""Chunk staging of a weight update (`engine/chunks.py`): all-or-nothing, one sequence at a time."""
+"""Chunk staging of a weight update (`weights/chunks.py`): all-or-nothing, one sequence at a time."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from hotswap.engine.chunks import ChunkStager
 from hotswap.errors import PayloadError
+from hotswap.weights.chunks import ChunkStager
 
 
 def test_chunks_commit_only_on_finished():

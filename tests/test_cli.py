@@ -86,14 +86,14 @@ def test_one_cache_directory_setting(tmp_path, monkeypatch):
 
 
 def test_huge_page_restart_keeps_other_tunables_and_can_be_turned_off(monkeypatch):
-    from hotswap import huge_pages
+    from hotswap import host_memory
 
-    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
-    monkeypatch.setattr(huge_pages.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    env = huge_pages.reexec_env({"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    monkeypatch.setattr(host_memory, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    env = host_memory.reexec_env({"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
-    assert huge_pages.reexec_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is None  # the restarted one
-    assert huge_pages.reexec_env({"HOTSWAP_HUGE_PAGES": "0"}) is None
+    assert host_memory.reexec_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) is None  # the restarted one
+    assert host_memory.reexec_env({"HOTSWAP_HUGE_PAGES": "0"}) is None
     for mode in ("always", "never", None):  # every large mapping has them already, or none can
-        monkeypatch.setattr(huge_pages, "thp_mode", lambda mode=mode: mode)
-        assert huge_pages.reexec_env({}) is None
+        monkeypatch.setattr(host_memory, "thp_mode", lambda mode=mode: mode)
+        assert host_memory.reexec_env({}) is None

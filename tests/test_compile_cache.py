@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache (engine/compile_cache.py): a second process loads the
+"""JAX's persistent compilation cache (programs/compile_cache.py): a second process loads the
 warm-up's programs, the C++ kernels' custom calls still resolve, and the off switches work."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from hotswap.cache_dir import cache_dir
-from hotswap.engine import compile_cache
+from hotswap.programs import compile_cache
 
 # Cache settings of this process that would change what the fresh processes do.
 _CACHE_SETTINGS = (
@@ -132,8 +132,9 @@ def test_the_step_cache_hits_only_the_same_code_and_bucket(
     """A stored step loads for the same arguments and gives the same outputs; a change of the
     package's code or of the bucket is a miss (their programs would differ)."""
     from hotswap import LLM
-    from hotswap.engine import runner, step_cache
     from hotswap.kernels.backend import Backend
+    from hotswap.programs import step_cache
+    from hotswap.programs.step import compile_step, fused_jit, placeholder_inputs
 
     monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
     jax.config.update("jax_enable_compilation_cache", False)  # compiled here: whole to serialize
@@ -142,17 +143,17 @@ def test_the_step_cache_hits_only_the_same_code_and_bucket(
     )
     st, cfg, cpu = llm.engine.state, llm.engine.mcfg, llm.engine.backend
     ref = Backend.choose("reference", head_dim=cfg.head_dim)
-    args = (st.params, st.kv.pages, *runner.placeholder_inputs(2, 1, 4, cpu))
+    args = (st.params, st.kv.pages, *placeholder_inputs(2, 1, 4, cpu))
     assert step_cache.eligible(args, cpu) and not step_cache.eligible(args, ref)
     assert step_cache.load(args, cfg=cfg, backend=cpu) is None
-    step_cache.store(runner.compile_step(*args, cfg=cfg, backend=cpu), args, cfg=cfg, backend=cpu)
+    step_cache.store(compile_step(*args, cfg=cfg, backend=cpu), args, cfg=cfg, backend=cpu)
     loaded = step_cache.load(args, cfg=cfg, backend=cpu)
     assert loaded is not None
     fresh = [jax.numpy.zeros_like(x) for x in st.kv.pages]
-    want = runner.fused_jit(st.params, tuple(x.copy() for x in fresh), *args[2:], cfg=cfg, backend=cpu)
+    want = fused_jit(st.params, tuple(x.copy() for x in fresh), *args[2:], cfg=cfg, backend=cpu)
     got = loaded(st.params, tuple(x.copy() for x in fresh), *args[2:])
     assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True))
-    other = (st.params, st.kv.pages, *runner.placeholder_inputs(1, 1, 4, cpu))
+    other = (st.params, st.kv.pages, *placeholder_inputs(1, 1, 4, cpu))
     assert step_cache.load(other, cfg=cfg, backend=cpu) is None
     monkeypatch.setattr(step_cache, "code_hash", lambda: "an edited package")
     assert step_cache.load(args, cfg=cfg, backend=cpu) is None

@@ -11,10 +11,10 @@ import pytest
 
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
-from hotswap.config import ModelConfig
-from hotswap.engine import hf_device
-from hotswap.engine.params import abstract_params
 from hotswap.kernels import cpu_build, cpu_convert
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import abstract_params
+from hotswap.weights import hf_device
 
 convert = jax.jit(cpu_convert.convert, static_argnums=(1, 2))
 # Ragged against the 16 x 16 register transpose and the 16-row work items, and whole ones.

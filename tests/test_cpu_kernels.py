@@ -143,8 +143,8 @@ def test_a_shared_header_is_part_of_every_kernels_build_key(tmp_path, monkeypatc
 def test_row_stats_match_the_jnp_sampler(r, v):
     """Argmax (first index of a tie) and logsumexp as `sampling.argmax_logsumexp`; an all
     -inf row gives index 0 and -inf, a row with NaN index V - 1 and NaN."""
-    from hotswap.engine.sampling import argmax_logsumexp
     from hotswap.kernels import cpu_sampling
+    from hotswap.programs.sampler import argmax_logsumexp
 
     rng = np.random.default_rng(r * v)
     x = (rng.standard_normal((r, v)) * 5).astype(np.float32)

@@ -232,8 +232,8 @@ def test_a_step_that_fails_after_donating_the_cache_loses_no_request(tiny_dir, p
 
 def test_fill_pads_or_defers_whichever_costs_fewer_tokens():
     from hotswap.config import EngineConfig
-    from hotswap.engine.runner import Buckets
     from hotswap.kernels.backend import Backend
+    from hotswap.programs.step import Buckets
 
     ecfg = EngineConfig(max_model_len=1088, max_num_seqs=32, max_num_batched_tokens=512, page_size=16)
     b = Buckets.for_config(ecfg, Backend.choose("cpu", head_dim=64))

@@ -30,9 +30,9 @@ from hotswap import cli
 from hotswap.checkpoint import gguf_io, hf
 from hotswap.checkpoint.create import create_checkpoint
 from hotswap.checkpoint.tokenizer import Tokenizer
-from hotswap.config import ModelConfig
 from hotswap.engine.llm import LLM, SamplingParams
 from hotswap.errors import WeightsMismatch, WeightsPathNotAllowed
+from hotswap.model.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 SMOL = cli.smollm2_gguf()

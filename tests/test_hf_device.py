@@ -1,4 +1,4 @@
-"""HF tensors converted on the device (engine/hf_device.py), the weight-update path.
+"""HF tensors converted on the device (weights/hf_device.py), the weight-update path.
 
 Oracle: the host conversion `hf.params_from_hf`. Each check runs on both
 routes: "cpu" (this machine: numpy checks finiteness on the source) and
@@ -22,10 +22,11 @@ from helpers import count_compiles
 
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
-from hotswap.config import ModelConfig
-from hotswap.engine import hf_device, spec
-from hotswap.engine.params import abstract_params
 from hotswap.errors import NonFiniteWeights, WeightsMismatch
+from hotswap.model import spec
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import abstract_params
+from hotswap.weights import hf_device
 
 HERE = Path(__file__).parent
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # transposed
@@ -211,9 +212,10 @@ import json, sys
 import jax, numpy as np
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
-from hotswap.config import ModelConfig
-from hotswap.engine import hf_device, sharding
-from hotswap.engine.params import abstract_params
+from hotswap.model.config import ModelConfig
+from hotswap.weights import hf_device
+from hotswap.model import sharding
+from hotswap.model.params import abstract_params
 
 SHAPES = {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 128, "intermediate_size": 256}
 out = {}

@@ -1,11 +1,11 @@
-"""The CPU allocator tuning (engine/host_memory.py): on, off by env, and a sleep that hands memory back."""
+"""The CPU allocator tuning (host_memory.py): on, off by env, and a sleep that hands memory back."""
 
 from __future__ import annotations
 
 import ctypes.util
 import platform
 
-from hotswap.engine import host_memory
+from hotswap import host_memory
 
 
 def test_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch):

@@ -213,12 +213,13 @@ def _primitives(jaxpr):
 
 
 def test_engine_step_contains_pallas_call(tiny_dir):
-    """The jitted step the engine runs (runner.fused_jit for kernels, forward_jit for the reference),
+    """The jitted step the engine runs (fused_jit for kernels, forward_jit for the reference),
     traced on warmup-shaped inputs: one pallas_call per layer with "pallas", none with "reference"."""
     from hotswap.checkpoint.hf import load_hf_dir
     from hotswap.config import EngineConfig
     from hotswap.engine import runner
     from hotswap.engine.state import new_kv_cache
+    from hotswap.programs.step import forward_jit, fused_jit, placeholder_inputs
 
     mcfg, params = load_hf_dir(tiny_dir)
     ecfg = EngineConfig(
@@ -234,13 +235,13 @@ def test_engine_step_contains_pallas_call(tiny_dir):
     shapes = runner.Runner(mcfg, ecfg, pallas).buckets.shapes()
     for b, c, p in (shapes[-1], shapes[0]):  # the largest packed prefill and a decode batch, as in warmup
         pages = new_kv_cache(mcfg, ecfg, backend=pallas).pages
-        args = (params, pages, *runner.placeholder_inputs(b, c, p, pallas))
-        fused = runner.fused_jit.trace(*args, cfg=mcfg, backend=pallas).jaxpr
+        args = (params, pages, *placeholder_inputs(b, c, p, pallas))
+        fused = fused_jit.trace(*args, cfg=mcfg, backend=pallas).jaxpr
         assert "pallas_call" in str(fused)
         assert list(_primitives(fused.jaxpr)).count("pallas_call") == mcfg.num_layers
         pages = new_kv_cache(mcfg, ecfg, backend=reference_).pages
-        args = (params, pages, *runner.placeholder_inputs(b, c, p, reference_))
-        ref = runner.forward_jit.trace(*args, cfg=mcfg, backend=reference_).jaxpr
+        args = (params, pages, *placeholder_inputs(b, c, p, reference_))
+        ref = forward_jit.trace(*args, cfg=mcfg, backend=reference_).jaxpr
         assert "pallas_call" not in str(ref)
 
 

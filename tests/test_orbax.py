@@ -12,9 +12,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from hotswap.checkpoint.orbax_io import resolve_weights_path, restore_params, save_params  # noqa: E402
-from hotswap.config import ModelConfig  # noqa: E402
-from hotswap.engine.params import abstract_params, param_paths, param_shapes  # noqa: E402
 from hotswap.errors import CheckpointError, WeightsMismatch, WeightsPathNotAllowed  # noqa: E402
+from hotswap.model.config import ModelConfig  # noqa: E402
+from hotswap.model.params import abstract_params, param_paths, param_shapes  # noqa: E402
 
 CFG = ModelConfig(
     arch="qwen3",

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from hotswap.config import EngineConfig
-from hotswap.engine.runner import PREFILL_ROW, Runner
+from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend
+from hotswap.programs.step import PREFILL_ROW
 
 PS, HKV, G, HD, SCALE = 16, 2, 3, 32, 0.3
 REFERENCE = Backend("reference", "cpu")  # the layout and page lists the runner builds for it

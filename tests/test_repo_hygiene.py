@@ -57,7 +57,7 @@ def _files_matching(pattern: str) -> dict[str, int]:
 def test_one_decode_site_one_finiteness_check_one_safetensors_parser():
     """A payload is decoded in one place, weights are checked for NaN/Inf by one module, and
     one codec parses safetensors (files and payloads alike), with one dtype table."""
-    assert _files_matching(r"(?<!def )\bdecode_payload\(") == {"hotswap/engine/sources.py": 1}
+    assert _files_matching(r"(?<!def )\bdecode_payload\(") == {"hotswap/weights/sources.py": 1}
     assert set(_files_matching(r"\bnp\.isfinite|cpu_finite\.all_finite|isfinite\(jnp\.sum")) == {
         "hotswap/kernels/finite.py"
     }
@@ -65,6 +65,65 @@ def test_one_decode_site_one_finiteness_check_one_safetensors_parser():
     assert not _files_matching(r"from safetensors|import safetensors")  # no second parser
 
 
-def test_checkpoint_reads_engine_only_through_the_spec_table():
-    imports = _files_matching(r"from hotswap\.engine(?!\.spec import)|import hotswap\.engine")
+def test_checkpoint_reads_the_model_not_the_engine():
+    imports = _files_matching(r"from hotswap\.engine|import hotswap\.engine")
     assert not {path for path in imports if path.startswith("hotswap/checkpoint/")}
+
+
+def _unit(module: str) -> str:
+    """The package (`hotswap.engine`) or top-level module (`hotswap.errors`) a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT / name.replace(".", "/")
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def _import_graph() -> dict[str, dict[str, str]]:
+    """unit -> {imported unit: an example "module imports module"}, over every import in the package
+    (function-local ones too: a lazy import is still an arrow)."""
+    import ast
+
+    graph: dict[str, dict[str, str]] = {}
+    for path, text in _package_sources().items():
+        module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in ("hotswap", "benchmarks") and _is_module(name):
+                    a, b = _unit(module), _unit(name)
+                    if a != b:
+                        graph.setdefault(a, {}).setdefault(b, f"{module} imports {name}")
+    return graph
+
+
+def test_import_graph_has_no_cycle_and_never_reaches_benchmarks():
+    """Packages by concept, arrows one way: no cycle between `hotswap` packages or top-level modules
+    (`model/` below `weights/` below `engine/`, ...), and the package never imports `benchmarks/`."""
+    graph = _import_graph()
+    benchmarks = [why for edges in graph.values() for unit, why in edges.items() if unit == "benchmarks"]
+    assert not benchmarks, benchmarks
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            unit, path = stack.pop()
+            for nxt in graph.get(unit, {}):
+                if nxt == start:
+                    return path + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    for unit in sorted(graph):
+        cycle = cycle_from(unit)
+        assert cycle is None, " -> ".join(cycle) + ": " + "; ".join(
+            graph[a][b] for a, b in zip(cycle, cycle[1:], strict=False)
+        )

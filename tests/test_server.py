@@ -145,7 +145,7 @@ def test_the_server_runs_on_2mb_pages_where_the_kernel_gives_them_on_request(ser
     """`hotswap serve` restarts itself (same pid) with glibc's huge-page tunable when THP is in
     `madvise` mode, so XLA's large buffers (the weights it streams every step) sit on 2 MB
     pages; elsewhere it runs as started."""
-    from hotswap import huge_pages
+    from hotswap import host_memory
 
     pid = server["proc"].pid
     environ = dict(
@@ -154,10 +154,10 @@ def test_the_server_runs_on_2mb_pages_where_the_kernel_gives_them_on_request(ser
     rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
     huge_kb = int(next(ln.split()[1] for ln in rollup.splitlines() if ln.startswith("AnonHugePages")))
     started = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if huge_pages.reexec_env(started) is None:
-        assert huge_pages.TUNABLE not in environ.get("GLIBC_TUNABLES", "")
+    if host_memory.reexec_env(started) is None:
+        assert host_memory.TUNABLE not in environ.get("GLIBC_TUNABLES", "")
     else:
-        assert huge_pages.TUNABLE in environ["GLIBC_TUNABLES"]
+        assert host_memory.TUNABLE in environ["GLIBC_TUNABLES"]
         assert huge_kb > 0, rollup
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from hotswap.checkpoint.create import load_preset
-from hotswap.config import ModelConfig
-from hotswap.engine import sharding, spec
+from hotswap.model import sharding, spec
+from hotswap.model.config import ModelConfig
 
 HERE = Path(__file__).parent
 

@@ -1,4 +1,4 @@
-"""The parameter spec table (`engine/spec.py`) drives shapes, sharding axes and HF names."""
+"""The parameter spec table (`model/spec.py`) drives shapes, sharding axes and HF names."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 
 from hotswap.checkpoint import hf  # noqa: E402
 from hotswap.checkpoint.create import create_checkpoint, load_preset  # noqa: E402
-from hotswap.config import ModelConfig  # noqa: E402
-from hotswap.engine import sharding, spec  # noqa: E402
-from hotswap.engine.params import abstract_params, param_paths, param_shapes  # noqa: E402
+from hotswap.model import sharding, spec  # noqa: E402
+from hotswap.model.config import ModelConfig  # noqa: E402
+from hotswap.model.params import abstract_params, param_paths, param_shapes  # noqa: E402
 
 ARCHS = ["llama", "llama-tied", "qwen2", "qwen3"]
 

@@ -14,8 +14,7 @@ import pytest
 
 from hotswap.checkpoint import hf
 from hotswap.config import EngineConfig
-from hotswap.engine import ingest, lifecycle
-from hotswap.engine.params import abstract_params
+from hotswap.engine import lifecycle
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
@@ -23,6 +22,8 @@ from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import initial_state
 from hotswap.errors import NonFiniteWeights
 from hotswap.kernels.backend import Backend
+from hotswap.model.params import abstract_params
+from hotswap.weights import ingest
 
 ECFG = EngineConfig(
     page_size=16,

@@ -1,4 +1,4 @@
-"""Device-to-device weight pushes (`hotswap/transfer.py`) between real processes on loopback.
+"""Device-to-device weight pushes (`hotswap/weights/transfer.py`) between real processes on loopback.
 
 A trainer subprocess (`tests/transfer_trainer.py`) publishes params; a real `hotswap serve`
 process pulls them on `POST /update_weights {"transfer": ...}`. Faults on the push path (the
@@ -230,7 +230,7 @@ def test_llm_update_weights_takes_a_ref(dirs, oracle):
     """In process: `LLM.update_weights(TransferRef)` goes through the same Engine path."""
     from hotswap import SamplingParams
     from hotswap.engine.llm import LLM
-    from hotswap.transfer import TransferRef
+    from hotswap.weights.transfer import TransferRef
 
     llm = LLM(dirs["seed0"], **KNOBS, warmup=False)
     trainer = Trainer(dirs["seed1"], "ok")
@@ -246,7 +246,7 @@ SHARDED_ENGINE = """
 import json, sys
 import jax
 from hotswap import LLM, SamplingParams
-from hotswap.transfer import TransferRef, pull
+from hotswap.weights.transfer import TransferRef, pull
 
 seed0, seed1, direct, whole = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 kw = dict(tensor_parallel_size=2, max_model_len=64, num_pages=16, warmup=False)

@@ -1,5 +1,5 @@
 """A trainer process for tests/test_transfer.py: publishes a checkpoint's params with
-`hotswap.transfer.publish`, prints the reference as one JSON line, and stays alive (keeping
+`hotswap.weights.transfer.publish`, prints the reference as one JSON line, and stays alive (keeping
 the offer) until its stdin closes.
 
     python tests/transfer_trainer.py CHECKPOINT_DIR MODE
@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap import transfer, transfer_shards
-from hotswap.config import ModelConfig
-from hotswap.engine import sharding
-from hotswap.engine.sources import resolve_source
+from hotswap.model import sharding
+from hotswap.model.config import ModelConfig
+from hotswap.weights import transfer, transfer_shards
+from hotswap.weights.sources import resolve_source
 
 
 def main(path: str, mode: str) -> None:

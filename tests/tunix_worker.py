@@ -220,7 +220,7 @@ def zero_copy(tok) -> dict:
     """A state already on the engine's sharding (tp=2) is swapped in without a copy of any
     leaf (attention included: Tunix's head-split layout is hotswap's), under
     jax.transfer_guard("disallow")."""
-    from hotswap.engine.spec import is_spec, param_specs
+    from hotswap.model.spec import is_spec, param_specs
 
     mesh = jax.make_mesh((1, 2), ("fsdp", "tp"), axis_types=AUTO)
     hs = HotswapRollout(rollout_actor=model(0), tokenizer=tok, mesh=mesh)
@@ -261,7 +261,7 @@ def zero_copy(tok) -> dict:
 
 
 def _engine_sharding(hs: HotswapRollout, nnx_name: str):
-    from hotswap.engine.spec import is_spec, param_specs
+    from hotswap.model.spec import is_spec, param_specs
 
     for s, a in zip(
         jax.tree.leaves(param_specs(hs.llm.config), is_leaf=is_spec),

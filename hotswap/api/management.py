@@ -130,7 +130,7 @@ async def update_weights(request: Request) -> dict[str, Any]:
 
     - JSON `{"path": ..., "policy", "version", "partial"}`: a checkpoint directory under --weights-root;
     - JSON `{"transfer": {"address", "uuid", "timeout_s", "processes"}, "policy", "version"}`: a tree another JAX
-      process published with `hotswap.transfer.publish`, pulled device to device;
+      process published with `hotswap.weights.transfer.publish`, pulled device to device;
     - JSON `{"tensors": [{name, dtype, shape, data (base64)}], "finished", "update_id", ...}`;
     - safetensors bytes (`application/octet-stream`) with the options as query parameters.
 
@@ -162,10 +162,10 @@ async def update_weights(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict) or sum(k in data for k in ("path", "tensors", "transfer")) != 1:
         raise PayloadError(
             'update_weights JSON needs exactly one of "path" (a directory), "tensors" (entries) or '
-            '"transfer" (a hotswap.transfer reference)'
+            '"transfer" (a hotswap.weights.transfer reference)'
         )
     if "transfer" in data:
-        from hotswap.transfer import TransferRef  # imports jax: only when this form is used
+        from hotswap.weights.transfer import TransferRef  # imports jax: only when this form is used
 
         xupd = _TransferUpdate.model_validate({**query, **data})
         ref = TransferRef.from_json(xupd.transfer)

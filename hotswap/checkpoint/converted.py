@@ -15,7 +15,7 @@ A cached copy is as large as the params (650 MB in float32 for SmolLM2-135M, its
 untied head included), so one entry per file is kept: storing a new one drops the file's
 older ones. Delete `weights/` to reclaim the space. Loaded params are views of one
 buffer read from the entry (nothing aliases the file) and go through the same
-validation as any other (`engine/ingest.py`).
+validation as any other (`weights/ingest.py`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from hotswap.cache_dir import cache_dir
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.payload import decode_safetensors
 from hotswap.checkpoint.safetensors_io import write_safetensors
-from hotswap.config import ModelConfig
-from hotswap.engine.spec import Params, ParamSpec, param_specs, path_name
 from hotswap.errors import PayloadError
+from hotswap.model.config import ModelConfig
+from hotswap.model.spec import Params, ParamSpec, param_specs, path_name
 
 FORMAT = 1  # bump when an entry's layout changes
 # Files converted faster than this are not stored: reading them back would save little

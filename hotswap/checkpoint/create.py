@@ -18,9 +18,9 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from hotswap.checkpoint.hf import params_from_hf, save_hf_dir
-from hotswap.config import ModelConfig
-from hotswap.engine.spec import hf_specs
 from hotswap.errors import ConfigError
+from hotswap.model.config import ModelConfig
+from hotswap.model.spec import hf_specs
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]  # ids 0..3
 BOS_ID, EOT_ID, IM_END_ID = 0, 1, 3

@@ -32,9 +32,9 @@ import numpy as np
 from hotswap.checkpoint import converted, gguf_header, hf
 from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
 from hotswap.checkpoint.tokenizer import Tokenizer
-from hotswap.config import ModelConfig
-from hotswap.engine.spec import EMBED, LM_HEAD, Params
 from hotswap.errors import CheckpointError, ConfigError
+from hotswap.model.config import ModelConfig
+from hotswap.model.spec import EMBED, LM_HEAD, Params
 
 Q = gguf.GGMLQuantizationType
 

@@ -1,13 +1,13 @@
 """HF `config.json` + `*.safetensors` (+ index) <-> the params pytree.
 
 Which HF tensor holds which param, in which layout, is the spec table's
-(`engine/spec.py`: HF name, shape, transpose); this module applies it to files.
+(`model/spec.py`: HF name, shape, transpose); this module applies it to files.
 HF linear weights are 2-D `[out, in]`; params store `[in, out]` with the
 attention heads split out, so linear weights are transposed (and attention's
 split, a free reshape) on the way in and back on the way out. Tied-embedding
 checkpoints carry no `lm_head.weight`; params always hold an untied `[D, V]`
 head, made here as a copy of `embed.T`. Weight updates do the same conversion
-on the engine's devices (engine/hf_device.py), checked here first by name,
+on the engine's devices (weights/hf_device.py), checked here first by name,
 shape and dtype (`check_hf_tensors`).
 
 Every validation error names the HF tensor, because that is the name the user
@@ -28,10 +28,10 @@ import ml_dtypes
 import numpy as np
 
 from hotswap.checkpoint.safetensors_io import read_safetensors, write_safetensors
-from hotswap.config import ModelConfig
-from hotswap.engine.spec import EMBED, LM_HEAD, Params, ParamSpec, hf_specs
 from hotswap.errors import CheckpointError, ConfigError, NonFiniteWeights, WeightsMismatch
 from hotswap.kernels import finite
+from hotswap.model.config import ModelConfig
+from hotswap.model.spec import EMBED, LM_HEAD, Params, ParamSpec, hf_specs
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,7 +161,7 @@ def params_from_hf(
     The dtype is `dtype`, else the base's dtype, else `cfg.dtype`.
 
     This is the host path (model loading, checkpoint creation); weight updates
-    convert on the device instead (`engine/hf_device.py`).
+    convert on the device instead (`weights/hf_device.py`).
     """
     if dtype is None and partial_base is not None:
         target = np.dtype(partial_base["embed"].dtype)

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hotswap.engine.spec import Params, path_name
 from hotswap.errors import CheckpointError, WeightsMismatch, WeightsPathNotAllowed
+from hotswap.model.spec import Params, path_name
 
 
 def resolve_weights_path(path: str | os.PathLike, allowed_root: str | os.PathLike | None) -> Path:

@@ -19,11 +19,10 @@ import uuid
 import jax
 import numpy as np
 
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import compile_cache, host_memory, ingest, lifecycle, pausing, sharding, sources
-from hotswap.engine.chunks import ChunkStager
+from hotswap import host_memory
+from hotswap.config import EngineConfig
+from hotswap.engine import lifecycle, pausing
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
-from hotswap.engine.params import Params, abstract_params
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
@@ -37,6 +36,12 @@ from hotswap.errors import (
     QueueFull,
     RequestError,
 )
+from hotswap.model import sharding
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params, abstract_params
+from hotswap.programs import compile_cache
+from hotswap.weights import ingest, sources
+from hotswap.weights.chunks import ChunkStager
 
 POLICIES = ("drain", "abort", "recompute", "keep", "reject")
 

@@ -15,14 +15,15 @@ import dataclasses
 import jax
 import numpy as np
 
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine.ingest import StagedParams, place_params, stage_params
+from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
-from hotswap.engine.params import Params
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.engine.state import EngineState, KVCache, new_kv_cache
 from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict
 from hotswap.kernels.backend import Backend
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
+from hotswap.weights.ingest import StagedParams, place_params, stage_params
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 

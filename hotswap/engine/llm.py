@@ -14,14 +14,15 @@ import numpy as np
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig, default_dtype
-from hotswap.engine import kv_sizing, programs, sharding
 from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
-from hotswap.engine.model import token_logprobs_jit
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.state import EngineState
 from hotswap.errors import RequestError
+from hotswap.model import sharding
+from hotswap.model.forward import token_logprobs_jit
+from hotswap.programs import catalog, kv_sizing
 
 
 class LLM:
@@ -92,13 +93,13 @@ class LLM:
     @classmethod
     def from_flax(cls, model, *, tokenizer: Tokenizer | None = None, **engine_kwargs) -> LLM:
         """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
-        checkpoint directory: its params are mapped by the spec table (`integrations/flax.py`),
+        checkpoint directory: its params are mapped by the spec table (`weights/nnx.py`),
         leaf to leaf, no copy where already on the engine's sharding. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
 
         >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
         >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
         """
-        from hotswap.integrations import flax as nnx_params  # the [tunix] extra: flax
+        from hotswap.weights import nnx as nnx_params  # the [tunix] extra: flax
 
         mcfg = nnx_params.model_config(
             model,
@@ -255,7 +256,7 @@ class LLM:
         check_finite: bool = True,
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
-        a `hotswap.transfer.TransferRef` another JAX process published: pulled device to device, or a
+        a `hotswap.weights.transfer.TransferRef` another JAX process published: pulled device to device, or a
         Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
@@ -335,7 +336,7 @@ def _start_engine(
     """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh."""
     max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
     shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
-    target = programs.Target.on(mcfg, attention, shardings, kv)
+    target = catalog.Target.on(mcfg, attention, shardings, kv)
 
     def temps_at(n: int) -> int:  # on an accelerator: its largest steps, compiled for n pages
         probe = EngineConfig(
@@ -346,7 +347,7 @@ def _start_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             attention=target.backend.attention,
         )
-        return programs.largest_temps(mcfg, probe, target)
+        return catalog.largest_temps(mcfg, probe, target)
 
     num_pages = kv_sizing.engine_pages(
         mcfg,
@@ -356,7 +357,7 @@ def _start_engine(
         num_pages=num_pages,
         gpu_memory_utilization=gpu_memory_utilization,
         devices=sorted(target.kv.device_set, key=lambda d: d.id),
-        params_bytes=programs.params_bytes_per_chip(mcfg, target),
+        params_bytes=catalog.params_bytes_per_chip(mcfg, target),
         temps_at=temps_at,
     )
     ecfg = EngineConfig(

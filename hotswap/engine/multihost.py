@@ -43,12 +43,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from hotswap import transfer
 from hotswap.checkpoint import orbax_io
-from hotswap.engine import ingest, multihost_transfer, sources
+from hotswap.engine import multihost_transfer
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError, TransferError
+from hotswap.weights import ingest, sources, transfer
 
 log = logging.getLogger(__name__)
 PREFIX = "hotswap/cmd"

@@ -26,9 +26,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from hotswap import errors, transfer, transfer_shards
+from hotswap import errors
 from hotswap.engine.engine import Engine
 from hotswap.errors import HotswapError, TransferError
+from hotswap.weights import transfer, transfer_shards
 
 REPORT_BYTES = 1024  # one process's outcome: empty for ok, else JSON {"type", "message"}
 

@@ -1,20 +1,11 @@
-"""The jitted step and the only host->device bridge.
+"""The only host->device bridge: scheduled rows in, fixed-shape step inputs out, the step run.
 
-One jitted function serves every step kind: a [B, C] block of tokens (batch.py).
-On a ragged backend (the C++ kernels, `Backend.ragged_steps`) a step is one [T, 1]
-block holding every decode token and prefill chunk end to end. Otherwise a decode
-batch is [B, 1] and a packed prefill is [Nb, PREFILL_ROW] holding every prefill
-chunk of the step, run as two calls. B (or T), Nb and P (block-table columns for a kernel;
-for the reference attention, the flat list's pages: B*P in a decode batch, P in a
-prefill, see `flat_pages`) are padded to the buckets listed here, all compiled at start-up, so
-steady-state serving never recompiles. KV page buffers are donated
-so XLA updates them in place; params are an argument, so a swap to params of
-the same shapes, dtypes and shardings reuses every executable.
+`Runner` packs the scheduler's rows into the bucket shapes of `programs/step.py`, runs the
+compiled step on the state's pages and warms every bucket up at start.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import sys
@@ -25,184 +16,20 @@ from functools import partial
 import jax
 import numpy as np
 
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import compile_cache, model, step_cache
-from hotswap.engine.batch import Batch
-from hotswap.engine.params import Params
-from hotswap.engine.sampling import SamplingArrays, sample
+from hotswap.config import EngineConfig
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import EngineState
 from hotswap.kernels.backend import Backend
+from hotswap.model.batch import Batch
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
+from hotswap.programs import compile_cache, step_cache
+from hotswap.programs.sampler import SamplingArrays
+from hotswap.programs.step import PREFILL_ROW, Buckets, compile_step, pick, placeholder_inputs, run_step
 
 Tables = Mapping[int, tuple[int, ...]]  # seq_id -> block table (the state's page pool)
 WARMUP_THREADS = 4  # warm-up compiles at most this many steps at once (memory: one program each)
-PREFILL_ROW = 16  # C of a packed prefill (Pallas, reference): a chunk wastes < 16 padded slots
-
-
-def _pow2_upto(lo: int, hi: int, *, halves: bool = False) -> list[int]:
-    """lo, 2lo, 4lo, ... < hi, then hi; a last step within 1.5x below hi is dropped (hi covers it).
-    With halves, 1.5x steps between the powers of two too (lo, 1.5lo, 2lo, 3lo, ...; 1.25x drop)."""
-    out, v = [], lo
-    while v < hi:
-        out.append(v)
-        if halves and v >= 2 and v * 3 // 2 < hi:
-            out.append(v * 3 // 2)
-        v *= 2
-    out = sorted(set(out))
-    if out and hi < (1.25 if halves else 1.5) * out[-1]:
-        out.pop()
-    return out + [hi]
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Every shape the step is compiled for."""
-
-    batch: tuple[int, ...]  # decode rows B; for a ragged backend, the tokens T of any step
-    blocks: tuple[int, ...]  # packed prefill rows (of PREFILL_ROW tokens each); () when ragged
-    pages: tuple[int, ...]  # block-table columns P of a decode batch
-    prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
-    max_samples: int  # rows sampled in one call at most: each running sequence once
-    ragged: bool  # steps are [T, 1] blocks (`Backend.ragged_steps`): `batch` holds every T
-
-    @staticmethod
-    def for_config(ecfg: EngineConfig, backend: Backend) -> Buckets:
-        pps = ecfg.pages_per_seq
-        pages = tuple(_pow2_upto(min(8, pps), pps))
-        prefill_pages = pages
-        batch = _pow2_upto(1, ecfg.max_num_seqs)
-        blocks = _pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))
-        if backend.attention == "cpu":
-            # The C++ kernel reads only the pages before each chunk, whatever P the table has:
-            # one full-width table, so warm-up compiles one shape per batch bucket, not per P.
-            pages = prefill_pages = (pps,)
-        elif backend.attention == "reference":
-            # The reference decode reads B*P pages, P the rows' average: finer steps there cut
-            # the pages read at long contexts by up to a third (its cost is those reads).
-            pages = tuple(_pow2_upto(min(8, pps), pps, halves=True))
-            # The reference prefill reads only keys cached before each chunk, often none.
-            prefill_pages = (0, *prefill_pages)
-        if backend.ragged_steps:
-            # Past the decode sizes, steps of 1.5x apart: a padded token costs a real one's
-            # matmuls, and the scheduler trims a step down to a bucket (`fill`) only when that
-            # defers fewer tokens than padding would waste.
-            top = max(ecfg.max_num_batched_tokens, ecfg.max_num_seqs)
-            batch = sorted({*batch, *_pow2_upto(batch[-1], top, halves=True)})
-            blocks = []
-        return Buckets(
-            batch=tuple(batch),
-            blocks=tuple(blocks),
-            pages=pages,
-            prefill_pages=prefill_pages,
-            max_samples=ecfg.max_num_seqs,
-            ragged=backend.ragged_steps,
-        )
-
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """(B, C, P) for every compiled step: decode batches (or ragged steps), then packed prefills."""
-        return [(b, 1, p) for b in self.batch for p in self.pages] + [
-            (nb, PREFILL_ROW, p) for nb in self.blocks for p in self.prefill_pages
-        ]
-
-    def largest(self) -> list[tuple[int, int, int]]:
-        """The largest decode (or ragged) step and the largest packed prefill: the steps with
-        the most temporaries."""
-        big = [(self.batch[-1], 1, self.pages[-1])]
-        return big + ([(self.blocks[-1], PREFILL_ROW, self.prefill_pages[-1])] if self.blocks else [])
-
-    def samples(self, b: int, c: int) -> int:
-        """S, the rows a (B, C) step samples: one per sequence in it. A packed prefill has at most
-        one sequence per row; a [T, 1] step at most every running sequence."""
-        return b if c != 1 else min(b, self.max_samples)
-
-    def fill(self, n: int) -> int:
-        """Tokens a ragged step should run when `n` are ready: n, or the bucket below n when
-        deferring the tokens past it (to the next step) is cheaper than padding up to the bucket
-        above. Non-ragged steps pad (n): their prefill rows are few and coarse."""
-        if not self.ragged or n <= self.batch[0] or n > self.batch[-1]:
-            return n
-        hi = pick(self.batch, n)
-        lo = max(b for b in self.batch if b <= n)
-        return lo if hi - n > n - lo else n
-
-
-def pick(buckets: tuple[int, ...], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
-    h, new_kv, pages = model.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
-    h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
-    with jax.named_scope("sample"):
-        logits = model.logits_from_hidden(params, h_last, backend.matmuls)
-        out = sample(logits, sa, backend.row_stats)
-    return (new_kv if backend.read_then_write else pages), out
-
-
-# read_then_write (the reference): read-only forward, then a separate in-place write of the K/V.
-forward_jit = partial(jax.jit, static_argnames=("cfg", "backend"))(_step)
-write_jit = partial(jax.jit, static_argnames=("backend",), donate_argnums=(0,))(model.write_pages)
-# kernels (C++ and Pallas): write and read inside one program, pages donated.
-fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=(1,))(_step)
-
-
-def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled=None):
-    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps)).
-    `compiled`: warm-up's program for this bucket, when it holds one (see `Runner.warmup`)."""
-    if compiled is not None:
-        return compiled(params, pages, batch, sa)
-    if backend.read_then_write:
-        new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
-        return write_jit(pages, new_kv, batch.slots, backend=backend), out
-    return fused_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
-
-
-def lower_step(
-    params, pages, batch: Batch, sa, *, cfg, backend: Backend
-) -> list[tuple[str, jax.stages.Lowered]]:
-    """Every program `run_step` runs for these shapes (concrete or abstract arguments), lowered:
-    ("step", ...) and, for a read_then_write backend, ("write", ...) too."""
-    if not backend.read_then_write:
-        return [("step", fused_jit.lower(params, pages, batch, sa, cfg=cfg, backend=backend))]
-    forward = forward_jit.lower(params, pages, batch, sa, cfg=cfg, backend=backend)
-    new_kv = forward.out_info[0]
-    return [("step", forward), ("write", write_jit.lower(pages, new_kv, batch.slots, backend=backend))]
-
-
-def compile_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend) -> jax.stages.Compiled | None:
-    """Compile (or load from the persistent cache) every program `run_step` runs for these
-    shapes, without running them: a later `run_step` on the same shapes dispatches straight
-    to them. Running warm-up steps instead would cost a full padded step per bucket.
-    Returns the step's `Compiled` when it is one program (None for read_then_write's two)."""
-    compiled = [
-        lowered.compile() for _, lowered in lower_step(params, pages, batch, sa, cfg=cfg, backend=backend)
-    ]
-    return None if backend.read_then_write else compiled[0]
-
-
-def flat_pages(backend: Backend, c: int, b: int, p: int) -> int | None:
-    """The reference attention lists the cached pages it reads flat instead of a [B, P] table:
-    B*P of them for a decode batch (P the rows' average), P for a packed prefill (all its
-    sequences together). None: a kernel reads [B, P] tables."""
-    if not backend.flat_pages:
-        return None
-    return b * p if c == 1 else p
-
-
-def placeholder_inputs(
-    b: int, c: int, p: int, backend: Backend, s: int | None = None
-) -> tuple[Batch, SamplingArrays]:
-    """All-padding step inputs of bucket shape (B, C, P) sampling S rows (`Buckets.samples`;
-    default B): what warm-up compiles against."""
-    s = b if s is None else s
-    n = flat_pages(backend, c, b, p)
-    if n is not None:
-        return Batch.zeros(b, c, 0, s, n=n), SamplingArrays.from_rows([], s)
-    return Batch.zeros(b, c, p, s), SamplingArrays.from_rows([], s)
 
 
 class Runner:

@@ -1,24 +1,14 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""What a request asks of sampling (vLLM's `SamplingParams`), validated on the host.
 
-Stateless like gemma's sampler: each row's randomness is
-`fold_in(key(seed), output_index)`, so a seeded request draws the same tokens
-alone or inside any batch. `logprob` is always the chosen token's log-prob
-under the *raw* model distribution (what `LLM.score` returns), whatever the
-sampling transform.
+The device side, per-row arrays and the sampler itself, is `programs/sampler.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from hotswap.errors import RequestError
-from hotswap.kernels.reference import argmax, argmax_logsumexp  # the jnp twins of the CPU kernel
-
-TOP_LOGPROBS = 20  # the most top-logprobs a request may ask for (as in vLLM/OpenAI)
+from hotswap.programs.sampler import TOP_LOGPROBS
 
 
 @dataclasses.dataclass
@@ -61,90 +51,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingArrays:
-    """Per-row sampling parameters as device arrays [R]."""
-
-    temperature: jax.Array  # f32; 0 = greedy
-    top_k: jax.Array  # i32; 0 = off
-    top_p: jax.Array  # f32
-    min_p: jax.Array  # f32
-    seed: jax.Array  # u32
-    step: jax.Array  # i32: index of the token being sampled in the row's output
-    want_top: jax.Array  # bool: the row asked for top logprobs
-
-    @staticmethod
-    def from_rows(rows: list[tuple[SamplingParams, int, int]], pad_to: int) -> SamplingArrays:
-        """rows: (params, seed, output_index); padded rows are greedy."""
-        t = np.zeros(pad_to, np.float32)
-        k = np.zeros(pad_to, np.int32)
-        p = np.ones(pad_to, np.float32)
-        m = np.zeros(pad_to, np.float32)
-        s = np.zeros(pad_to, np.uint32)
-        st = np.zeros(pad_to, np.int32)
-        top = np.zeros(pad_to, bool)
-        for i, (sp, seed, idx) in enumerate(rows):
-            t[i], k[i], p[i], m[i] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
-            s[i], st[i], top[i] = np.uint32(seed & 0xFFFFFFFF), idx, bool(sp.logprobs)
-        return SamplingArrays(t, k, p, m, s, st, top)
-
-
-def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
-    """Temperature + top-k + top-p + min-p, then a categorical draw per row."""
-    v = logits.shape[-1]
-    temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
-    scaled = logits / temp
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
-    k = jnp.where(sa.top_k > 0, jnp.minimum(sa.top_k, v), v)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    keep = scaled >= kth
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
-    # Smallest set whose mass reaches top_p: keep sorted entries whose preceding mass < top_p.
-    n_keep = jnp.sum((cum - probs_sorted) < sa.top_p[:, None], axis=-1)
-    p_thresh = jnp.take_along_axis(sorted_desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
-    keep &= scaled >= p_thresh
-    probs = jax.nn.softmax(scaled, axis=-1)
-    keep &= probs >= sa.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-
-    def draw(row_logits, seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        # The Gumbel-max draw of jax.random.categorical, with the vector argmax.
-        return argmax(jax.random.gumbel(key, row_logits.shape, row_logits.dtype) + row_logits)
-
-    return jax.vmap(draw)(masked, sa.seed, sa.step)
-
-
-def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The TOP_LOGPROBS most likely tokens' log-probs: the top logits, shifted by logsumexp."""
-    top, ids = jax.lax.top_k(logits, TOP_LOGPROBS)
-    return top - lse[:, None], ids
-
-
-def sample(
-    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
-    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`)."""
-    # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
-    # and re-reading it cost about 3 ms of a 35 ms batch-32 step on bench-100m's 32k vocab).
-    greedy, lse = row_stats(logits)
-    # Skip the sort entirely when every row is greedy (the common benchmark case).
-    tokens = jax.lax.cond(
-        jnp.any(sa.temperature > 0),
-        lambda: jnp.where(sa.temperature > 0, _filtered_sample(logits, sa).astype(jnp.int32), greedy),
-        lambda: greedy,
-    )
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    # Only when some row asked: under tensor parallelism top_k gathers the whole [R, V] row.
-    r = logits.shape[0]
-    top_lps, top_ids = jax.lax.cond(
-        jnp.any(sa.want_top),
-        lambda: _top_logprobs(logits, lse),
-        lambda: (jnp.zeros((r, TOP_LOGPROBS), logits.dtype), jnp.zeros((r, TOP_LOGPROBS), jnp.int32)),
-    )
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lps

@@ -68,7 +68,7 @@ class _Work:
 class Scheduler:
     def __init__(self, ecfg: EngineConfig, fill: Callable[[int], int] | None = None):
         """`fill(n)`: how many of a step's n ready tokens to run, so that the step lands on a
-        compiled size (`runner.Buckets.fill`); None runs them all."""
+        compiled size (`step.Buckets.fill`); None runs them all."""
         self.cfg = ecfg
         self.fill = fill or (lambda n: n)
         self.ps = ecfg.page_size

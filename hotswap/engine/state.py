@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.config import EngineConfig, ModelConfig
+from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
-from hotswap.engine.params import Params
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.kernels.backend import Backend
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
 
 
 @jax.tree_util.register_dataclass

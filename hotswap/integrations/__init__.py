@@ -1,4 +1,5 @@
-"""Bridges to JAX training stacks: Flax NNX models (`flax.py`) and Tunix's rollout API (`tunix.py`).
+"""Bridges to JAX training stacks: Tunix's rollout API (`tunix.py`); NNX states are read by
+`weights/nnx.py`.
 
-Both need the optional extra `pip install hotswap[tunix]`; nothing here is imported by the engine.
+Needs the optional extra `pip install hotswap[tunix]`; nothing here is imported by the engine.
 """

@@ -6,7 +6,7 @@
 
 Tunix builds it as `HotswapRollout(rollout_actor=..., tokenizer=..., mesh=..., rollout_config=...)`.
 The engine serves the actor's weights (Llama3, Qwen2, Qwen3), mapped by the spec table
-(`integrations/flax.py`); with a mesh that has a `tp` axis it is sharded over it, otherwise
+(`weights/nnx.py`); with a mesh that has a `tp` axis it is sharded over it, otherwise
 it runs on one device. Every weight sync (`update_params`) is hotswap's pure
 `update_weights`: version + 1 and an empty prefix cache, so no token of a step is computed
 over KV from older weights. Tunix's models use hotswap's params layout, so a state maps
@@ -38,11 +38,11 @@ from flax import nnx
 from tunix.generate import tokenizer_adapter
 from tunix.rl.rollout import base_rollout
 
-from hotswap.engine import sharding
 from hotswap.engine.llm import LLM
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, NonFiniteWeights
-from hotswap.integrations import flax as nnx_params
+from hotswap.model import sharding
+from hotswap.weights import nnx as nnx_params
 
 
 def _engine_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:

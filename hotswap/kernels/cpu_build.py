@@ -90,7 +90,7 @@ def register(name: str, symbol: str) -> str:
 @functools.cache
 def available() -> bool:
     """True when every CPU kernel builds and loads here (cached for the process). Registers
-    every target, so a program loaded without tracing (engine/step_cache.py) finds them."""
+    every target, so a program loaded without tracing (programs/step_cache.py) finds them."""
     try:
         register("paged_attention", "HotswapPagedAttention")
         register("paged_attention", "HotswapPagedAttentionWrite")

@@ -1,5 +1,5 @@
 """An HF tensor into the params layout and checked for NaN/Inf in one pass, on XLA:CPU: a C++
-FFI call (`cpu/convert_finite.cc`), the CPU route of a checkpoint update (`engine/hf_device.py`).
+FFI call (`cpu/convert_finite.cc`), the CPU route of a checkpoint update (`weights/hf_device.py`).
 
 An update from an HF directory reads every weight from the file and writes it into a new
 buffer, transposing `[out, in]` to `[in, out]` on the way for most tensors (and widening a

@@ -49,7 +49,7 @@ _xla_finite = jax.jit(all_finite)  # one call per array: compiled per shape and 
 
 def lower_xla_check(array: jax.ShapeDtypeStruct) -> jax.stages.Lowered:
     """The XLA finiteness program for an array of this shape and sharding, lowered (compiled
-    ahead of time by `engine/programs.py`)."""
+    ahead of time by `programs/catalog.py`)."""
     return _xla_finite.lower(array)
 
 

@@ -1,6 +1,6 @@
 """GRPO on the engine's own params pytree: advantages, batch packing, one optax step.
 
-The loss uses `hotswap.engine.model.token_logprobs`, the same pure forward the
+The loss uses `hotswap.model.forward.token_logprobs`, the same pure forward the
 engine's scorer uses, on the params layout the engine serves, so the trainer's
 output can go straight into `LLM.update_weights` with no conversion. The step
 also returns the trainer's log-probs under the params *before* the update,
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hotswap.config import ModelConfig
-from hotswap.engine.model import forward_dense, token_logprobs
+from hotswap.model.config import ModelConfig
+from hotswap.model.forward import forward_dense, token_logprobs
 from hotswap.rl.rollout import Sample
 
 

@@ -10,11 +10,11 @@
               ÷ bytes of one page (all layers, this chip's kv heads)
 
   per chip, the tightest chip deciding. Params count twice: a hot update stages the new
-  weights beside the serving ones and swaps only once they are checked (`engine/ingest.py`:
+  weights beside the serving ones and swaps only once they are checked (`weights/ingest.py`:
   a rejected update must leave the old ones serving), so a cache sized for one copy, as
   vLLM sizes it, would make the first update run out of memory. `free` is `device.memory_stats()`'s
   `bytes_limit − bytes_in_use` on a real device, or the chip's HBM size when compiling
-  ahead of time for a TPU slice (`hotswap/aot.py`). The temporaries are measured, not
+  ahead of time for a TPU slice (`hotswap/programs/aot.py`). The temporaries are measured, not
   guessed: the largest decode and prefill steps are compiled for a first guess of the pool
   (the budget with no temporaries), and the largest temporary of those is subtracted. A
   step's temporaries grow with the pool if anything (a copy of it would be one), so the
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from hotswap.config import ModelConfig
 from hotswap.errors import DeviceMemoryError
+from hotswap.model.config import ModelConfig
 
 DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 PARAM_COPIES = 2  # the serving params and an update's staged ones (module doc)

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.config import ModelConfig
-from hotswap.engine.batch import Batch
-from hotswap.engine.params import Params
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls
+from hotswap.model.batch import Batch
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

@@ -6,7 +6,7 @@ small enough to send over HTTP (`POST /update_weights {"transfer": {...}}`) or t
 pass to `LLM.update_weights`. The engine side, `pull(ref, abstract)`, connects to
 that address and pulls the arrays straight into the engine's shardings; the tree it
 returns then goes through the same validation, finiteness check and staging as any
-in-process params tree (`engine/sources.py`).
+in-process params tree (`weights/sources.py`).
 
 What one publish offers, under three consecutive uuids (each can be pulled once):
 
@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.engine.spec import path_name
 from hotswap.errors import TransferError, WeightsMismatch
+from hotswap.model.spec import path_name
 
 MAGIC = 0x48535754  # "HSWT"
 DEFAULT_BIND = "127.0.0.1"
@@ -185,7 +185,7 @@ def publish(
     if for_processes == 1:
         offers = [offer_arrays(params)]
     else:
-        from hotswap.transfer_shards import process_offer  # it builds on this module
+        from hotswap.weights.transfer_shards import process_offer  # it builds on this module
 
         offers = [process_offer(params, p, for_processes) for p in range(for_processes)]
     ref = TransferRef(srv.address(), take_uuids(for_processes), timeout_s, for_processes)
@@ -284,7 +284,7 @@ def _pull_manifest(conn, ref: TransferRef, deadline: float, dev) -> dict:
     magic, size = (int(v) for v in np.asarray(header))
     if magic != MAGIC or not 0 < size < 1 << 30:
         raise TransferError(
-            f"transfer {ref.address} uuid {ref.uuid}: not a hotswap.transfer.publish() offer (bad header)"
+            f"transfer {ref.address} uuid {ref.uuid}: not a hotswap.weights.transfer.publish() offer (bad header)"
         )
     (blob,) = _wait(
         conn.pull(ref.uuid + 1, [jax.ShapeDtypeStruct((size,), jnp.uint8, sharding=dev)]),

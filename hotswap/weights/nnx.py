@@ -1,6 +1,6 @@
 """Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2 and Qwen3 models.
 
-The mapping is the spec table (`engine/spec.py`): each row's `nnx_name` is the
+The mapping is the spec table (`model/spec.py`): each row's `nnx_name` is the
 parameter's path in the NNX model. Tunix models use hotswap's params layout
 (`[in, out]`, attention heads split out: `q_proj.w` `[D, N, H]` is `wq`), so every
 leaf is passed through as the same `jax.Array`, never copied or reshaped; only a
@@ -20,9 +20,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from hotswap.config import ModelConfig
-from hotswap.engine.spec import Params, ParamSpec, is_spec, param_specs
 from hotswap.errors import ConfigError, WeightsMismatch
+from hotswap.model.config import ModelConfig
+from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
 
 # Tunix model class name -> (hotswap arch, qkv_bias, qk_norm, config field that ties the head).
 FAMILIES = {

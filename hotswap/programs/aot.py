@@ -6,8 +6,8 @@ lowered from `ShapeDtypeStruct`s on shardings over those chips compile with Mosa
 for them (docs/en/tpu_pods.md). Nothing here allocates a weight: the model is its config.json.
 
 The report, per chip: the params' bytes, the KV pages that fit at `gpu_memory_utilization`
-(sized by `engine/kv_sizing.py`, from the chip's HBM size), every program's memory
-analysis (`engine/programs.py`), whether serving fits the chip's HBM, and a decode
+(sized by `programs/kv_sizing.py`, from the chip's HBM size), every program's memory
+analysis (`programs/catalog.py`), whether serving fits the chip's HBM, and a decode
 throughput estimate from HBM bandwidth. A compile error names its program.
 """
 
@@ -24,9 +24,11 @@ from pathlib import Path
 
 import jax
 
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import kv_sizing, programs, runner
+from hotswap.config import EngineConfig
 from hotswap.errors import ConfigError
+from hotswap.model.config import ModelConfig
+from hotswap.programs import catalog, kv_sizing
+from hotswap.programs.step import Buckets
 
 GIB = 2**30
 
@@ -129,11 +131,11 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     if not 1 <= tp <= len(devices):
         raise ConfigError(f"tensor_parallel_size={tp}, but {acfg.topology} has {len(devices)} chips")
     mcfg = load_model_config(model, acfg.dtype)
-    target = programs.Target.first_chips(mcfg, acfg.attention, devices, tp)
+    target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
-    params_bytes = programs.params_bytes_per_chip(mcfg, target)
+    params_bytes = catalog.params_bytes_per_chip(mcfg, target)
     one_page = kv_sizing.page_bytes(mcfg, acfg.page_size, tp)
-    stats: list[programs.StepStats] = []
+    stats: list[catalog.StepStats] = []
     n_steps = compiled_pages = 0
 
     def compile_all(pages: int) -> int:
@@ -150,17 +152,17 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         )
         backend = target.backend
         shapes = {
-            "all": runner.Buckets.for_config(ecfg, backend).shapes(),
-            "largest": programs.largest_shapes(ecfg, backend),
-            "decode": programs.largest_shapes(ecfg, backend)[:1],
+            "all": Buckets.for_config(ecfg, backend).shapes(),
+            "largest": catalog.largest_shapes(ecfg, backend),
+            "decode": catalog.largest_shapes(ecfg, backend)[:1],
         }[acfg.buckets]
-        page = programs.abstract_inputs(mcfg, ecfg, target)[1][0]
-        todo = list(programs.step_programs(mcfg, ecfg, target, shapes))
+        page = catalog.abstract_inputs(mcfg, ecfg, target)[1][0]
+        todo = list(catalog.step_programs(mcfg, ecfg, target, shapes))
         n_steps = len(todo)
-        todo += [programs.kv_init_program(mcfg, ecfg, target), *programs.update_programs(mcfg, target)]
+        todo += [catalog.kv_init_program(mcfg, ecfg, target), *catalog.update_programs(mcfg, target)]
         for i, (name, lower) in enumerate(todo):
             t = time.perf_counter()
-            stats.append(programs.compile_stats(name, lower, page))
+            stats.append(catalog.compile_stats(name, lower, page))
             if progress is not None:
                 progress(f"[{i + 1}/{len(todo)}] {name}: {time.perf_counter() - t:.1f} s")
         return max(s.temp_bytes for s in stats[:n_steps])
@@ -183,7 +185,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     extra = max(s.temp_bytes + s.output_bytes - s.alias_bytes for s in steps)
     serving = params_bytes + kv_bytes + extra
     worst = max(steps, key=lambda s: s.temp_bytes + s.output_bytes - s.alias_bytes)
-    # A hot update stages the new params beside the serving ones (engine/ingest.py).
+    # A hot update stages the new params beside the serving ones (weights/ingest.py).
     update = 2 * params_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
     # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
     # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.

@@ -4,8 +4,8 @@ engine's devices (`stage_source`, the update path).
 Sources: an in-process params pytree (used as is), a mapping of HF tensor names
 (as a trainer would save them), a local HF safetensors directory, a GGUF file,
 an orbax checkpoint directory, safe payload bytes (safetensors), a `TransferRef` to a
-tree another JAX process published (`hotswap/transfer.py`: pulled device to device), or a
-Flax NNX state or module (`integrations/flax.py`: leaf to leaf, the arrays as they are). Paths must resolve
+tree another JAX process published (`hotswap/weights/transfer.py`: pulled device to device), or a
+Flax NNX state or module (`weights/nnx.py`: leaf to leaf, the arrays as they are). Paths must resolve
 under the allowed weights root when one is set. Nothing is ever unpickled.
 
 Update payloads (REST bodies, `update_weights(bytes)`, chunks) are decoded in one
@@ -22,13 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from hotswap import transfer
 from hotswap.checkpoint import gguf_io, hf, orbax_io, payload
-from hotswap.config import ModelConfig
-from hotswap.engine import hf_device
-from hotswap.engine.ingest import StagedParams, place_params, stage_params
-from hotswap.engine.params import Params
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
+from hotswap.weights import hf_device, transfer
+from hotswap.weights.ingest import StagedParams, place_params, stage_params
 
 
 def _is_flax(obj: Any) -> bool:
@@ -39,7 +38,7 @@ def _is_flax(obj: Any) -> bool:
 def _from_flax(source: Any, cfg: ModelConfig) -> Any:
     if not _is_flax(source):
         return source
-    from hotswap.integrations import flax as nnx_params
+    from hotswap.weights import nnx as nnx_params
 
     return nnx_params.params_from_state(source, cfg)
 
@@ -115,7 +114,7 @@ def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any
         return wire_tensors(source)
     raise ConfigError(
         f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
-        "tensors, a checkpoint directory or .gguf file path, safetensors bytes, or a hotswap.transfer.TransferRef"
+        "tensors, a checkpoint directory or .gguf file path, safetensors bytes, or a hotswap.weights.transfer.TransferRef"
     )
 
 

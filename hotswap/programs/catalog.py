@@ -1,7 +1,7 @@
 """Every program the engine runs, compiled from abstract inputs, and what each costs per chip.
 
 The engine runs these compiled programs and nothing else on its devices:
-- one step per bucket (`runner.Buckets`): a decode batch or a packed prefill, the sampler
+- one step per bucket (`step.Buckets`): a decode batch or a packed prefill, the sampler
   inside it; for a read-then-write backend (`Backend.read_then_write`, the jnp reference)
   also the KV write that follows it, one per token block shape;
 - `kv init`: the empty page buffers a new or woken cache starts from (`state.new_kv_cache`);
@@ -11,7 +11,7 @@ The engine runs these compiled programs and nothing else on its devices:
 Here each is lowered from `jax.ShapeDtypeStruct`s carrying the real shardings (no weight is
 ever materialised) and compiled for the devices those shardings name: the engine's own
 devices (`kv_sizing` measures the steps' temporaries this way before allocating the cache),
-or a TPU slice described by a topology on a CPU host (`hotswap/aot.py`). The `Backend` is
+or a TPU slice described by a topology on a CPU host (`hotswap/programs/aot.py`). The `Backend` is
 chosen from those devices (`sharding.engine_backend`, as the Engine chooses it), so "auto"
 compiles the Pallas kernel for a TPU slice. `StepStats` is XLA's per-chip memory analysis
 of one program plus its Pallas (Mosaic) calls and any copy of a whole page buffer.
@@ -29,13 +29,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hotswap.config import EngineConfig, ModelConfig
-from hotswap.engine import hf_device, runner, sharding
-from hotswap.engine.params import Params, abstract_params
-from hotswap.engine.spec import is_spec, param_specs
+from hotswap.config import EngineConfig
 from hotswap.errors import ProgramError
 from hotswap.kernels import finite
 from hotswap.kernels.backend import Backend
+from hotswap.model import sharding
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params, abstract_params
+from hotswap.model.spec import is_spec, param_specs
+from hotswap.programs.step import Buckets, lower_step, placeholder_inputs
+from hotswap.weights import hf_device
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
@@ -141,7 +144,7 @@ def step_name(b: int, c: int, p: int) -> str:
 def largest_shapes(ecfg: EngineConfig, backend: Backend) -> list[tuple[int, int, int]]:
     """The largest decode and the largest packed-prefill bucket: the steps with the most
     temporaries (what the KV sizing subtracts, and a quick AOT check)."""
-    return runner.Buckets.for_config(ecfg, backend).largest()
+    return Buckets.for_config(ecfg, backend).largest()
 
 
 def largest_temps(mcfg: ModelConfig, ecfg: EngineConfig, target: Target) -> int:
@@ -153,16 +156,16 @@ def largest_temps(mcfg: ModelConfig, ecfg: EngineConfig, target: Target) -> int:
 def step_programs(
     mcfg: ModelConfig, ecfg: EngineConfig, target: Target, shapes: list[tuple[int, int, int]]
 ) -> Iterator[tuple[str, Callable[[], Any]]]:
-    """(name, lower) for the programs `runner.run_step` runs for each bucket shape (B, C, P):
+    """(name, lower) for the programs `step.run_step` runs for each bucket shape (B, C, P):
     the step, and for a read-then-write backend the KV write (once per token block: it does
     not depend on P)."""
     params, pages = abstract_inputs(mcfg, ecfg, target)
     writes = set()
-    buckets = runner.Buckets.for_config(ecfg, target.backend)
+    buckets = Buckets.for_config(ecfg, target.backend)
     for b, c, p in shapes:
-        inputs = runner.placeholder_inputs(b, c, p, target.backend, buckets.samples(b, c))
+        inputs = placeholder_inputs(b, c, p, target.backend, buckets.samples(b, c))
         batch, sa = (_abstract(t, target.replicated) for t in inputs)
-        lowered = dict(runner.lower_step(params, pages, batch, sa, cfg=mcfg, backend=target.backend))
+        lowered = dict(lower_step(params, pages, batch, sa, cfg=mcfg, backend=target.backend))
         yield step_name(b, c, p), lambda low=lowered["step"]: low
         if "write" in lowered and (b, c) not in writes:
             writes.add((b, c))

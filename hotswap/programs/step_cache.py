@@ -15,7 +15,7 @@ everything the program is made from instead, so a hit needs neither:
 An entry is the PJRT executable's own serialized bytes (what JAX's cache stores too) and a
 JSON file with what JAX would have learnt by lowering: output shapes and dtypes, the
 inputs the program kept, the donated ones. Nothing is unpickled. It covers the step jitted
-as one program (`runner.fused_jit`: the C++ and Pallas kernels) on one device; other steps
+as one program (`step.fused_jit`: the C++ and Pallas kernels) on one device; other steps
 (the reference attention's two programs, sharded meshes) go through JAX's cache alone.
 
 Only a program compiled in this process is stored: one that JAX itself loaded from its
@@ -133,7 +133,7 @@ def _tuples(skeleton: Any) -> Any:
 
 
 def store(compiled: stages.Compiled, args: tuple, *, cfg: Any, backend: Backend) -> None:
-    """Keep `compiled` (just compiled from `runner.fused_jit` on `args`) for later processes.
+    """Keep `compiled` (just compiled from `step.fused_jit` on `args`) for later processes.
     Best effort: an entry that cannot be written is skipped."""
     unloaded = getattr(compiled._executable, "_unloaded_executable", None)
     if unloaded is None or unloaded.host_callbacks or unloaded.ordered_effects or unloaded.mut:

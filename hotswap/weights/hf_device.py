@@ -46,10 +46,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hotswap.checkpoint import hf
-from hotswap.config import ModelConfig
-from hotswap.engine.params import Params
-from hotswap.engine.spec import EMBED, ParamSpec, param_specs
 from hotswap.kernels import cpu_convert, finite
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
+from hotswap.model.spec import EMBED, ParamSpec, param_specs
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.

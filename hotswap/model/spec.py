@@ -19,7 +19,7 @@ tied-embedding checkpoint has no HF tensor for it (`hf_name=None`): it is derive
 from the embedding.
 
 `nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3:
-`integrations/flax.py`). Those models are `[in, out]` with heads split out exactly as
+`weights/nnx.py`). Those models are `[in, out]` with heads split out exactly as
 here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so every row
 maps leaf to leaf with the same shape: a state already on the engine's sharding is
 served from its own buffers.
@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from hotswap.config import ModelConfig
+from hotswap.model.config import ModelConfig
 
 Params = dict[str, Any]  # nested dict of jax/numpy arrays, layout in params.py
 

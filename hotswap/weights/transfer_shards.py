@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from hotswap.engine.spec import path_name
 from hotswap.errors import TransferError
-from hotswap.transfer import (
+from hotswap.model.spec import path_name
+from hotswap.weights.transfer import (
     DEFAULT_BIND,
     TransferRef,
     _check_manifest,

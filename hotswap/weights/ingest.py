@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.engine.params import Params, path_name
 from hotswap.errors import NonFiniteWeights, WeightsMismatch
 from hotswap.kernels import finite
+from hotswap.model.params import Params, path_name
 
 
 def validate_params(params: Params, abstract: Params, *, check_finite: bool = True) -> None:

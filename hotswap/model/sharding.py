@@ -28,11 +28,11 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from hotswap.config import ModelConfig
-from hotswap.engine.params import Params
-from hotswap.engine.spec import is_spec, param_specs
 from hotswap.errors import ConfigError
 from hotswap.kernels.backend import Backend
+from hotswap.model.config import ModelConfig
+from hotswap.model.params import Params
+from hotswap.model.spec import is_spec, param_specs
 
 TP = "tp"  # the tensor-parallel mesh axis
 

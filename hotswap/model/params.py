@@ -36,8 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from hotswap.config import ModelConfig
-from hotswap.engine.spec import Params, is_spec, param_specs, path_name
+from hotswap.model.config import ModelConfig
+from hotswap.model.spec import Params, is_spec, param_specs, path_name
 
 __all__ = ["Params", "abstract_params", "param_paths", "param_shapes", "path_name"]
 
