@@ -1,8 +1,8 @@
 """Whether each weight is free of NaN and Inf, on XLA:CPU: a C++ FFI call (`cpu/all_finite.cc`).
 
 `update_weights` checks every new weight before it swaps them in. The check reads each
-weight byte once, so memory bandwidth bounds it; XLA:CPU's reductions read bench-100m's
-0.4 GB at about 28 GB/s (14 ms), and the kernel shares 1 MB pieces of all the arrays out
+weight byte once, so memory bandwidth bounds it, and XLA:CPU's reductions run one array at
+a time well below that bound; the kernel shares 1 MB pieces of all the arrays out
 over XLA's intra-op threads.
 """
 

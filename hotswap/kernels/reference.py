@@ -214,7 +214,7 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
 
 def argmax(x: jax.Array) -> jax.Array:
     """First index of each row's max, as jnp.argmax: two vector reductions. XLA:CPU runs
-    argmax's (value, index) reduce as scalar code: 2.2 ms on a [32, 32k] block vs 0.5 ms."""
+    argmax's (value, index) reduce as scalar code; a max and a min over an iota vectorise."""
     m = jnp.max(x, axis=-1, keepdims=True)
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     # A NaN row has no element equal to its max: clamp into range rather than return V.

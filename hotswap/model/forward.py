@@ -2,8 +2,9 @@
 
 Params are always an argument (layout in `params.py`), never closed over, so a
 weight swap with the same shapes reuses every compiled step. Layers are a
-Python loop (unrolled) over per-layer arrays: 2-3x faster on CPU than
-`lax.scan` over stacked weights (DESIGN "Numbers to know").
+Python loop (unrolled) over per-layer arrays, not `lax.scan` over stacked weights: each
+layer's weights and KV buffer are arrays of their own (donated one by one, swapped one by
+one), and XLA:CPU runs the unrolled program several times faster than the scan.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, hd]
     # The barrier keeps the tables one array each: otherwise XLA fuses cos and sin into every
-    # layer's q and k rotation and evaluates them per head, 24 times a step (bench-100m,
-    # batch 32: 0.9 ms of a 27 ms step on CPU; +2% decode measured).
+    # layer's q and k rotation and evaluates them per head and per layer: transcendental work
+    # that grows with the model's depth instead of once per step.
     return jax.lax.optimization_barrier((jnp.cos(emb), jnp.sin(emb)))
 
 
@@ -95,8 +96,7 @@ def forward_paged(
     With a `read_then_write` backend (the jnp reference), attention reads the cache as it was
     before the step plus the step's own K/V, and `pages` come back untouched; the caller writes
     new_kv with `write_pages` in a separate donated call. Fusing XLA's scatter with the
-    reads in one CPU program made it copy every layer's buffer each step (5x slower
-    decode, measured). The C++ kernel reads the same way, then writes the step's K/V itself into
+    reads in one CPU program makes XLA copy every layer's whole page buffer each step. The C++ kernel reads the same way, then writes the step's K/V itself into
     the page buffer it aliases to its output; Pallas writes first and reads the
     updated pages (both custom calls, so nothing fuses across them). Both return the
     updated `pages`.
@@ -136,9 +136,9 @@ def write_pages(pages, new_kv, slots, *, backend: Backend):
 
 
 def logits_from_hidden(params: Params, h: jax.Array, mms=jnp_matmuls) -> jax.Array:
-    """h [..., D] -> f32 logits [..., V]. `mms` as in `_qkv`: the [D, V] head is a quarter of
-    bench-100m's weight bytes, and the threaded GEMV reads it about 15% faster than XLA's dot
-    at batch 1 (1.9 -> 1.6 ms a step, measured). A 16-bit head accumulates and emits f32:
+    """h [..., D] -> f32 logits [..., V]. `mms` as in `_qkv`: the [D, V] head is a large share of a
+    small model's weight bytes, and at a few rows reading it is the cost, which the threaded
+    GEMV does closer to memory bandwidth than XLA's dot. A 16-bit head accumulates and emits f32:
     a bf16 logit keeps 8 bits, so a logit of 20 would be off by up to 0.06 nats."""
     head = params["lm_head"]
     if head.dtype != jnp.float32:

@@ -2,7 +2,8 @@
 
 Params are a plain nested dict of arrays, passed to every jitted step as an
 argument (never closed over). Matrices are stored `[in, out]` and used as
-`x @ W`, which is 3-4x faster on CPU than `x @ W.T` (DESIGN "Numbers to know").
+`x @ W`: on XLA:CPU a transposed right operand (`x @ W.T`, HF's `[out, in]`) takes a
+several times slower dot, so the transpose is paid once at load (docs/en/benchmarks.md).
 The attention projections keep their heads as an axis (`[D, H, hd]`, o `[Hq, hd,
 D]`): the model contracts them in that layout, tensor parallelism splits that axis,
 and it is the layout of Tunix's Flax models, whose states map here leaf to leaf.

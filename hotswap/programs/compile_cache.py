@@ -17,9 +17,9 @@ they must be registered before it is loaded. Tracing the step registers them
 lowered program) before it looks in the cache, so they always are.
 
 JAX writes only programs that took at least `jax_persistent_cache_min_compile_time_secs` to
-compile (1 s by default). A small model's steps compile in less (bench-100m's: 0.7-2 s each
-on a 2-core machine, varying with load), so with that default a start-up would load some
-steps and compile the rest, changing from run to run. When hotswap turns the cache on, it
+compile (1 s by default). A small model's steps compile in about that time, more or less with
+the machine's load, so with that default a start-up would load some steps and compile the
+rest, changing from run to run. When hotswap turns the cache on, it
 writes every program (threshold 0) unless that threshold was changed from JAX's default:
 loading one takes milliseconds.
 """
