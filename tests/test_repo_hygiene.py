@@ -124,6 +124,6 @@ def test_import_graph_has_no_cycle_and_never_reaches_benchmarks():
 
     for unit in sorted(graph):
         cycle = cycle_from(unit)
-        assert cycle is None, " -> ".join(cycle) + ": " + "; ".join(
-            graph[a][b] for a, b in zip(cycle, cycle[1:], strict=False)
+        assert cycle is None, (
+            " -> ".join(cycle) + ": " + "; ".join(graph[a][b] for a, b in zip(cycle, cycle[1:], strict=False))
         )
