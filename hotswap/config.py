@@ -22,6 +22,16 @@ def default_dtype(platform: str) -> str | None:
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 
+def check_pages_fit(num_pages: int, page_size: int, max_model_len: int) -> None:
+    """A pool of `num_pages` must hold one `max_model_len` sequence beside the null page (page 0)."""
+    pages_per_seq = math.ceil(max_model_len / page_size)
+    if pages_per_seq > num_pages - 1:
+        raise ConfigError(
+            f"num_pages={num_pages} cannot hold one max_model_len={max_model_len} sequence "
+            f"({pages_per_seq} pages of {page_size} plus the null page)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs, named as in vLLM so users feel at home."""
@@ -59,6 +69,7 @@ class EngineConfig:
             raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
+        check_pages_fit(self.num_pages, self.page_size, self.max_model_len)
 
     @property
     def pages_per_seq(self) -> int:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.errors import PayloadError, PickleRefused, RequestError, WeightsPathNotAllowed
 from hotswap.checkpoint.payload import sniff_refuse_pickle
+from hotswap.engine import lifecycle
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -31,8 +32,7 @@ def _sleep_view(ctx: ServerContext) -> dict[str, Any]:
 async def sleep(request: Request, level: int = 1, mode: str = "abort") -> dict[str, Any]:
     """Level 1: weights to host memory, KV dropped. Level 2: weights dropped too. mode=wait drains first."""
     ctx = ctx_of(request)
-    if level not in (1, 2):
-        raise RequestError(f"level must be 1 or 2, got {level}")
+    lifecycle.sleep_level(level, RequestError)  # refused before the engine thread is asked
     await ctx.run_sync(ctx.engine.sleep, level, mode)
     return {**_sleep_view(ctx), "level": level}
 

@@ -57,7 +57,7 @@ async def _start(
 ) -> tuple[asyncio.Queue, list[str]]:
     """Queue one engine request per prompt; all outputs arrive on one asyncio queue."""
     ctx.check_admitting()
-    if ctx.engine.is_sleeping:  # the engine re-checks under its lock; this one speaks REST
+    if not ctx.engine.state.serving:  # the engine re-checks under its lock; this one speaks REST
         raise EngineAsleep(
             f"the engine is asleep ({', '.join(sorted(ctx.engine.state.asleep))}): POST /wakeup first "
             "(after /sleep?level=2: /wakeup?tags=weights, /update_weights, then /wakeup?tags=kv_cache)"

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from hotswap.api import rl_common
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin, settle
 from hotswap.api.errors import HotswapError, RequestError, WeightsPathNotAllowed, exception_body
-from hotswap.engine.lifecycle import SLEEP_TAGS
+from hotswap.engine.lifecycle import SLEEP_TAGS, wake_tags
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
 
@@ -175,11 +175,8 @@ class _Tags(BaseModel):
     tags: list[str] | None = None
 
 
-def _tags(body: _Tags) -> frozenset[str]:
-    tags = frozenset(body.tags) if body.tags else SLEEP_TAGS
-    if tags - SLEEP_TAGS:
-        raise RequestError(f"unknown tag(s) {sorted(tags - SLEEP_TAGS)}; use 'weights' and/or 'kv_cache'")
-    return tags
+def _tags(body: bytes) -> frozenset[str]:
+    return wake_tags(_Tags.model_validate(rl_common.json_body(body)).tags, RequestError)
 
 
 @router.post("/release_memory_occupation", dependencies=admin)
@@ -188,7 +185,7 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
     what was not asked to be released, so exactly `tags` stay released."""
     ctx = ctx_of(request)
     try:
-        tags = _tags(_Tags.model_validate(rl_common.json_body(await request.body())))
+        tags = _tags(await request.body())
 
         def run():
             ctx.engine.sleep(1)
@@ -205,7 +202,7 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
 async def resume_memory_occupation(request: Request) -> JSONResponse:
     ctx = ctx_of(request)
     try:
-        tags = _tags(_Tags.model_validate(rl_common.json_body(await request.body())))
+        tags = _tags(await request.body())
         await ctx.run_sync(ctx.engine.wakeup, sorted(tags))
     except HotswapError as e:
         return _fail(e)

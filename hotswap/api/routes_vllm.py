@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from hotswap.api import rl_common
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.errors import LifecycleConflict, RequestError
+from hotswap.engine import lifecycle
 
 PREFIX = rl_common.VLLM_PREFIX
 BACKENDS = {"http": "hotswap's safe payloads over HTTP: " + rl_common.SAFE_FORMATS}
@@ -82,8 +83,7 @@ async def is_paused(request: Request) -> JSONResponse:
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")) -> Response:
-    if level not in (1, 2):
-        raise RequestError(f"level must be 1 or 2, got {level}")
+    lifecycle.sleep_level(level, RequestError)  # refused before the engine thread is asked
     ctx = ctx_of(request)
     await ctx.run_sync(ctx.engine.sleep, level, mode)
     return Response(status_code=200)

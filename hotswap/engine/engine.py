@@ -10,6 +10,7 @@ anyone holds is in the state the transition returns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -21,29 +22,21 @@ import numpy as np
 
 from hotswap import host_memory
 from hotswap.config import EngineConfig
-from hotswap.engine import lifecycle, pausing
+from hotswap.engine import lifecycle, pausing, policies
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sequence, Sink
 from hotswap.engine.state import initial_state, new_kv_cache
-from hotswap.errors import (
-    ConfigError,
-    EngineAsleep,
-    LifecycleConflict,
-    PromptTooLong,
-    QueueFull,
-    RequestError,
-)
+from hotswap.errors import EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
+from hotswap.kernels.backend import Backend
 from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
 from hotswap.weights import ingest, sources
 from hotswap.weights.chunks import ChunkStager
-
-POLICIES = ("drain", "abort", "recompute", "keep", "reject")
 
 
 class Engine:
@@ -59,18 +52,18 @@ class Engine:
         weights_root: str | None = None,
         shardings: Params | None = None,
         kv_sharding=None,
+        backend: Backend | None = None,
         seed: int = 0,
     ):
-        if ecfg.pages_per_seq > ecfg.num_pages - 1:
-            raise ConfigError(
-                f"num_pages={ecfg.num_pages} cannot hold one max_model_len={ecfg.max_model_len} sequence "
-                f"({ecfg.pages_per_seq} pages of {ecfg.page_size} plus the null page)"
-            )
+        """`backend`: the Backend already chosen for these shardings (`programs.Target.on`), with
+        `kv_sharding` in its page layout; None: chosen here, once (`sharding.engine_backend`)."""
         # before anything compiles: warm-up can load
         self._cache_on = compile_cache.enable(ecfg.compilation_cache) is not None
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
-        self.backend, kv_sharding = sharding.engine_backend(mcfg, ecfg.attention, kv_sharding)
+        if backend is None:
+            backend, kv_sharding = sharding.engine_backend(mcfg, ecfg.attention, kv_sharding)
+        self.backend = backend
         ecfg = dataclasses.replace(ecfg, attention=self.backend.attention)
         self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer
         self.weights_root = weights_root
@@ -122,6 +115,11 @@ class Engine:
         return len(self.sched.waiting)
 
     @property
+    def can_step(self) -> bool:
+        """Serving and not paused: the step loop (and a drain) may run a step."""
+        return self.state.serving and self._pause_mode is None
+
+    @property
     def stats(self) -> dict[str, int]:
         return {**self._counts, "generated_tokens": self.sched.num_generated}
 
@@ -164,7 +162,7 @@ class Engine:
             )
         rid = request_id or uuid.uuid4().hex
         with self._lock:
-            if self.state.asleep or self.state.params is None:
+            if not self.state.serving:  # paused is fine: the request waits in the queue
                 raise EngineAsleep(
                     "the engine is asleep: call wakeup() (and update_weights after sleep level 2) first"
                 )
@@ -217,7 +215,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, postprocess. Returns outputs of finished (and streaming) requests."""
         with self._lock:
-            if self.state.asleep or self.state.params is None or self._pause_mode is not None:
+            if not self.can_step:
                 return []
             return self._step_locked()
 
@@ -269,13 +267,12 @@ class Engine:
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
     ) -> int:
-        """Validate -> stage -> apply the in-flight policy -> swap. Returns the new version.
+        """Validate -> stage -> apply the in-flight policy (policies.py) -> swap. Returns the new version.
 
         The source is loaded and validated before the lock is taken, so serving
         continues meanwhile and a bad source changes nothing.
         """
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown update policy {policy!r}; use one of {POLICIES}")
+        row = policies.policy(policy)
         staged = sources.stage_source(  # outside the lock: serving goes on
             source,
             self.mcfg,
@@ -286,14 +283,12 @@ class Engine:
             check_finite=check_finite,
         )
         with self._lock:
-            if "weights" in self.state.asleep and self.state.params is not None:
+            if self.state.weights_on_host:
                 raise EngineAsleep(
                     "weights are asleep (level 1): call wakeup(['weights']) before update_weights"
                 )
-            if self._pause_mode is not None and policy == "drain":
-                # Paused: the pause already decided what happens to in-flight work; no drain.
-                policy = pausing.PAUSE_POLICY[self._pause_mode]
-            if policy == "reject":
+            row = self._while_paused(row)
+            if row.refuses_if_busy:
                 busy = len(self.sched.running) + len(self.sched.waiting)
                 if busy or self.state.prefix.num_cached:
                     raise LifecycleConflict(
@@ -301,34 +296,58 @@ class Engine:
                         "cached page(s); use policy 'drain', 'abort' or 'recompute', or wait until idle and "
                         "call reset_prefix_cache() first"
                     )
-        if policy == "drain":
-            self._drain(drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s)
-        with self._lock:
-            try:
-                if policy == "drain" and self._pause_mode is not None:
-                    # A pause landed during the drain: what still runs follows the pause's mode.
-                    policy = pausing.PAUSE_POLICY[self._pause_mode]
-                keep = [s.seq_id for s in self.sched.running] if policy == "keep" else []
+        timeout_s = drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s
+        with self._drained(row.drains, timeout_s):
+            with self._lock:
+                row = self._while_paused(row)  # a pause landed during the drain: its mode decides
+                keep = [s.seq_id for s in self.sched.running] if row.keeps_tables else []
                 new = lifecycle.update_weights(
                     self.state, staged, abstract=self.abstract, version=version, keep=keep
                 )
-                self._apply_policy(policy)  # requests only: the new state already holds no other page
+                self._apply_policy(row)  # requests only: the new state already holds no other page
                 self.state = new
-                if policy == "keep":
+                if row.keeps_tables:
                     self._recompute_stale()
-            finally:
-                self.sched.hold_admission = False
-            return self.state.weights_version
+                return self.state.weights_version
+
+    def _while_paused(self, row: policies.Policy) -> policies.Policy:
+        """Paused, a draining update does not drain: the pause's mode already decided what happens
+        to in-flight work, and its row names the policy (pausing.py)."""
+        if self._pause_mode is not None and row.drains:
+            return pausing.pause_mode(self._pause_mode).update
+        return row
+
+    @contextlib.contextmanager
+    def _holding_admission(self):
+        """New requests wait from entry to exit (a drain and the change that follows it);
+        sequences that already started go on. Holds from concurrent calls stack."""
+        with self._lock:
+            self.sched.holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.sched.holds -= 1
+
+    @contextlib.contextmanager
+    def _drained(self, drain: bool, timeout_s: float):
+        """With `drain`: hold new requests, step until the started ones finish (abort them after
+        `timeout_s`), and hold until the block, the change that follows, ends. Else nothing."""
+        if not drain:
+            yield
+            return
+        with self._holding_admission():
+            self._drain(timeout_s)
+            yield
 
     def _drain(self, timeout_s: float) -> None:
-        """Hold new requests; step until running ones finish on the old weights (abort after timeout)."""
+        """Step until started sequences finish on the old weights (abort after timeout). Called
+        while holding admission, so nothing new starts meanwhile."""
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            self.sched.hold_admission = True
         while True:
             with self._lock:
                 started = self.sched.started()
-                if not started or self.state.params is None or self.state.asleep or self.is_paused:
+                if not started or not self.can_step:
                     return  # paused: the engine must not step (the caller applies the pause's mode)
                 if time.monotonic() > deadline:
                     self._abort_seqs(started)
@@ -348,14 +367,17 @@ class Engine:
             if rid in self.requests:
                 self._emit(self.requests[rid])
 
-    def _apply_policy(self, policy: str) -> None:
-        """What an update does to in-flight requests: `abort` ends them, `recompute` queues the
-        running ones to be re-prefilled, `keep` labels them (their pages are kept by the update)."""
-        if policy == "abort":
+    def _abort_all(self) -> None:
+        self._abort_seqs([s for req in self.requests.values() for s in req.seqs])
+
+    def _apply_policy(self, row: policies.Policy) -> None:
+        """What an update does to in-flight requests (its row in policies.py); the pages a kept
+        sequence holds are the update's to keep."""
+        if row.aborts:
             self._abort_seqs(self.sched.started())
-        elif policy == "recompute":
+        if row.recomputes:
             self.state = self.sched.preempt_running(self.state)
-        elif policy == "keep":
+        if row.marks_mixed:
             for s in self.sched.running:
                 s.mixed_kv = True
 
@@ -365,20 +387,16 @@ class Engine:
         """Stop stepping until `resume()`; `mode` decides what happens to in-flight requests
         (pausing.py). Updates made while paused apply without their own drain. `clear_cache`
         empties the prefix index (running sequences keep their pages)."""
-        pausing.check_mode(mode)
-        if mode == "wait":
-            self._drain(self.ecfg.drain_timeout_s)
-        with self._lock:
-            try:
-                if mode == "abort":
-                    self._abort_seqs([s for req in self.requests.values() for s in req.seqs])
-                elif mode == "retract":
+        row = pausing.pause_mode(mode)
+        with self._drained(row.drains, self.ecfg.drain_timeout_s):
+            with self._lock:
+                if row.aborts:
+                    self._abort_all()
+                if row.retracts:
                     self.state = self.sched.preempt_running(self.state)
                 if clear_cache:
                     self.state = lifecycle.reset_prefix_cache(self.state)
-                self._pause_mode = mode
-            finally:
-                self.sched.hold_admission = False
+                self._pause_mode = row.name
 
     def resume(self) -> None:
         """Step again: held, retracted and newly queued requests go on under the current weights."""
@@ -412,17 +430,12 @@ class Engine:
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free device memory. mode 'abort' ends in-flight requests now; 'wait' drains them first."""
-        if mode not in ("abort", "wait"):
-            raise ConfigError(f"unknown sleep mode {mode!r}; use 'abort' or 'wait'")
-        if mode == "wait":
-            self._drain(self.ecfg.drain_timeout_s)
-        with self._lock:
-            try:
+        drains = lifecycle.sleep_drains(level, mode)  # a bad level or mode changes nothing
+        with self._drained(drains, self.ecfg.drain_timeout_s):
+            with self._lock:
                 new = lifecycle.sleep(self.state, level)  # no page held in it: every request ends
-                self._abort_seqs([s for req in self.requests.values() for s in req.seqs])
+                self._abort_all()
                 self.state = new
-            finally:
-                self.sched.hold_admission = False
         host_memory.release_free_memory()  # the freed buffers go back to the OS, not the heap
 
     def wakeup(self, tags: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """Pure lifecycle transitions on EngineState: update_weights, sleep, wakeup, reset_prefix_cache,
-and fresh_cache (after a failed step).
+and fresh_cache (after a failed step); and the one check of a sleep level, mode and tags, which
+the Engine, the multi-host driver and the REST routes all call.
 
 Each validates first and builds a new state only when everything checks out,
 so a rejected call leaves the caller's state (and the weights it serves)
@@ -19,13 +20,40 @@ from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.engine.state import EngineState, KVCache, new_kv_cache
-from hotswap.errors import ConfigError, EngineAsleep, LifecycleConflict
+from hotswap.errors import ConfigError, EngineAsleep, HotswapError, LifecycleConflict
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.weights.ingest import StagedParams, place_params, stage_params
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+SLEEP_LEVELS = (1, 2)
+SLEEP_MODES = ("abort", "wait")  # wait: in-flight requests finish first (a drain); abort: they end now
+
+
+def sleep_level(level: int, error: type[HotswapError] = ConfigError) -> int:
+    """The one check of a sleep level (the Engine, the multi-host driver and the REST routes).
+    `error`: the type the caller reports a bad one as (the REST routes: RequestError)."""
+    if level not in SLEEP_LEVELS:
+        raise error(f"sleep level must be 1 or 2, got {level}")
+    return level
+
+
+def sleep_drains(level: int, mode: str) -> bool:
+    """Checks a sleep call's level and mode before anything happens; True when it drains first."""
+    sleep_level(level)
+    if mode not in SLEEP_MODES:
+        raise ConfigError(f"unknown sleep mode {mode!r}; use 'abort' or 'wait'")
+    return mode == "wait"
+
+
+def wake_tags(tags, error: type[HotswapError] = ConfigError) -> frozenset[str]:
+    """The one check of sleep/wakeup tags: a subset of SLEEP_TAGS; none given means all.
+    `error`: as for `sleep_level`."""
+    tags = frozenset(tags) if tags else SLEEP_TAGS
+    if tags - SLEEP_TAGS:
+        raise error(f"unknown tag(s) {sorted(tags - SLEEP_TAGS)}; use 'weights' and/or 'kv_cache'")
+    return tags
 
 
 def abstract_of(params: Params) -> Params:
@@ -47,7 +75,7 @@ def update_weights(
     policy's running sequences): every other page is free, and every page's recorded
     version is cleared except those kept pages', so provenance stays true.
     """
-    if "weights" in state.asleep and state.params is not None:
+    if state.weights_on_host:
         raise EngineAsleep("weights are asleep at level 1: call wakeup(['weights']) before update_weights")
     abstract = abstract if abstract is not None else abstract_of(state.params)
     new_version = state.weights_version + 1 if version is None else int(version)
@@ -89,8 +117,7 @@ def _to_host(x: jax.Array):
 def sleep(state: EngineState, level: int = 1) -> EngineState:
     """Level 1: params to host; KV, prefix index and page pool dropped (every sequence's pages
     with them). Level 2: params dropped too."""
-    if level not in (1, 2):
-        raise ConfigError(f"sleep level must be 1 or 2, got {level}")
+    sleep_level(level)
     if state.asleep == SLEEP_TAGS and (level == 1 or state.params is None):
         return state
     params = (
@@ -118,12 +145,9 @@ def wakeup(
 ) -> EngineState:
     """`weights`: params back onto the device (after level 2 there are none until an update);
     `kv_cache`: fresh empty pages."""
-    tags = frozenset(tags) if tags else SLEEP_TAGS
-    unknown = tags - SLEEP_TAGS
-    if unknown:
-        raise ConfigError(f"unknown wakeup tag(s) {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+    tags = wake_tags(tags)
     params, kv = state.params, state.kv
-    if "weights" in tags and "weights" in state.asleep and params is not None:
+    if "weights" in tags and state.weights_on_host:
         params = place_params(params, abstract)
     if "kv_cache" in tags and kv is None:
         kv = new_kv_cache(mcfg, ecfg, sharding=kv_sharding, backend=backend)

@@ -19,7 +19,7 @@ from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.state import EngineState
-from hotswap.errors import RequestError
+from hotswap.errors import EngineAsleep, RequestError
 from hotswap.model import sharding
 from hotswap.model.forward import token_logprobs_jit
 from hotswap.programs import catalog, kv_sizing
@@ -220,11 +220,10 @@ class LLM:
             raise RequestError(f"score needs temperature > 0, got {temperature}")
         single = completion_token_ids is not None
         pairs = [(prompt_token_ids, completion_token_ids)] if single else list(prompt_token_ids)
-        params = self.engine.state.params
-        if params is None or self.engine.is_sleeping:
-            from hotswap.errors import EngineAsleep
-
+        state = self.engine.state  # read once: a sleep in another thread swaps the whole value
+        if not state.serving:
             raise EngineAsleep("the engine is asleep: wake it up before scoring")
+        params = state.params
         seqs = [list(map(int, p)) + list(map(int, c)) for p, c in pairs]
         for (p, _), s in zip(pairs, seqs, strict=True):
             if not p:
@@ -333,7 +332,8 @@ def _start_engine(
     mesh: jax.sharding.Mesh | None = None,
     gpu_memory_utilization: float = 0.9,
 ) -> Engine:
-    """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh."""
+    """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh,
+    with the Backend chosen once, here (`programs.Target.on`), for both the sizing and the Engine."""
     max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
     shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
     target = catalog.Target.on(mcfg, attention, shardings, kv)
@@ -383,7 +383,8 @@ def _start_engine(
         seed=seed,
         weights_root=weights_root,
         shardings=shardings,
-        kv_sharding=kv,
+        kv_sharding=target.kv,
+        backend=target.backend,
     )
 
 

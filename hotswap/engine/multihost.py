@@ -44,7 +44,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from hotswap.checkpoint import orbax_io
-from hotswap.engine import multihost_transfer
+from hotswap.engine import lifecycle, multihost_transfer
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError, TransferError
@@ -219,14 +219,16 @@ class Driver:
         return None if merged is None else self.update_weights(merged, **kwargs)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        drains = lifecycle.sleep_drains(level, mode)  # refused here, before any follower hears of it
         with self.engine.lock:
-            if mode == "wait":  # drain by broadcast steps, not by a deadline
-                while self.engine.has_unfinished() and not self.engine.is_sleeping:
+            if drains:  # by broadcast steps, not by a deadline
+                while self.engine.has_unfinished() and self.engine.can_step:
                     self.step()
             self._send("sleep", level=level)
             self.engine.sleep(level, "abort")
 
     def wakeup(self, tags: list[str] | None = None) -> None:
+        lifecycle.wake_tags(tags)  # refused here, before any follower hears of it
         with self.engine.lock:
             self._send("wakeup", tags=tags)
             self.engine.wakeup(tags)

@@ -5,36 +5,57 @@ A pause is request-side bookkeeping (the engine stops stepping; nothing in `Engi
 changes by pausing), so it lives in the Engine, not in the state. The modes are SGLang's
 (`abort`, `retract`, `in_place`) and vLLM's (`abort`, `wait`, `keep`):
 
-| mode       | at pause                                          | an update while paused |
-|------------|---------------------------------------------------|------------------------|
-| `abort`    | every request ends now (finish_reason "abort")    | nothing is in flight   |
-| `wait`     | new requests are held; started ones finish        | nothing is in flight   |
-| `retract`  | running sequences go back to the queue, KV freed  | they recompute on new weights at resume |
-| `in_place` | running sequences keep their pages                | policy `keep`: pages kept, labelled mixed |
-| `keep`     | the same as `in_place`                            | the same as `in_place` |
+| mode       | at pause                                         | an update while paused: its policy  |
+|------------|--------------------------------------------------|-------------------------------------|
+| `abort`    | every request ends now (finish_reason "abort")   | `abort` (nothing is in flight)      |
+| `wait`     | new requests are held; started ones finish       | `recompute` (nothing is in flight)  |
+| `retract`  | running sequences go back to the queue, KV freed | `recompute`: re-prefilled at resume |
+| `in_place` | running sequences keep their pages               | `keep`: pages kept, labelled mixed  |
+| `keep`     | the same as `in_place`                           | the same as `in_place`              |
+
+One `PauseMode` row per mode says both; the Engine reads the row, never the mode's name.
 
 Requests sent during a pause are queued and start at `resume()`; streams stay open.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from hotswap.engine.policies import ABORT, KEEP, RECOMPUTE, Policy
 from hotswap.errors import ConfigError
 
-# mode -> the update policy an update applies while paused in that mode (without its own drain)
-PAUSE_POLICY = {
-    "abort": "abort",
-    "wait": "recompute",
-    "retract": "recompute",
-    "in_place": "keep",
-    "keep": "keep",
+
+@dataclasses.dataclass(frozen=True)
+class PauseMode:
+    name: str
+    # The in-flight policy of an update made while paused in this mode (applied without a drain).
+    update: Policy
+    # At the pause: started requests finish first (new ones are held meanwhile).
+    drains: bool = False
+    # At the pause: every request, queued ones too, ends now (finish_reason "abort").
+    aborts: bool = False
+    # At the pause: running sequences go back to the queue, their KV freed.
+    retracts: bool = False
+
+
+PAUSE_MODES: dict[str, PauseMode] = {
+    m.name: m
+    for m in (
+        PauseMode("abort", ABORT, aborts=True),
+        PauseMode("wait", RECOMPUTE, drains=True),
+        PauseMode("retract", RECOMPUTE, retracts=True),
+        PauseMode("in_place", KEEP),
+        PauseMode("keep", KEEP),
+    )
 }
-PAUSE_MODES = tuple(PAUSE_POLICY)
 
 
-def check_mode(mode: str) -> str:
-    if mode not in PAUSE_POLICY:
-        raise ConfigError(f"unknown pause mode {mode!r}; use one of {', '.join(PAUSE_MODES)}")
-    return mode
+def pause_mode(name: str) -> PauseMode:
+    """The row of pause mode `name`; ConfigError for an unknown name."""
+    if name not in PAUSE_MODES:
+        raise ConfigError(f"unknown pause mode {name!r}; use one of {', '.join(PAUSE_MODES)}")
+    return PAUSE_MODES[name]
 
 
 def stale(running, version: int, max_lag: int | None) -> list:

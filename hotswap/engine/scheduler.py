@@ -74,9 +74,14 @@ class Scheduler:
         self.ps = ecfg.page_size
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.hold_admission = False  # set while an update drains
+        self.holds = 0  # drains holding new requests back (Engine._holding_admission)
         self.num_preemptions = 0
         self.num_generated = 0
+
+    @property
+    def hold_admission(self) -> bool:
+        """An update or a pause is draining: only sequences that already started may run."""
+        return self.holds > 0
 
     # ---- queue -------------------------------------------------------------
 

@@ -67,6 +67,16 @@ class EngineState:
     def num_pages(self) -> int:
         return self.prefix.num_pages
 
+    @property
+    def serving(self) -> bool:
+        """Awake, with params on the device: requests are accepted and steps can run."""
+        return not self.asleep and self.params is not None
+
+    @property
+    def weights_on_host(self) -> bool:
+        """Asleep at level 1: the params wait in host memory for `wakeup(['weights'])`."""
+        return "weights" in self.asleep and self.params is not None
+
     def with_pages(self, pages: tuple[jax.Array, ...]) -> EngineState:
         """The same state over new page buffers (a step's donated output), provenance unchanged."""
         return dataclasses.replace(self, kv=KVCache(pages=pages, page_version=self.kv.page_version))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from hotswap.config import EngineConfig
+from hotswap.config import EngineConfig, check_pages_fit
 from hotswap.errors import ConfigError
 from hotswap.model.config import ModelConfig
 from hotswap.programs import catalog, kv_sizing
@@ -174,12 +174,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
             chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes, one_page, compile_all
         )
     steps, others = stats[:n_steps], stats[n_steps:]
-    pages_per_seq = math.ceil(max_len / acfg.page_size)
-    if num_pages - 1 < pages_per_seq:
-        raise ConfigError(
-            f"{num_pages} pages cannot hold one max_model_len={max_len} sequence "
-            f"({pages_per_seq} pages of {acfg.page_size} plus the null page)"
-        )
+    check_pages_fit(num_pages, acfg.page_size, max_len)
     kv_bytes = num_pages * one_page
     # While serving: params + cache + the worst step's temporaries and unaliased outputs.
     extra = max(s.temp_bytes + s.output_bytes - s.alias_bytes for s in steps)
