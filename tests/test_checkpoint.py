@@ -95,11 +95,6 @@ def assert_matches_torch(cfg, params, sd):
     assert params["lm_head"].flags.c_contiguous and params["layers"][0]["wq"].flags.c_contiguous
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return create_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=0)
-
-
 @pytest.fixture
 def tiny(tiny_dir):
     cfg, params = load_hf_dir(tiny_dir)

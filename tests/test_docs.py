@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -32,16 +31,19 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from helpers import KNOBS as SMALL_KNOBS
 from markdown_it import MarkdownIt
+from server_process import ServerProcess, cli_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 LANGS = ("en", "zh_cn")
 NO_RUN = "# doc: no-run"
 API_KEY, ADMIN_KEY = "docs-api-key", "docs-admin-key"
-# The sizes the pages use for their own LLM: the server uses the same, so both compile the
-# same step shapes and the pages find them in the shared persistent compilation cache.
-KNOBS = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+# The sizes the pages use for their own LLM (their page size is the default, KNOBS' 16): the
+# server uses the same, so both compile the same step shapes and the pages find them in the
+# shared persistent compilation cache.
+KNOBS = {**SMALL_KNOBS, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 PAGE_TIMEOUT_S = 300
 _MD = MarkdownIt("commonmark").enable("table")
 UNTRANSLATED = {"hotswap"}  # headings that are names
@@ -324,34 +326,19 @@ def test_shell_commands_in_the_docs_are_valid(lang, capsys):
 
 @dataclasses.dataclass
 class Site:
-    proc: subprocess.Popen
-    log: Path
+    server: ServerProcess
     variables: dict[str, str]
     env: dict[str, str]
     workdir: Path
 
     def wait_ready(self, timeout_s: float = 300) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(self.variables["BASE_URL"] + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server not healthy (exit {self.proc.poll()}):\n{self.log.read_text()[-4000:]}")
-            time.sleep(0.25)
+        self.server.wait_healthy(timeout_s)
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def site(tmp_path_factory, tiny_dir):
     """A tiny model and a `hotswap serve` on it, started at once so its compile overlaps the builds."""
-    from hotswap.checkpoint.create import create_checkpoint
-
     root = tmp_path_factory.mktemp("docs")
-    model = create_checkpoint(root / "model", preset="tiny", arch="llama", seed=0)
     weights = root / "weights"
     weights.mkdir()
     # One persistent compilation cache for the server and every page: the server's warm-up
@@ -362,33 +349,20 @@ def site(tmp_path_factory):
         "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    args = [sys.executable, "-m", "hotswap.cli", "serve", str(model), "--port", str(port)]
-    args += ["--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--weights-root", str(weights)]
-    args += ["--served-model-name", "tiny", "--log-level", "warning"]
-    for k, v in KNOBS.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    log = root / "server.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT)
+    flags = [str(tiny_dir), "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--weights-root", str(weights)]
+    flags += ["--served-model-name", "tiny", "--log-level", "warning", *cli_flags(**KNOBS)]
+    server = ServerProcess(flags, root / "server.log", env=env)
     variables = {
-        "MODEL_DIR": str(model),
-        "BASE_URL": f"http://127.0.0.1:{port}",
+        "MODEL_DIR": str(tiny_dir),
+        "BASE_URL": server.base,
         "API_KEY": API_KEY,
         "ADMIN_KEY": ADMIN_KEY,
         "WEIGHTS_ROOT": str(weights),
     }
     try:
-        yield Site(proc, log, variables, env, root)
+        yield Site(server, variables, env, root)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        server.stop(30)
 
 
 @pytest.mark.parametrize("lang", LANGS)
@@ -421,7 +395,7 @@ def test_page_examples_run(page, site):
         timeout=PAGE_TIMEOUT_S,
     )
     assert proc.returncode == 0, f"{page.name} failed:\n{proc.stderr[-8000:]}"
-    assert site.proc.poll() is None, f"the server died:\n{site.log.read_text()[-4000:]}"
+    assert site.server.proc.poll() is None, f"the server died:\n{site.server.log()[-4000:]}"
 
 
 if __name__ == "__main__":

@@ -13,18 +13,15 @@ import dataclasses
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gguf
-import httpx
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from server_process import ServerProcess
 
 from hotswap import cli
 from hotswap.checkpoint import gguf_io, hf
@@ -121,13 +118,11 @@ def write_gguf(model_dir: Path, out: Path, qtype: Q) -> Path:
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory):
+def seeded(tmp_path_factory, weights_root):
+    """The suite's checkpoint pair, and a `root` whose `weights/` the GGUF files are written to."""
     root = tmp_path_factory.mktemp("gguf")
-    return {
-        "root": root,
-        "seed0": create_checkpoint(root / "seed0", seed=0),
-        "seed1": create_checkpoint(root / "weights" / "seed1", seed=1),
-    }
+    (root / "weights").mkdir()
+    return {"root": root, "seed0": weights_root / "seed0", "seed1": weights_root / "seed1"}
 
 
 # Bound on |dequantized - original| per 32-wide block, from the block's range (d stored as f16).
@@ -200,20 +195,8 @@ def test_create_llm_from_gguf_and_update_weights_from_gguf(seeded):
 @pytest.fixture(scope="module")
 def smol_server(tmp_path_factory):
     """`hotswap serve` with no model, started first so its compile overlaps the other tests."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("smol-log") / "server.log"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    with open(log_path, "w") as log:
-        args = [sys.executable, "-m", "hotswap.cli", "serve", "--port", str(port)]
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield {"base": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+    with ServerProcess([], tmp_path_factory.mktemp("smol-log") / "server.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -274,17 +257,8 @@ def test_smollm2_matches_transformers_greedy_tokens_and_logprobs(smol, hf_smol):
 def test_hotswap_serve_with_no_arguments_answers_paris(smol_server):
     import openai
 
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(smol_server["base"] + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if smol_server["proc"].poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"server not healthy:\n{smol_server['log'].read_text()[-3000:]}")
-        time.sleep(0.5)
-    client = openai.OpenAI(base_url=smol_server["base"] + "/v1", api_key="none", max_retries=0, timeout=120)
+    smol_server.wait_healthy(300)
+    client = openai.OpenAI(base_url=smol_server.base + "/v1", api_key="none", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [cli.DEFAULT_MODEL_NAME]
     reply = client.chat.completions.create(
         model=cli.DEFAULT_MODEL_NAME,

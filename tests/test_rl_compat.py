@@ -12,20 +12,15 @@ import time
 
 import httpx
 import pytest
+from helpers import KNOBS
 from reliability.relkit import ADMIN, AUTH, ServerProc
 
 from hotswap import LLM, SamplingParams
-from hotswap.checkpoint.create import create_checkpoint
 from hotswap.checkpoint.hf import read_hf_tensors
 from hotswap.checkpoint.payload import encode_safetensors
 
-KNOBS = {
-    "max_model_len": 2048,
-    "max_num_seqs": 4,
-    "max_num_batched_tokens": 32,
-    "page_size": 16,
-    "num_pages": 320,
-}
+# Long generations (see NEW) and 4 streams at once.
+RL_KNOBS = {**KNOBS, "max_model_len": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 32, "num_pages": 320}
 PROMPTS = [list(range(30 + 7 * i, 46 + 7 * i)) for i in range(3)]  # 16 tokens: one full page
 # Long enough to still be running when the pause lands: the tiny model decodes 400 tokens in
 # ~0.45 s on a quiet box, and a loaded CI box once finished all of them before the pause arrived.
@@ -33,19 +28,14 @@ NEW = 1500
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl") / "weights"
-    return {
-        "root": root,
-        "seed0": create_checkpoint(root / "seed0", seed=0),
-        "seed1": create_checkpoint(root / "seed1", seed=1),
-    }
+def ckpts(weights_root):
+    return {"root": weights_root, "seed0": weights_root / "seed0", "seed1": weights_root / "seed1"}
 
 
 @pytest.fixture(scope="module")
 def server(ckpts, tmp_path_factory):
     log = tmp_path_factory.mktemp("rl-log") / "server.log"
-    proc = ServerProc(ckpts["seed0"], log, weights_root=ckpts["root"], max_version_lag=1, **KNOBS)
+    proc = ServerProc(ckpts["seed0"], log, weights_root=ckpts["root"], max_version_lag=1, **RL_KNOBS)
     try:
         proc.wait_healthy()
         yield proc

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,31 +19,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from hotswap.checkpoint.create import create_checkpoint
+from helpers import KNOBS
+from server_process import ServerProcess, cli_flags, free_port
 
 ADMIN_KEY = "transfer-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-KNOBS = {"max_model_len": 128, "max_num_seqs": 2, "max_num_batched_tokens": 16, "page_size": 16}
 PROMPT = "Once upon a time there was a little robot who lived in a quiet town by the sea."
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
 TRAINER = Path(__file__).with_name("transfer_trainer.py")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("transfer")
-    return {
-        "seed0": create_checkpoint(root / "seed0", seed=0),
-        "seed1": create_checkpoint(root / "seed1", seed=1),
-    }
+def dirs(weights_root):
+    return {"seed0": weights_root / "seed0", "seed1": weights_root / "seed1"}
 
 
 @pytest.fixture(scope="module")
@@ -62,34 +50,15 @@ def oracle(dirs):
 
 @pytest.fixture(scope="module")
 def server(dirs, oracle, tmp_path_factory):
-    port = _free_port()
+    flags = [str(dirs["seed0"]), "--admin-key", ADMIN_KEY, "--served-model-name", "tiny"]
+    flags += ["--log-level", "warning", *cli_flags(**KNOBS)]
     log_path = tmp_path_factory.mktemp("log") / "server.log"
-    args = [sys.executable, "-m", "hotswap.cli", "serve", str(dirs["seed0"]), "--port", str(port)]
-    args += ["--admin-key", ADMIN_KEY, "--served-model-name", "tiny", "--log-level", "warning"]
-    for k, v in KNOBS.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server not healthy (exit {proc.poll()}):\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.25)
-        with httpx.Client(base_url=base, timeout=90) as http:
+    with ServerProcess(flags, log_path, env=ENV) as proc:
+        proc.wait_healthy(240)
+        with httpx.Client(base_url=proc.base, timeout=90) as http:
             yield http
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+        assert proc.proc.poll() is None, proc.log()[-3000:]
+        assert "Traceback" not in proc.log(), proc.log()[-3000:]
 
 
 class Trainer:
@@ -175,7 +144,7 @@ def test_push_fault_changes_nothing(server, dirs, fault):
     trainer = None
     try:
         if fault == "unreachable":
-            ref = {"address": f"127.0.0.1:{_free_port()}", "uuid": 4, "timeout_s": 5}
+            ref = {"address": f"127.0.0.1:{free_port()}", "uuid": 4, "timeout_s": 5}
         else:
             mode = {"killed_mid_pull": "stall", "wrong_shape": "shape", "nan": "nan"}.get(fault, "ok")
             trainer = Trainer(dirs["seed1"], mode)

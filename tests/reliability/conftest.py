@@ -11,10 +11,12 @@ that any test can re-score a response under the checkpoint of its reported versi
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import KNOBS
 
 from hotswap.checkpoint.create import create_checkpoint
 
@@ -23,10 +25,10 @@ from .relkit import ADMIN, ServerProc
 # Main server: a 64-token context keeps buckets few (8 compiles); 256 pages leave most of the
 # cache to the prefix index, and make a leak of the KV buffers (2 MiB each) visible in RSS.
 MAIN_KNOBS = {
+    **KNOBS,
     "max_model_len": 64,
     "max_num_seqs": 16,
     "max_num_batched_tokens": 64,
-    "page_size": 16,
     "num_pages": 256,
     "max_waiting": 2048,  # above any test's concurrency: 429s belong to the backpressure test alone
     "drain_timeout": 30,
@@ -62,13 +64,17 @@ class SharedServer:
 
 
 @pytest.fixture(scope="package")
-def rel_ckpts(tmp_path_factory) -> dict[str, Path]:
+def rel_ckpts(tmp_path_factory, weights_root) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("reliability")
     weights = root / "weights"
+    # The suite's pair, copied into a root of this package's own (tests add checkpoints to it):
+    # a symlink would resolve outside the root, and a path update would refuse it.
+    for name in ("seed0", "seed1"):
+        shutil.copytree(weights_root / name, weights / name)
     ckpts = {
         "root": weights,
-        "seed0": create_checkpoint(weights / "seed0", seed=0),
-        "seed1": create_checkpoint(weights / "seed1", seed=1),
+        "seed0": weights / "seed0",
+        "seed1": weights / "seed1",
         "outside": create_checkpoint(root / "outside", seed=2),
     }
     os.symlink(ckpts["outside"], weights / "escape")  # a link inside the root pointing out of it

@@ -10,16 +10,13 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
-import socket
 import ssl
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from server_process import ServerProcess, cli_flags
 
 SOAK = os.environ.get("HOTSWAP_SOAK") == "1"
 API_KEY, ADMIN_KEY = "rel-api-key", "rel-admin-key"
@@ -47,63 +44,15 @@ def scale(fast: int, soak: int) -> int:
     return soak if SOAK else fast
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProc:
-    """`python -m hotswap.cli serve` on loopback (the pattern of tests/test_server.py)."""
+class ServerProc(ServerProcess):
+    """The reliability suite's server: its keys and model name, quiet logs, the given knobs."""
 
     def __init__(self, model_dir: Path, log_path: Path, *, weights_root: Path | None = None, **knobs):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        args = [sys.executable, "-m", "hotswap.cli", "serve", str(model_dir), "--host", "127.0.0.1"]
-        args += ["--port", str(self.port), "--api-key", API_KEY, "--admin-key", ADMIN_KEY]
-        args += ["--served-model-name", MODEL, "--log-level", "warning"]
+        flags = [str(model_dir), "--host", "127.0.0.1", "--api-key", API_KEY, "--admin-key", ADMIN_KEY]
+        flags += ["--served-model-name", MODEL, "--log-level", "warning"]
         if weights_root is not None:
-            args += ["--weights-root", str(weights_root)]
-        for k, v in knobs.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy (exit {self.proc.poll()}):\n{self.log()[-3000:]}")
-            time.sleep(0.25)
-
-    def rss_kib(self) -> int:
-        """Resident memory of the server process (on CPU, 'device' memory is host memory too)."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise RuntimeError("no VmRSS")
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
+            flags += ["--weights-root", str(weights_root)]
+        super().__init__(flags + cli_flags(**knobs), log_path)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

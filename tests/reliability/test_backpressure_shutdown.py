@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from helpers import KNOBS
 
 from .relkit import (
     AUTH,
@@ -28,10 +29,10 @@ from .relkit import (
 )
 
 MAX_WAITING, MAX_SEQS, NUM_PAGES = 8, 2, 64
-KNOBS = {
-    "max_model_len": 128,  # long streams for the SIGTERM test; still one page-table bucket
+# KNOBS' 128-token context: long streams for the SIGTERM test; still one page-table bucket.
+QUEUE_KNOBS = {
+    **KNOBS,
     "max_num_seqs": MAX_SEQS,
-    "max_num_batched_tokens": 16,
     "num_pages": NUM_PAGES,
     "max_waiting": MAX_WAITING,
     "shutdown_timeout": 30,
@@ -43,7 +44,7 @@ BODY = {"prompt": [11, 12, 13, 14], "max_tokens": 32, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def small_server(rel_ckpts, tmp_path_factory):
-    proc = ServerProc(rel_ckpts["seed0"], tmp_path_factory.mktemp("small-log") / "server.log", **KNOBS)
+    proc = ServerProc(rel_ckpts["seed0"], tmp_path_factory.mktemp("small-log") / "server.log", **QUEUE_KNOBS)
     try:
         proc.wait_healthy()
         yield proc
@@ -139,7 +140,7 @@ def test_sigterm_drains_in_flight_refuses_new_exits_0(small_server):
     assert all(r == 503 or isinstance(r, str) for r in refusals), refusals
     assert small_server.proc.wait(60) == 0
     took = time.monotonic() - t0
-    assert took < KNOBS["shutdown_timeout"] + 30
+    assert took < QUEUE_KNOBS["shutdown_timeout"] + 30
     assert "Traceback" not in small_server.log()
     print(
         f"\nshutdown: {still_running}/{n} streams in flight at SIGTERM, all completed; "
