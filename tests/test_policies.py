@@ -1,7 +1,7 @@
 """The lifecycle decision tables: update policies, pause modes, sleep arguments, the pages-fit check.
 
 The end-to-end behaviour of each row is tested in test_lifecycle.py and test_pause.py; here the
-tables themselves must say what DESIGN.md says, so that reading a row is reading the behaviour.
+tables themselves must say what the docs say (docs/en/weight_updates.md), so that reading a row is reading the behaviour.
 """
 
 from __future__ import annotations

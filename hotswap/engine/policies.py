@@ -1,7 +1,7 @@
 """The in-flight policies of a weight update: what happens to requests already running.
 
 One row per policy; the Engine reads the row's columns and never branches on a policy's name
-(docs: DESIGN.md, "In-flight policy for an update").
+(docs/en/weight_updates.md, "In-flight requests during an update").
 
 | policy      | drains | refuses if busy | aborts | recomputes | keeps tables | marks mixed |
 |-------------|--------|-----------------|--------|------------|--------------|-------------|
