@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hotswap.args import ATTENTION_IMPLS, EngineArgs, defaults
 from hotswap.errors import ConfigError
+
+__all__ = ["ATTENTION_IMPLS", "EngineConfig", "default_dtype"]
+_ARGS = defaults()  # the options' defaults are written once, in hotswap/args.py
 
 
 def default_dtype(platform: str) -> str | None:
@@ -19,33 +23,29 @@ def default_dtype(platform: str) -> str | None:
     return "bfloat16" if platform == "tpu" else None
 
 
-ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs, named as in vLLM so users feel at home."""
+    """Engine knobs, named as in vLLM so users feel at home; their meaning is in `EngineArgs`.
 
-    page_size: int = 16
+    `num_pages` and `max_model_len` are resolved values here (`EngineArgs` leaves them to be
+    sized from the model and the devices); their defaults serve tests and tools that build an
+    engine directly.
+    """
+
+    page_size: int = _ARGS["page_size"]
     num_pages: int = 512
-    # The fraction of an accelerator's free memory that params, KV cache and step temporaries
-    # may take when LLM sizes the cache itself (num_pages=None): vLLM's name and default.
-    # programs/kv_sizing.py decides; CPU keeps its own rule.
-    gpu_memory_utilization: float = 0.9
+    # programs/kv_sizing.py decides with it when LLM sizes the cache itself; CPU keeps its own rule.
+    gpu_memory_utilization: float = _ARGS["gpu_memory_utilization"]
     max_model_len: int = 1024
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    enable_prefix_caching: bool = True
-    # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build),
-    # else "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
-    attention: str = "auto"
-    max_waiting: int = 1024  # backpressure: QueueFull beyond this
-    drain_timeout_s: float = 60.0
-    # Staleness bound under the `keep` policy (AReaL's max_head_offpolicyness): a running sequence
-    # whose oldest KV is more than this many versions behind the weights is recomputed. None: no bound.
-    max_version_lag: int | None = None
+    max_num_seqs: int = _ARGS["max_num_seqs"]
+    max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
+    enable_prefix_caching: bool = _ARGS["enable_prefix_caching"]
+    attention: str = _ARGS["attention"]  # resolved once by the Engine (kernels/backend.py)
+    max_waiting: int = _ARGS["max_waiting"]  # backpressure: QueueFull beyond this
+    drain_timeout_s: float = _ARGS["drain_timeout_s"]
+    max_version_lag: int | None = _ARGS["max_version_lag"]
     # JAX's persistent compilation cache under hotswap's cache dir (programs/compile_cache.py).
-    compilation_cache: bool = True
+    compilation_cache: bool = _ARGS["compilation_cache"]
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -59,6 +59,14 @@ class EngineConfig:
             raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
+
+    @classmethod
+    def of(cls, args: EngineArgs, **resolved) -> EngineConfig:
+        """The config of `args`, with what was resolved once the model and the devices were known
+        (`num_pages`, `max_model_len`, ...) on top."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        own = {k: v for k, v in args.kwargs().items() if k in names and v is not None}
+        return cls(**{**own, **resolved})
 
     @property
     def pages_per_seq(self) -> int:

@@ -526,7 +526,7 @@ def test_update_while_streaming(server, client, http, oracle, dirs):
 
 def test_binds_loopback_by_default(server, monkeypatch):
     from hotswap import cli
-    from hotswap.api import cli_serve
+    from hotswap.cli import serve as cli_serve
 
     parsed = []
     monkeypatch.setattr(cli_serve, "serve", parsed.append)  # parse only; do not start a server
