@@ -61,12 +61,25 @@ class EngineConfig:
             raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
 
     @classmethod
-    def of(cls, args: EngineArgs, **resolved) -> EngineConfig:
-        """The config of `args`, with what was resolved once the model and the devices were known
-        (`num_pages`, `max_model_len`, ...) on top."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        own = {k: v for k, v in args.kwargs().items() if k in names and v is not None}
-        return cls(**{**own, **resolved})
+    def of(
+        cls, args: EngineArgs, *, num_pages: int, max_model_len: int, attention: str | None = None
+    ) -> EngineConfig:
+        """The config of `args` once the model and the devices are known: the pool's size, the
+        sequence bound, and (for a probe) the kernel the backend resolved `attention` to."""
+        return cls(
+            page_size=args.page_size,
+            num_pages=num_pages,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            attention=attention or args.attention,
+            max_waiting=args.max_waiting,
+            drain_timeout_s=args.drain_timeout_s,
+            max_version_lag=args.max_version_lag,
+            compilation_cache=args.compilation_cache,
+        )
 
     @property
     def pages_per_seq(self) -> int:

@@ -102,3 +102,24 @@ def test_engine_config_and_aot_config_take_the_defaults_from_engine_args():
     assert (ecfg.page_size, ecfg.max_waiting, ecfg.num_pages, ecfg.max_model_len) == (8, 3, 10, 64)
     with pytest.raises(ConfigError, match="attention"):
         EngineConfig.of(EngineArgs(attention="nope"), num_pages=10, max_model_len=64)
+
+
+def test_every_shared_option_reaches_the_engine_config():
+    from hotswap.config import EngineConfig
+
+    shared = {f.name for f in dataclasses.fields(EngineConfig)} & {f.name for f in EngineArgs.fields()}
+    changed = dict(
+        page_size=8,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        attention="reference",
+        max_waiting=7,
+        drain_timeout_s=1.5,
+        max_version_lag=2,
+        compilation_cache=False,
+    )
+    assert set(changed) == shared - {"num_pages", "max_model_len"}  # those two are resolved
+    ecfg = EngineConfig.of(EngineArgs(**changed), num_pages=10, max_model_len=64)
+    assert {k: getattr(ecfg, k) for k in changed} == changed
