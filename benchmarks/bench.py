@@ -54,17 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--only", choices=("startup",), help="run only this part (startup: cold and warm LLM start)"
     )
-    p.set_defaults(func=run)
 
 
-def add_parser(sub) -> None:
-    """The `bench` subcommand of `hotswap` (hotswap/cli.py)."""
-    add_arguments(sub.add_parser("bench", help=HELP))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.bench`: the same flags and errors as `hotswap bench`."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=HELP)
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.bench") -> int:
+    """`python -m benchmarks.bench`, and `hotswap bench` (hotswap/cli/bench.py runs it as `prog`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=HELP)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -186,7 +180,7 @@ def run(args) -> int:
 def _startup(model_dir: Path, engine: dict) -> dict:
     """Start-up of `LLM(model, **engine)` in fresh processes, cold and warm, for the bench model
     and for the default chat model (SmolLM2, when its wheel is installed); one row each."""
-    from hotswap.cli import DEFAULT_MODEL_NAME, SMOLLM2_INSTALL, smollm2_gguf
+    from hotswap.cli.models import DEFAULT_MODEL_NAME, SMOLLM2_INSTALL, smollm2_gguf
 
     models = {model_dir.name: model_dir}
     smol = smollm2_gguf()

@@ -14,8 +14,9 @@ _LAZY = {
     "SamplingParams": "hotswap.engine.sampling",
     "RequestOutput": "hotswap.engine.outputs",
     "CompletionOutput": "hotswap.engine.outputs",
+    "EngineArgs": "hotswap.args",
     "EngineConfig": "hotswap.config",
-    "ModelConfig": "hotswap.config",
+    "ModelConfig": "hotswap.model.config",
 }
 
 __all__ = list(_LAZY)

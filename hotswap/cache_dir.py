@@ -4,7 +4,7 @@ It holds the compiled C++ CPU kernels (`kernels/`, see `kernels/cpu_build.py`), 
 persistent compilation cache of the engine's steps (`xla/`, see `programs/compile_cache.py`),
 the same steps loadable without tracing (`steps/`, `programs/step_cache.py`), GGUF headers
 (`gguf/`) and converted GGUF weights (`weights/`, `checkpoint/converted.py`), and the
-embedded default model that `hotswap serve` creates once when given none (`cli.py`).
+tiny random-weight model that `hotswap serve tiny` creates once (`cli/models.py`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from hotswap.args import ATTENTION_IMPLS, EngineArgs, defaults
 from hotswap.errors import ConfigError
+
+__all__ = ["ATTENTION_IMPLS", "EngineConfig", "check_pages_fit", "default_dtype"]
+_ARGS = defaults()  # the options' defaults are written once, in hotswap/args.py
 
 
 def default_dtype(platform: str) -> str | None:
@@ -17,9 +21,6 @@ def default_dtype(platform: str) -> str | None:
     docs/en/python_api.md "dtype"). Elsewhere None: the checkpoint's own dtype.
     """
     return "bfloat16" if platform == "tpu" else None
-
-
-ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 
 
 def check_pages_fit(num_pages: int, page_size: int, max_model_len: int) -> None:
@@ -34,28 +35,27 @@ def check_pages_fit(num_pages: int, page_size: int, max_model_len: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs, named as in vLLM so users feel at home."""
+    """Engine knobs, named as in vLLM so users feel at home; their meaning is in `EngineArgs`.
 
-    page_size: int = 16
+    `num_pages` and `max_model_len` are resolved values here (`EngineArgs` leaves them to be
+    sized from the model and the devices); their defaults serve tests and tools that build an
+    engine directly.
+    """
+
+    page_size: int = _ARGS["page_size"]
     num_pages: int = 512
-    # The fraction of an accelerator's free memory that params, KV cache and step temporaries
-    # may take when LLM sizes the cache itself (num_pages=None): vLLM's name and default.
-    # programs/kv_sizing.py decides; CPU keeps its own rule.
-    gpu_memory_utilization: float = 0.9
+    # programs/kv_sizing.py decides with it when LLM sizes the cache itself; CPU keeps its own rule.
+    gpu_memory_utilization: float = _ARGS["gpu_memory_utilization"]
     max_model_len: int = 1024
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    enable_prefix_caching: bool = True
-    # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build),
-    # else "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
-    attention: str = "auto"
-    max_waiting: int = 1024  # backpressure: QueueFull beyond this
-    drain_timeout_s: float = 60.0
-    # Staleness bound under the `keep` policy (AReaL's max_head_offpolicyness): a running sequence
-    # whose oldest KV is more than this many versions behind the weights is recomputed. None: no bound.
-    max_version_lag: int | None = None
+    max_num_seqs: int = _ARGS["max_num_seqs"]
+    max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
+    enable_prefix_caching: bool = _ARGS["enable_prefix_caching"]
+    attention: str = _ARGS["attention"]  # resolved once by the Engine (kernels/backend.py)
+    max_waiting: int = _ARGS["max_waiting"]  # backpressure: QueueFull beyond this
+    drain_timeout_s: float = _ARGS["drain_timeout_s"]
+    max_version_lag: int | None = _ARGS["max_version_lag"]
     # JAX's persistent compilation cache under hotswap's cache dir (programs/compile_cache.py).
-    compilation_cache: bool = True
+    compilation_cache: bool = _ARGS["compilation_cache"]
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -70,6 +70,27 @@ class EngineConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
         check_pages_fit(self.num_pages, self.page_size, self.max_model_len)
+
+    @classmethod
+    def of(
+        cls, args: EngineArgs, *, num_pages: int, max_model_len: int, attention: str | None = None
+    ) -> EngineConfig:
+        """The config of `args` once the model and the devices are known: the pool's size, the
+        sequence bound, and (for a probe) the kernel the backend resolved `attention` to."""
+        return cls(
+            page_size=args.page_size,
+            num_pages=num_pages,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            attention=attention or args.attention,
+            max_waiting=args.max_waiting,
+            drain_timeout_s=args.drain_timeout_s,
+            max_version_lag=args.max_version_lag,
+            compilation_cache=args.compilation_cache,
+        )
 
     @property
     def pages_per_seq(self) -> int:

@@ -27,33 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_STEPS = 400  # about 2 minutes on 2 CPU cores, compile included (reward plateaus after ~150)
 PAGE_SIZE = 8  # small pages: the 24-token shared prefix fills three of them
 MISMATCH_TOL = 1e-3
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="train a tiny model with GRPO while serving it, hot-swapping weights every step",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="GRPO steps (= weight updates)")
-    p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--n", type=int, default=8, help="completions per prompt (the GRPO group size)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
-    p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate")
-    p.add_argument(
-        "--policy", default="drain", choices=["drain", "abort", "keep"], help="update_weights policy"
-    )
-    p.add_argument("--via-http", action="store_true", help="drive a `hotswap serve` subprocess over REST")
-    p.add_argument("--model", default=None, help="HF model dir (default: a fresh tiny checkpoint in --out)")
-    p.add_argument("--out", default="runs/demo", help="output directory (plot, metrics, model)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=None, help="table row every N steps (default: ~20 rows)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,13 +36,6 @@ def main(args: argparse.Namespace) -> int:
     print(json.dumps(summary), flush=True)
     ok = summary["stale_prefix_hits"] == 0 and summary["max_logprob_mismatch"] < MISMATCH_TOL
     return 0 if ok else 1
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    """`parse(["--steps", "3"])`: the demo's arguments, for running it in process (tests, notebooks)."""
-    parser = argparse.ArgumentParser(prog="hotswap")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["demo", *argv])
 
 
 def _say(msg: str) -> None:

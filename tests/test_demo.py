@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 from hotswap import demo
+from hotswap.cli import demo as demo_command
 
 ROOT = Path(__file__).parent.parent
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, dict]:
-    rc = demo.main(demo.parse([*argv, "--no-progress"]))
+    rc = demo.main(demo_command.parse([*argv, "--no-progress"]))
     out = capsys.readouterr().out.strip().splitlines()
     return rc, json.loads(out[-1])  # the last stdout line is the JSON summary
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -244,33 +243,49 @@ def _check_flag_table(rows: list[list[str]], parser: argparse.ArgumentParser) ->
 @pytest.mark.parametrize("lang", LANGS)
 def test_serve_and_bench_flag_tables_match_the_parsers(lang):
     from benchmarks import bench
-    from hotswap.api import cli_serve
+    from hotswap.cli import serve
 
-    for module, page, span in (
-        (cli_serve, "serving.md", "--max-waiting"),
-        (bench, "benchmarks.md", "--no-hf"),
-    ):
-        sub = argparse.ArgumentParser().add_subparsers()
-        module.add_parser(sub)
-        (parser,) = sub.choices.values()
-        _check_flag_table(table_with(DOCS / lang / page, span), parser)
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve.add_parser(sub)
+    (parser,) = sub.choices.values()
+    page = DOCS / lang / "serving.md"  # the server's own flags, then the engine's (EngineArgs)
+    _check_flag_table(table_with(page, "--log-level") + table_with(page, "--max-waiting"), parser)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    _check_flag_table(table_with(DOCS / lang / "benchmarks.md", "--no-hf"), parser)
 
 
 @pytest.mark.parametrize("lang", LANGS)
 def test_llm_and_sampling_tables_match_the_signatures(lang):
-    from hotswap import LLM, SamplingParams
+    from hotswap import EngineArgs, SamplingParams
 
     page = DOCS / lang / "python_api.md"
-    params = inspect.signature(LLM.__init__).parameters
+    params = {f.name: f.default for f in EngineArgs.fields("llm")}
     rows = table_with(page, "max_num_batched_tokens")
-    assert {spans(r[0])[0] for r in rows} == set(params) - {"self", "model"}
+    assert {spans(r[0])[0] for r in rows} == set(params)
     for name, default, _ in rows:
-        assert _default_matches(default, params[spans(name)[0]].default), (name, default)
+        assert _default_matches(default, params[spans(name)[0]]), (name, default)
     fields = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
     rows = table_with(page, "skip_special_tokens")
     assert {s for r in rows for s in spans(r[0])} == set(fields)
     for name, default, _ in rows:
         assert _default_matches(default, fields[spans(name)[0]]), (name, default)
+
+
+def test_option_tables_are_generated_from_engine_args():
+    """The engine option tables of both languages are exactly what `tools/option_tables.py` writes
+    from `EngineArgs` (run it after changing an option)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import option_tables
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for lang in LANGS:
+        for name, (scope, marker) in option_tables.TABLES.items():
+            page = DOCS / lang / name
+            assert option_tables.rendered(page, scope, marker, lang) == page.read_text(), (
+                f"{page}: stale option table; run `python tools/option_tables.py`"
+            )
 
 
 class _Parsed(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -269,8 +268,8 @@ def test_hotswap_serve_with_no_arguments_answers_paris(smol_server):
     assert "Paris" in reply.choices[0].message.content
 
 
-def test_the_wheel_is_found_without_importing_it_and_its_absence_falls_back_to_tiny(
-    tmp_path, monkeypatch, caplog
+def test_the_wheel_is_found_without_importing_it_and_its_absence_says_how_to_install_it(
+    tmp_path, monkeypatch
 ):
     if SMOL is not None:
         assert SMOL.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -278,10 +277,10 @@ def test_the_wheel_is_found_without_importing_it_and_its_absence_falls_back_to_t
         assert cli.serve_model(None) == (SMOL, "smollm2-135m-instruct")
     monkeypatch.setenv("HOTSWAP_CACHE_DIR", str(tmp_path))
     assert cli.serve_model("tiny") == (tmp_path / "tiny-llama-seed0", "tiny-llama-seed0")
-    monkeypatch.setattr(cli, "smollm2_gguf", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="hotswap"):
-        assert cli.serve_model(None) == (tmp_path / "tiny-llama-seed0", "tiny-llama-seed0")
-    assert cli.SMOLLM2_INSTALL in caplog.text
+    monkeypatch.setattr(cli.models, "smollm2_gguf", lambda: None)
+    with pytest.raises(cli.DefaultModelMissing) as e:  # random weights only when asked for: `tiny`
+        cli.serve_model(None)
+    assert cli.SMOLLM2_INSTALL in str(e.value) and "hotswap serve tiny" in str(e.value)
 
 
 def test_the_parsed_header_is_cached_and_read_back_identically(seeded, tmp_path, monkeypatch):

@@ -127,3 +127,22 @@ def test_import_graph_has_no_cycle_and_never_reaches_benchmarks():
         assert cycle is None, (
             " -> ".join(cycle) + ": " + "; ".join(graph[a][b] for a, b in zip(cycle, cycle[1:], strict=False))
         )
+
+
+def test_the_package_reaches_benchmarks_by_no_dynamic_import():
+    """Nor through `importlib`/`__import__` with a name in a string: `hotswap bench` runs them in a
+    child process (hotswap/cli/bench.py)."""
+    import ast
+
+    found = []
+    for path, text in _package_sources().items():
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            func, arg = ast.unparse(node.func), node.args[0]
+            if isinstance(arg, ast.JoinedStr) and arg.values:  # f"benchmarks.{name}": its fixed start
+                arg = arg.values[0]
+            name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else ""
+            if (func.endswith("import_module") or func == "__import__") and name.startswith("benchmarks"):
+                found.append(f"{path}: {func}({name!r})")
+    assert not found, found

@@ -64,7 +64,7 @@ def test_health_models_and_auth(api_server, api_client, api_http):
 
 def test_binds_loopback_by_default(api_server, monkeypatch):
     from hotswap import cli
-    from hotswap.api import cli_serve
+    from hotswap.cli import serve as cli_serve
 
     parsed = []
     monkeypatch.setattr(cli_serve, "serve", parsed.append)  # parse only; do not start a server

@@ -55,7 +55,7 @@ class Engine:
         backend: Backend | None = None,
         seed: int = 0,
     ):
-        """`backend`: the Backend already chosen for these shardings (`programs.Target.on`), with
+        """`backend`: the Backend already chosen for these shardings (`catalog.Target.on`), with
         `kv_sharding` in its page layout; None: chosen here, once (`sharding.engine_backend`)."""
         # before anything compiles: warm-up can load
         self._cache_on = compile_cache.enable(ecfg.compilation_cache) is not None

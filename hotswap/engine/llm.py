@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hotswap.args import EngineArgs
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig, default_dtype
@@ -38,72 +39,52 @@ class LLM:
         self,
         model: str | Path,
         *,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 256,
-        enable_prefix_caching: bool = True,
-        dtype: str | None = None,
-        attention: str = "auto",
-        warmup: bool = True,
-        compilation_cache: bool = True,
-        seed: int = 0,
-        weights_root: str | None = None,
-        max_waiting: int = 1024,
-        drain_timeout_s: float = 60.0,
-        max_version_lag: int | None = None,
-        tensor_parallel_size: int = 1,
+        args: EngineArgs | None = None,
         mesh: jax.sharding.Mesh | None = None,
-        revision: str | None = None,
-        gpu_memory_utilization: float = 0.9,
+        **kwargs,
     ):
-        self.model_dir = hub.locate(model, revision)  # a local path as is; "org/name" via the HF cache
+        """`kwargs`: the engine options, exactly `EngineArgs`' fields (`max_model_len`, `page_size`,
+        `dtype`, `revision`, ...; docs/en/python_api.md lists them), on top of `args`. `mesh`: a
+        ready `jax.sharding.Mesh` (its `tp` axis) instead of `tensor_parallel_size`."""
+        eargs = EngineArgs.of(args, kwargs)
+        self.model_dir = hub.locate(model, eargs.revision)  # a local path as is; "org/name" via the HF cache
         self.model_id = hub.display_name(model, self.model_dir)
-        dtype = dtype or default_dtype(jax.default_backend())
+        dtype = eargs.dtype or default_dtype(jax.default_backend())
         if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
             mcfg, params, tokenizer = gguf_io.load_gguf(self.model_dir, dtype=dtype)
         else:
             mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
-        self.engine = _start_engine(
-            mcfg,
-            params,
-            tokenizer,
-            page_size=page_size,
-            num_pages=num_pages,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            attention=attention,
-            warmup=warmup,
-            compilation_cache=compilation_cache,
-            seed=seed,
-            weights_root=weights_root,
-            max_waiting=max_waiting,
-            drain_timeout_s=drain_timeout_s,
-            max_version_lag=max_version_lag,
-            tensor_parallel_size=tensor_parallel_size,
-            mesh=mesh,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
+        self.engine = _start_engine(mcfg, params, tokenizer, eargs, mesh)
 
     @classmethod
-    def from_flax(cls, model, *, tokenizer: Tokenizer | None = None, **engine_kwargs) -> LLM:
+    def from_flax(
+        cls,
+        model,
+        *,
+        tokenizer: Tokenizer | None = None,
+        args: EngineArgs | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        **kwargs,
+    ) -> LLM:
         """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
         checkpoint directory: its params are mapped by the spec table (`weights/nnx.py`),
-        leaf to leaf, no copy where already on the engine's sharding. `engine_kwargs` are `LLM(...)`'s engine options (page_size, mesh, ...).
+        leaf to leaf, no copy where already on the engine's sharding. `args`, `mesh` and `kwargs` are
+        `LLM(...)`'s engine options, but for `dtype` and `revision` (the model's own).
 
         >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
         >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
         """
         from hotswap.weights import nnx as nnx_params  # the [tunix] extra: flax
 
+        eargs = EngineArgs.of(args, kwargs, "LLM.from_flax")
+        for name in ("dtype", "revision"):  # the model in memory has its own dtype and no revision
+            if getattr(eargs, name) is not None:
+                raise TypeError(f"LLM.from_flax() takes no {name!r}: the model in memory has its own")
         mcfg = nnx_params.model_config(
             model,
-            max_position_embeddings=engine_kwargs.get("max_model_len") or 4096,
+            max_position_embeddings=eargs.max_model_len or 4096,
             eos_token_ids=(tokenizer.eos_token_id,)
             if tokenizer and tokenizer.eos_token_id is not None
             else (),
@@ -111,7 +92,7 @@ class LLM:
         params = nnx_params.params_from_state(model, mcfg)
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__
-        self.engine = _start_engine(mcfg, params, tokenizer, **engine_kwargs)
+        self.engine = _start_engine(mcfg, params, tokenizer, eargs, mesh)
         return self
 
     # ---- views ---------------------------------------------------------------
@@ -309,79 +290,39 @@ class LLM:
         return f"<table><caption>hotswap LLM</caption>{body}</table>"
 
 
-def _start_engine(
-    mcfg,
-    params,
-    tokenizer,
-    *,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 32,
-    max_num_batched_tokens: int = 256,
-    enable_prefix_caching: bool = True,
-    attention: str = "auto",
-    warmup: bool = True,
-    compilation_cache: bool = True,
-    seed: int = 0,
-    weights_root: str | None = None,
-    max_waiting: int = 1024,
-    drain_timeout_s: float = 60.0,
-    max_version_lag: int | None = None,
-    tensor_parallel_size: int = 1,
-    mesh: jax.sharding.Mesh | None = None,
-    gpu_memory_utilization: float = 0.9,
-) -> Engine:
+def _start_engine(mcfg, params, tokenizer, args: EngineArgs, mesh: jax.sharding.Mesh | None) -> Engine:
     """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh,
-    with the Backend chosen once, here (`programs.Target.on`), for both the sizing and the Engine."""
-    max_model_len = max_model_len or min(mcfg.max_position_embeddings, 2048)
-    shardings, kv = sharding.engine_shardings(mcfg, tensor_parallel_size, mesh)  # (None, None): 1 device
-    target = catalog.Target.on(mcfg, attention, shardings, kv)
+    with the Backend chosen once, here (`catalog.Target.on`), for both the sizing and the Engine."""
+    max_model_len = args.max_model_len or min(mcfg.max_position_embeddings, 2048)
+    tp = args.tensor_parallel_size or 1
+    shardings, kv = sharding.engine_shardings(mcfg, tp, mesh)  # (None, None): 1 device
+    target = catalog.Target.on(mcfg, args.attention, shardings, kv)
 
     def temps_at(n: int) -> int:  # on an accelerator: its largest steps, compiled for n pages
-        probe = EngineConfig(
-            page_size=page_size,
-            num_pages=n,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attention=target.backend.attention,
+        probe = EngineConfig.of(
+            args, num_pages=n, max_model_len=max_model_len, attention=target.backend.attention
         )
         return catalog.largest_temps(mcfg, probe, target)
 
     num_pages = kv_sizing.engine_pages(
         mcfg,
-        page_size=page_size,
+        page_size=args.page_size,
         max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        num_pages=num_pages,
-        gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        num_pages=args.num_pages,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         devices=sorted(target.kv.device_set, key=lambda d: d.id),
         params_bytes=catalog.params_bytes_per_chip(mcfg, target),
         temps_at=temps_at,
     )
-    ecfg = EngineConfig(
-        page_size=page_size,
-        num_pages=num_pages,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching,
-        attention=attention,
-        max_waiting=max_waiting,
-        drain_timeout_s=drain_timeout_s,
-        max_version_lag=max_version_lag,
-        compilation_cache=compilation_cache,
-        gpu_memory_utilization=gpu_memory_utilization,
-    )
     return Engine(
         mcfg,
         params,
-        ecfg,
+        EngineConfig.of(args, num_pages=num_pages, max_model_len=max_model_len),
         tokenizer,
-        warmup=warmup,
-        seed=seed,
-        weights_root=weights_root,
+        warmup=args.warmup,
+        seed=args.seed,
+        weights_root=args.weights_root,
         shardings=shardings,
         kv_sharding=target.kv,
         backend=target.backend,

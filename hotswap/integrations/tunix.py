@@ -84,15 +84,12 @@ class HotswapRollout(base_rollout.BaseRollout):
         mesh: jax.sharding.Mesh | None = None,
         rollout_config: base_rollout.RolloutConfig | None = None,
         *,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 256,
-        attention: str = "auto",
-        warmup: bool = False,
         policy: str = "drain",
+        warmup: bool = False,
+        **engine_kwargs,
     ):
+        """`engine_kwargs`: `hotswap.EngineArgs`' options, as `LLM(...)` takes them (`max_model_len`
+        defaults to the rollout config's `kv_cache_size`); `warmup` is off unless asked."""
         self._tokenizer = (
             tokenizer
             if isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter)
@@ -105,17 +102,8 @@ class HotswapRollout(base_rollout.BaseRollout):
         # shares its arrays; a shared start would also serve buffers the trainer donates.
         own = nnx.merge(self._graphdef, jax.tree.map(jnp.copy, self._param_like), self._rest)
         cache = rollout_config.kv_cache_size if rollout_config is not None else 1024
-        self.llm = LLM.from_flax(
-            own,
-            page_size=page_size,
-            num_pages=num_pages,
-            max_model_len=max_model_len or cache,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attention=attention,
-            warmup=warmup,
-            mesh=_engine_mesh(mesh),
-        )
+        engine_kwargs["max_model_len"] = engine_kwargs.get("max_model_len") or cache
+        self.llm = LLM.from_flax(own, warmup=warmup, mesh=_engine_mesh(mesh), **engine_kwargs)
         self._policy = policy
         self._model: tuple[int, nnx.Module] | None = None
         # One entry per generate call: (engine version at the call, set of versions of its tokens).

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import jax
 
-from hotswap.config import EngineConfig, check_pages_fit
+from hotswap.args import EngineArgs
+from hotswap.config import EngineConfig, check_pages_fit, default_dtype
 from hotswap.errors import ConfigError
 from hotswap.model.config import ModelConfig
 from hotswap.programs import catalog, kv_sizing
@@ -49,23 +50,29 @@ CHIPS = {
 DEFAULT_HOST_BOUNDS = 4  # libtpu's default chips_per_host_bounds is 2x2x1
 
 
-@dataclasses.dataclass(frozen=True)
-class AotConfig:
-    """What to compile for: the slice, the engine options `hotswap serve` would get there."""
+def _aot_config() -> type:
+    """`AotConfig(topology, <EngineArgs' "aot" options>, buckets)`: the slice, and the engine options
+    `hotswap serve` would get there (their defaults are `EngineArgs`'; `dtype=None` is TPU's
+    default, `tensor_parallel_size=None` every chip of the slice, `max_model_len=None`
+    min(max_position_embeddings, 2048) as in LLM, `num_pages=None` sized from HBM)."""
+    engine = [(f.name, f.type, dataclasses.field(default=f.default)) for f in EngineArgs.fields("aot")]
+    cls = dataclasses.make_dataclass(
+        "AotConfig",
+        [
+            ("topology", str),
+            *engine,
+            # "largest": only the largest decode and prefill step; "decode": the largest decode step
+            # only (quick checks: the cache is then sized from those steps' temporaries).
+            ("buckets", str, dataclasses.field(default="all")),
+        ],
+        frozen=True,
+    )
+    cls.__module__, cls.__doc__ = __name__, _aot_config.__doc__
+    return cls
 
-    topology: str
-    tensor_parallel_size: int | None = None  # None: every chip of the slice
-    dtype: str = "bfloat16"
-    max_model_len: int | None = None  # None: min(max_position_embeddings, 2048), as LLM
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized from HBM
-    gpu_memory_utilization: float = kv_sizing.DEFAULT_UTILIZATION
-    attention: str = "auto"  # `Backend.choose` on the slice's chips: Pallas on TPU
-    # "largest": only the largest decode and prefill step; "decode": the largest decode step
-    # only (quick checks: the cache is then sized from those steps' temporaries).
-    buckets: str = "all"
+
+AotConfig = _aot_config()
+BUCKETS = ("all", "largest", "decode")
 
 
 def chip_of(topology: str) -> Chip:
@@ -121,16 +128,17 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     """Compile every program for the slice and return the report (`hotswap aot --json`)."""
     if acfg.attention not in ("auto", "pallas", "reference"):
         raise ConfigError(f"attention={acfg.attention!r}: on TPU use 'auto', 'pallas' or 'reference'")
-    if acfg.buckets not in ("all", "largest", "decode"):
+    if acfg.buckets not in BUCKETS:
         raise ConfigError(f"buckets={acfg.buckets!r}: use 'all', 'largest' or 'decode'")
     if not 0 < acfg.gpu_memory_utilization <= 1:
         raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {acfg.gpu_memory_utilization}")
+    engine_args = EngineArgs(**{f.name: getattr(acfg, f.name) for f in EngineArgs.fields("aot")})
     chip = chip_of(acfg.topology)
     devices = topology_devices(acfg.topology)
     tp = acfg.tensor_parallel_size or len(devices)
     if not 1 <= tp <= len(devices):
         raise ConfigError(f"tensor_parallel_size={tp}, but {acfg.topology} has {len(devices)} chips")
-    mcfg = load_model_config(model, acfg.dtype)
+    mcfg = load_model_config(model, acfg.dtype or default_dtype("tpu"))
     target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = catalog.params_bytes_per_chip(mcfg, target)
@@ -142,13 +150,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         """Compile every program for a `pages` pool; returns the steps' largest temporary."""
         nonlocal n_steps, compiled_pages
         compiled_pages = pages
-        ecfg = EngineConfig(
-            page_size=acfg.page_size,
-            num_pages=pages,
-            max_model_len=max_len,
-            max_num_seqs=acfg.max_num_seqs,
-            max_num_batched_tokens=acfg.max_num_batched_tokens,
-            attention=target.backend.attention,
+        ecfg = EngineConfig.of(
+            engine_args, num_pages=pages, max_model_len=max_len, attention=target.backend.attention
         )
         backend = target.backend
         shapes = {

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from hotswap.errors import DeviceMemoryError
 from hotswap.model.config import ModelConfig
 
-DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 PARAM_COPIES = 2  # the serving params and an update's staged ones (module doc)
 
 

@@ -1,0 +1,292 @@
+"""`EngineArgs`: the one table of engine options (vLLM's pattern).
+
+Each field carries its default, help and choices (English and Chinese, for the docs) and the
+commands it is a flag of. Everything that takes engine options is generated from it: the
+`hotswap serve` and `hotswap aot` flags (`add_cli_args` / `from_cli_args`), the keywords of
+`LLM(model, **kwargs)` and `HotswapRollout`, `programs.aot.AotConfig`, `EngineConfig`'s
+defaults, and the option tables of docs/en and docs/zh_cn (`python -m hotswap.args --markdown`,
+written into the pages by `tools/option_tables.py`). It resolves into `EngineConfig` once the
+model and the devices are known (`EngineConfig.of`).
+
+Imports nothing heavy: the CLI builds its parsers from it before JAX is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+# "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build), else
+# "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
+DTYPES = ("float32", "bfloat16", "float16")
+# Where a field is an option: `LLM(...)` (and `HotswapRollout`), `hotswap serve`, `hotswap aot`.
+SCOPES = ("llm", "serve", "aot")
+SERVING = ("llm", "serve")  # options of a running engine, meaningless when only compiling
+
+
+def option(
+    default: Any,
+    help: str,
+    help_zh: str,
+    *,
+    type: type,
+    choices: tuple[str, ...] | None = None,
+    scopes: tuple[str, ...] = SCOPES,
+    doc_default: str | None = None,
+    doc_default_zh: str | None = None,
+    flag: str | None = None,
+) -> Any:
+    """A field of `EngineArgs`. `doc_default`: the docs' default cell when the default is resolved
+    later (None here); `flag`: the CLI flag when it is not the field's name in dashes."""
+    meta = dict(
+        help=help,
+        help_zh=help_zh,
+        type=type,
+        choices=choices,
+        scopes=scopes,
+        doc_default=doc_default,
+        doc_default_zh=doc_default_zh or doc_default,
+        flag=flag,
+    )
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """The engine options of `LLM(model, **kwargs)`, `hotswap serve` and `hotswap aot`."""
+
+    max_model_len: int | None = option(
+        None,
+        "longest sequence, prompt plus output",
+        "最长序列长度，提示词加输出",
+        type=int,
+        doc_default="`min(max_position_embeddings, 2048)`",
+    )
+    max_num_seqs: int = option(
+        32, "sequences decoded together in one step", "一个 step 中一起解码的序列数", type=int
+    )
+    max_num_batched_tokens: int = option(
+        256,
+        "tokens per step; longer prompts are prefilled in chunks",
+        "每个 step 的 token 数；更长的提示词分块预填充",
+        type=int,
+    )
+    page_size: int = option(16, "tokens per KV page", "每个 KV 页的 token 数", type=int)
+    num_pages: int | None = option(
+        None,
+        "KV pages in the pool (plus page 0, reserved)",
+        "池中的 KV 页数（另加保留的第 0 页）",
+        type=int,
+        doc_default="on CPU two full-length sequences or `max_num_seqs` half-length ones, whichever is "
+        "more; on TPU/GPU what fits `gpu_memory_utilization`",
+        doc_default_zh="CPU 上为两条满长度序列或 `max_num_seqs` 条半长度序列所需，取较多者；TPU/GPU 上为 "
+        "`gpu_memory_utilization` 下放得下的页数",
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "on TPU/GPU without `num_pages`: the fraction of free device memory for params, KV cache and "
+        "the steps' temporaries (vLLM's name)",
+        "TPU/GPU 上未给 `num_pages` 时：参数、KV 缓存和各 step 临时内存可占空闲设备内存的比例（沿用 vLLM 的名字）",
+        type=float,
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "reuse the KV of full pages of an earlier prompt",
+        "复用先前提示词中完整页的 KV",
+        type=bool,
+        scopes=SERVING,
+    )
+    dtype: str | None = option(
+        None,
+        '`"float32"`, `"bfloat16"` or `"float16"`: weights, activations and KV pages (see `dtype` on the '
+        "Python API page)",
+        '`"float32"`、`"bfloat16"` 或 `"float16"`：权重、激活值与 KV 页（见 Python API 页的 `dtype` 一节）',
+        type=str,
+        choices=DTYPES,
+        doc_default='`"bfloat16"` on TPU, else the checkpoint\'s',
+        doc_default_zh='TPU 上为 `"bfloat16"`，其他平台为检查点自身的',
+    )
+    attention: str = option(
+        "auto",
+        '`"auto"`: the Pallas kernel on TPU (head_dim a multiple of 64; under tensor parallelism each '
+        "chip runs it on its own kv heads); the C++ CPU kernel on the CPU backend with the cache on one "
+        "device (built on first use with the system C++ compiler, cached in `$HOTSWAP_CACHE_DIR`, default "
+        '`~/.cache/hotswap`); else `"reference"` (jnp). `"cpu"`, `"reference"` and `"pallas"` force one '
+        '(`"pallas"` runs in interpret mode off TPU); a choice that cannot run here is a `ConfigError` '
+        "saying why. The engine logs (logger `hotswap.kernels.backend`) what it chose and why",
+        '`"auto"`：TPU 上用 Pallas 内核（head_dim 须为 64 的倍数；张量并行时每个芯片只处理自己的 kv 头）；'
+        "CPU 后端且 KV 缓存在单个设备上时用 C++ CPU 内核（首次使用时用系统 C++ 编译器构建，缓存在 "
+        '`$HOTSWAP_CACHE_DIR`，默认 `~/.cache/hotswap`）；否则用 `"reference"`（jnp）。`"cpu"`、`"reference"` '
+        '和 `"pallas"` 强制选用其一（`"pallas"` 在非 TPU 上为解释模式）；在此处无法运行的选择会抛出 '
+        "`ConfigError` 并说明原因。引擎会记录一条日志（logger `hotswap.kernels.backend`）说明选了什么、为什么",
+        type=str,
+        choices=ATTENTION_IMPLS,
+    )
+    warmup: bool = option(
+        True, "compile every step shape now", "立即编译所有 step 形状", type=bool, scopes=SERVING
+    )
+    compilation_cache: bool = option(
+        True,
+        "keep compiled steps in `$HOTSWAP_CACHE_DIR/xla` and load them on the next start",
+        "把编译好的 step 保存在 `$HOTSWAP_CACHE_DIR/xla`，下次启动时加载",
+        type=bool,
+        scopes=SERVING,
+    )
+    seed: int = option(
+        0,
+        "seeds requests that carry no seed of their own",
+        "为没有自带种子的请求提供种子",
+        type=int,
+        scopes=SERVING,
+    )
+    weights_root: str | None = option(
+        None,
+        "when set, path updates must lie under it (`hotswap serve` refuses path updates without it)",
+        "设置后，按路径更新时路径必须位于其下（不设置时 `hotswap serve` 拒绝按路径更新）",
+        type=str,
+        scopes=SERVING,
+    )
+    max_waiting: int = option(
+        1024,
+        "queue bound; beyond it a request raises `QueueFull` (HTTP 429)",
+        "队列上限；超出时请求抛出 `QueueFull`（HTTP 429）",
+        type=int,
+        scopes=SERVING,
+    )
+    drain_timeout_s: float = option(
+        60.0,
+        "seconds a `drain` update waits before aborting what still runs",
+        "`drain` 更新在中止仍在运行的请求前等待的秒数",
+        type=float,
+        scopes=SERVING,
+        flag="--drain-timeout",
+    )
+    max_version_lag: int | None = option(
+        None,
+        "under the `keep` policy, recompute a running sequence whose oldest KV is more than this many "
+        "versions old (AReaL's max_head_offpolicyness; `None`: no bound)",
+        "在 `keep` 策略下，最旧 KV 落后超过这么多个版本的运行中序列会被重新计算（AReaL 的 "
+        "max_head_offpolicyness；`None`：不设上限）",
+        type=int,
+        scopes=SERVING,
+    )
+    tensor_parallel_size: int | None = option(
+        None,
+        "shard params and KV heads over this many devices (`None`: one device; `hotswap aot`: every chip "
+        "of the slice)",
+        "把参数和 KV 头分片到这么多个设备上（`None`：一个设备；`hotswap aot`：切片的所有芯片）",
+        type=int,
+    )
+    revision: str | None = option(
+        None,
+        "branch, tag or commit of a Hub ID (`None`: `main`); not for local paths",
+        "Hub ID 的分支、标签或提交（`None`：`main`）；不适用于本地路径",
+        type=str,
+        scopes=SERVING,
+    )
+
+    # ---- construction ------------------------------------------------------------
+
+    @classmethod
+    def fields(cls, scope: str | None = None) -> list[dataclasses.Field]:
+        """The fields that are options of `scope` ("llm", "serve", "aot"; None: all)."""
+        return [f for f in dataclasses.fields(cls) if scope is None or scope in f.metadata["scopes"]]
+
+    @classmethod
+    def of(cls, args: EngineArgs | None, kwargs: dict[str, Any], caller: str = "LLM") -> EngineArgs:
+        """`args` (default: every default) with `kwargs` on top; an unknown keyword is a TypeError
+        naming it, as a signature would raise."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"{caller}() got an unexpected keyword argument {key!r}")
+        return dataclasses.replace(args or cls(), **kwargs)
+
+    @staticmethod
+    def flag(f: dataclasses.Field) -> str:
+        return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, scope: str) -> None:
+        """The options of `scope` as flags of `parser` (dest: the field's name)."""
+        group = parser.add_argument_group("engine options (hotswap.EngineArgs)")
+        for f in cls.fields(scope):
+            m = f.metadata
+            kw: dict[str, Any] = dict(dest=f.name, default=f.default, help=m["help"].replace("%", "%%"))
+            if m["type"] is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = m["type"]
+                if m["choices"]:
+                    kw["choices"] = list(m["choices"])
+            group.add_argument(cls.flag(f), **kw)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace, scope: str) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in cls.fields(scope)})
+
+    def kwargs(self, scope: str | None = None) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in self.fields(scope)}
+
+
+def defaults() -> dict[str, Any]:
+    """Each option's default: what `EngineConfig` takes its defaults from."""
+    return {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+
+
+# ---- the docs' option tables -----------------------------------------------------------
+
+HEADERS = {
+    ("llm", "en"): "| option | default | meaning |",
+    ("llm", "zh_cn"): "| 选项 | 默认值 | 含义 |",
+    ("serve", "en"): "| flag | default | meaning |",
+    ("serve", "zh_cn"): "| 参数 | 默认值 | 含义 |",
+}
+
+
+def _default_cell(f: dataclasses.Field, lang: str) -> str:
+    doc = f.metadata["doc_default_zh" if lang == "zh_cn" else "doc_default"]
+    if doc is not None:
+        return doc
+    if isinstance(f.default, str):
+        return f'`"{f.default}"`'
+    if f.default is None or isinstance(f.default, bool):
+        return f"`{f.default}`"
+    return str(f.default)
+
+
+def markdown_rows(scope: str, lang: str = "en") -> list[str]:
+    """One table row per option of `scope`: the Python name (llm) or the flag (serve, aot)."""
+    rows = []
+    for f in EngineArgs.fields(scope):
+        if scope == "llm":
+            name = f"`{f.name}`"
+        elif f.metadata["type"] is bool:
+            flag = EngineArgs.flag(f)
+            name = f"`{flag}` / `--no-{flag[2:]}`"
+        else:
+            name = f"`{EngineArgs.flag(f)}`"
+        text = f.metadata["help_zh" if lang == "zh_cn" else "help"]
+        rows.append(f"| {name} | {_default_cell(f, lang)} | {text} |")
+    return rows
+
+
+def markdown_table(scope: str, lang: str = "en") -> str:
+    return "\n".join([HEADERS[scope, lang], "|---|---|---|", *markdown_rows(scope, lang)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hotswap.args --markdown {llm,serve} [--lang zh_cn]`: a docs option table."""
+    p = argparse.ArgumentParser(prog="python -m hotswap.args", description=main.__doc__)
+    p.add_argument("--markdown", required=True, choices=["llm", "serve"])
+    p.add_argument("--lang", default="en", choices=["en", "zh_cn"])
+    a = p.parse_args(argv)
+    sys.stdout.write(markdown_table(a.markdown, a.lang))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
