@@ -42,7 +42,7 @@ FORMAT = 1  # bump when an entry's layout changes
 WORTH_CACHING_S = 0.25
 _HERE = Path(__file__).resolve().parent
 # The code a cached conversion comes from: the GGUF reader, the HF layout change, the spec table.
-_CONVERSION = (_HERE / "gguf_io.py", _HERE / "hf.py", _HERE.parent / "engine" / "spec.py")
+_CONVERSION = (_HERE / "gguf_io.py", _HERE / "hf.py", _HERE.parent / "model" / "spec.py")
 
 
 @functools.cache
