@@ -52,21 +52,30 @@ def _listed(names: list[str], limit: int = 5) -> str:
 
 
 def names(
-    got: Iterable[str], want: Iterable[str], *, partial: bool = False, where: str = "", what: str = "tensor"
+    got: Iterable[str],
+    want: Iterable[str],
+    *,
+    partial: bool = False,
+    where: str = "",
+    what: str = "tensor",
+    model: ModelConfig | None = None,
 ) -> None:
     """The one missing/unexpected check: `got` must be `want` (a subset of it when `partial`).
 
     `where` prefixes the message (a file, a transfer offer); `what` is how the source calls
-    its entries ("parameter" for an NNX state).
+    its entries ("parameter" for an NNX state); `model`, when given, is named as the model
+    the entries were expected for.
     """
     got, want = list(got), list(want)
     wanted, have = set(want), set(got)
+    of = f" for a {model.arch} model of {model.num_layers} layers" if model is not None else ""
     unexpected = sorted(have - wanted)
     if unexpected:
-        raise WeightsMismatch(f"{where}unexpected {what}(s): {_listed(unexpected)}")
+        hint = " (another family or size?)" if model is not None else ""
+        raise WeightsMismatch(f"{where}unexpected {what}(s): {_listed(unexpected)}{of}{hint}")
     missing = [] if partial else [n for n in want if n not in have]
     if missing:
-        raise WeightsMismatch(f"{where}missing {what}(s): {_listed(missing)}")
+        raise WeightsMismatch(f"{where}missing {what}(s): {_listed(missing)}{of}")
 
 
 def mismatch(name: str, want_shape, want_dtype, got_shape, got_dtype) -> WeightsMismatch:
@@ -169,7 +178,7 @@ def hf_tensors(
     """
     specs = hf_specs(cfg)
     tied_head = cfg.tie_word_embeddings and LM_HEAD in tensors
-    names((n for n in tensors if not (tied_head and n == LM_HEAD)), specs, partial=partial)
+    names((n for n in tensors if not (tied_head and n == LM_HEAD)), specs, partial=partial, model=cfg)
     chosen = {name: spec for name, spec in specs.items() if name in tensors}
     for name, spec in chosen.items():
         _hf_meta(name, tensors[name], spec, target)
@@ -211,12 +220,7 @@ def nnx_variables(flat: Mapping[str, Any], cfg: ModelConfig, abstract: Params | 
     dtypes = {}
     if abstract is not None:
         dtypes = {path_name(p): a.dtype for p, a in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    where = f" for a {cfg.arch} model of {cfg.num_layers} layers"
-    try:
-        names(flat, [s.nnx_name for s in rows], what="parameter")
-    except WeightsMismatch as e:
-        hint = " (another family or size?)" if str(e).startswith("unexpected") else ""
-        raise WeightsMismatch(f"{e}{where}{hint}") from None
+    names(flat, [s.nnx_name for s in rows], what="parameter", model=cfg)
     for s in rows:
         shape, dt = meta(flat[s.nnx_name])
         if shape != s.shape:
