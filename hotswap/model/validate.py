@@ -66,14 +66,13 @@ def names(
     its entries ("parameter" for an NNX state); `model`, when given, is named as the model
     the entries were expected for.
     """
-    got, want = list(got), list(want)
     wanted, have = set(want), set(got)
     of = f" for a {model.arch} model of {model.num_layers} layers" if model is not None else ""
     unexpected = sorted(have - wanted)
     if unexpected:
         hint = " (another family or size?)" if model is not None else ""
         raise WeightsMismatch(f"{where}unexpected {what}(s): {_listed(unexpected)}{of}{hint}")
-    missing = [] if partial else [n for n in want if n not in have]
+    missing = [] if partial else sorted(wanted - have)
     if missing:
         raise WeightsMismatch(f"{where}missing {what}(s): {_listed(missing)}{of}")
 
