@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import json  # noqa: E402
 import shutil  # noqa: E402
 
+import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -34,7 +35,8 @@ from hotswap.errors import (  # noqa: E402
     WeightsMismatch,
 )
 from hotswap.model.config import ModelConfig  # noqa: E402
-from hotswap.model.params import param_paths, param_shapes  # noqa: E402
+from hotswap.model.params import abstract_params, param_paths, param_shapes  # noqa: E402
+from hotswap.weights.sources import stage_source  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -286,6 +288,15 @@ def test_missing_and_unexpected_tensors(tiny):
         )
 
 
+def _stage(cfg, tensors, dtype=None):
+    """HF tensors staged as an engine stages a source (`weights/sources.py`), on one device."""
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), abstract_params(cfg, dtype)
+    )
+    return stage_source(tensors, cfg, current=None, abstract=abstract)
+
+
 def test_wrong_shape_dtype_and_nonfinite(tiny):
     cfg, _, tensors = tiny
     up = "model.layers.1.mlp.up_proj.weight"
@@ -296,14 +307,15 @@ def test_wrong_shape_dtype_and_nonfinite(tiny):
         params_from_hf(cfg, {**tensors, up: tensors[up].T})
     with pytest.raises(WeightsMismatch, match=r"model\.norm\.weight: dtype int32"):
         params_from_hf(cfg, {**tensors, "model.norm.weight": tensors["model.norm.weight"].astype(np.int32)})
+    # Values are checked where the engine places them (the update path, its first load too).
     for bad in (np.nan, np.inf):
         t = tensors["model.layers.0.self_attn.k_proj.weight"].copy()
         t[3, 5] = bad
         with pytest.raises(NonFiniteWeights, match=r"model\.layers\.0\.self_attn\.k_proj\.weight"):
-            params_from_hf(cfg, {**tensors, "model.layers.0.self_attn.k_proj.weight": t})
+            _stage(cfg, {**tensors, "model.layers.0.self_attn.k_proj.weight": t})
     big = np.full_like(tensors["model.norm.weight"], 1e6)  # finite in f32, inf in f16
     with pytest.raises(NonFiniteWeights, match="overflow"):
-        params_from_hf(cfg, {**tensors, "model.norm.weight": big}, dtype="float16")
+        _stage(cfg, {**tensors, "model.norm.weight": big}, dtype="float16")
     assert issubclass(NonFiniteWeights, WeightsMismatch) and issubclass(WeightsMismatch, CheckpointError)
 
 

@@ -99,10 +99,10 @@ def test_casts_to_the_engine_dtype(tied, route, source, engine):
 
 def test_tied_head_given_twice_must_match(tied, route):
     cfg, tensors = tied
-    twice = {**tensors, hf.LM_HEAD: tensors[hf.EMBED]}
+    twice = {**tensors, spec.LM_HEAD: tensors[hf.EMBED]}
     assert_same(hf_device.hf_to_device(cfg, twice, abstract_for(cfg)), hf.params_from_hf(cfg, tensors))
     with pytest.raises(WeightsMismatch, match="lm_head.weight: differs"):
-        hf_device.hf_to_device(cfg, {**tensors, hf.LM_HEAD: tensors[hf.EMBED] * 2}, abstract_for(cfg))
+        hf_device.hf_to_device(cfg, {**tensors, spec.LM_HEAD: tensors[hf.EMBED] * 2}, abstract_for(cfg))
 
 
 # ---- fresh buffers: nothing aliases a file or a caller's array -------------------------------

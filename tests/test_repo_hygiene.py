@@ -65,6 +65,37 @@ def test_one_decode_site_one_finiteness_check_one_safetensors_parser():
     assert not _files_matching(r"from safetensors|import safetensors")  # no second parser
 
 
+def test_one_validator_one_finiteness_pass():
+    """Every weight source is validated by one module, beside the spec table: each
+    "missing/unexpected tensor" error is raised there. Whether and which values are checked
+    for NaN/Inf is decided in one module, the update's one pass (`kernels/finite.py` computes
+    it); the Tunix integration only renames that error with the NNX path."""
+    raised = _files_matching(r"(?s)WeightsMismatch\(\s*f?\"[^\"]*\b(?:missing|unexpected)\b")
+    assert set(raised) == {"hotswap/model/validate.py"}, raised
+    assert set(_files_matching(r"\bfinite\.(?:FiniteCheck|non_finite)\(")) == {
+        "hotswap/weights/finiteness.py"
+    }
+    assert set(_files_matching(r"(?<!class )\bNonFiniteWeights\(")) == {
+        "hotswap/weights/finiteness.py",
+        "hotswap/integrations/tunix.py",
+    }
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A module's private names (`_check_manifest`) stay in it: one concept, one module."""
+    import ast
+
+    private = [
+        f"{path}: {node.module}.{a.name}"
+        for path, text in _package_sources().items()
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hotswap")
+        for a in node.names
+        if a.name.startswith("_")
+    ]
+    assert not private, private
+
+
 def test_checkpoint_reads_the_model_not_the_engine():
     imports = _files_matching(r"from hotswap\.engine|import hotswap\.engine")
     assert not {path for path in imports if path.startswith("hotswap/checkpoint/")}

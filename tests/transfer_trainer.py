@@ -23,7 +23,7 @@ import numpy as np
 
 from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
-from hotswap.weights import transfer, transfer_shards
+from hotswap.weights import transfer
 from hotswap.weights.sources import resolve_source
 
 
@@ -52,7 +52,7 @@ def main(path: str, mode: str) -> None:
             bad["layers"][0]["wq"] = jax.device_put(jnp.concatenate([wq, wq[:2]]), wq.sharding)
         srv, uuid = transfer.server(), transfer.take_uuids(2)
         for p, tree in enumerate((params, bad)):
-            leaves, header, blob = transfer_shards.process_offer(tree, p, 2)
+            leaves, header, blob = transfer.process_offer(tree, p, 2)
             srv.await_pull(uuid + 4 * p, [header])
             srv.await_pull(uuid + 4 * p + 1, [blob])
             if p == 0 or mode == "procs-shape1":

@@ -3,8 +3,8 @@
 The only module that knows GGUF. A file is read with the `gguf` package (llama.cpp's
 own reader and dequantizer) and turned into what an HF directory gives: an HF-style
 config dict (-> `ModelConfig.from_hf`) and HF-named `[out, in]` tensors (->
-`hf.params_from_hf`), so validation, finiteness and the layout change stay in one
-place. The tokenizer is rebuilt from the metadata with `tokenizers`
+`hf.params_from_hf`), so validation (`model/validate.py`) and the layout change stay
+in one place; the engine checks the values for NaN/Inf where it places them. The tokenizer is rebuilt from the metadata with `tokenizers`
 (`gguf_tokenizer.py`).
 
 What llama.cpp's converter changes, undone here:

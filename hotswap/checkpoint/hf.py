@@ -6,12 +6,12 @@ HF linear weights are 2-D `[out, in]`; params store `[in, out]` with the
 attention heads split out, so linear weights are transposed (and attention's
 split, a free reshape) on the way in and back on the way out. Tied-embedding
 checkpoints carry no `lm_head.weight`; params always hold an untied `[D, V]`
-head, made here as a copy of `embed.T`. Weight updates do the same conversion
-on the engine's devices (weights/hf_device.py), checked here first by name,
-shape and dtype (`check_hf_tensors`).
-
-Every validation error names the HF tensor, because that is the name the user
-sees in their checkpoint or payload.
+head, made here as a copy of `embed.T`. Weight updates and the engine's first load
+do the same conversion on the engine's devices (weights/hf_device.py). Either way the
+tensors are checked first by the one validator (`model/validate.py`: names, shapes,
+dtypes, tied head), whose errors name the HF tensor, because that is the name the user
+sees in their checkpoint or payload; their values are checked for NaN/Inf where the
+engine places them (`weights/finiteness.py`), once.
 """
 
 from __future__ import annotations
@@ -23,20 +23,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 
 from hotswap.checkpoint.safetensors_io import read_safetensors, write_safetensors
-from hotswap.errors import CheckpointError, ConfigError, NonFiniteWeights, WeightsMismatch
-from hotswap.kernels import finite
+from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
+from hotswap.model import validate
 from hotswap.model.config import ModelConfig
-from hotswap.model.spec import EMBED, LM_HEAD, Params, ParamSpec, hf_specs
+from hotswap.model.spec import EMBED, Params, ParamSpec, hf_specs, param_specs
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_FLOAT_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", ml_dtypes.bfloat16)}
 _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -53,38 +51,6 @@ def np_dtype(name: str | np.dtype) -> np.dtype:
 def hf_tensor_names(cfg: ModelConfig) -> dict[str, str]:
     """HF name -> params path ("model.layers.3.mlp.up_proj.weight" -> "layers.3.w_up")."""
     return {name: spec.name for name, spec in hf_specs(cfg).items()}
-
-
-def _names(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _tensor_meta(array: Any) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) without reading the data: a jax array stays on its device."""
-    if isinstance(array, (np.ndarray, jax.Array)):
-        return tuple(array.shape), np.dtype(array.dtype)
-    a = np.asarray(array)
-    return tuple(a.shape), a.dtype
-
-
-def _check_meta(name: str, array: Any, spec: ParamSpec, target: np.dtype) -> None:
-    shape, dtype = _tensor_meta(array)
-    if dtype not in _FLOAT_DTYPES:
-        raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type; expected {target}")
-    if shape != spec.hf_shape:
-        raise WeightsMismatch(f"{name}: expected {spec.hf_shape}, got {shape}")
-
-
-def non_finite_error(name: str, source: Any, target: np.dtype, *, more: int = 0) -> NonFiniteWeights:
-    """The error for a tensor that is not finite in `target`; says when the cast made it so.
-
-    Reads `source` once more, but only on this failure path.
-    """
-    finite_before = not finite.non_finite({name: source})
-    why = f" after conversion to {target} (overflow)" if finite_before else ""
-    also = f" (and {more} more)" if more else ""
-    return NonFiniteWeights(f"{name}: contains NaN or Inf{why}{also}")
 
 
 def _convert(name: str, array: Any, spec: ParamSpec, target: np.dtype) -> np.ndarray:
@@ -118,34 +84,6 @@ def get_leaf(tree: Params, path: tuple[str | int, ...]) -> Any:
     return node
 
 
-def check_hf_tensors(
-    cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dtype, *, partial: bool = False
-) -> dict[str, ParamSpec]:
-    """Names, dtypes and shapes of HF tensors, checked without reading their data.
-
-    Returns the spec of every tensor to load, in checkpoint order. With
-    `partial` any subset is allowed. A tied checkpoint's `lm_head.weight` is
-    checked here (its data against the embedding's) and left out of the result:
-    the head is derived from the embedding.
-    """
-    specs = hf_specs(cfg)
-    names = set(tensors)
-    tied_head = cfg.tie_word_embeddings and LM_HEAD in names
-    unexpected = sorted(names - specs.keys() - ({LM_HEAD} if tied_head else set()))
-    if unexpected:
-        raise WeightsMismatch(f"unexpected tensor(s) for {cfg.arch}: {_names(unexpected)}")
-    if not partial:
-        missing = [n for n in specs if n not in names]
-        if missing:
-            raise WeightsMismatch(f"missing tensor(s): {_names(missing)}")
-    chosen = {name: spec for name, spec in specs.items() if name in names}
-    for name, spec in chosen.items():
-        _check_meta(name, tensors[name], spec, target)
-    if tied_head:
-        _check_tied_head(cfg, tensors, target)
-    return chosen
-
-
 def params_from_hf(
     cfg: ModelConfig,
     tensors: Mapping[str, Any],
@@ -160,46 +98,21 @@ def params_from_hf(
     updates are staged. For tied models a new embedding also rebuilds `lm_head`.
     The dtype is `dtype`, else the base's dtype, else `cfg.dtype`.
 
-    This is the host path (model loading, checkpoint creation); weight updates
-    convert on the device instead (`weights/hf_device.py`).
+    This is the host path (GGUF loading, checkpoint creation); the engine converts
+    on its devices instead (`weights/hf_device.py`). Values are not checked for NaN/Inf
+    here: the engine checks them where it places them, once (`weights/finiteness.py`).
     """
     if dtype is None and partial_base is not None:
         target = np.dtype(partial_base["embed"].dtype)
     else:
         target = np_dtype(dtype or cfg.dtype)
-    chosen = check_hf_tensors(cfg, tensors, target, partial=partial_base is not None)
+    chosen = validate.hf_tensors(cfg, tensors, target, partial=partial_base is not None)
     params = empty_tree(cfg) if partial_base is None else copy_tree(partial_base)
-    check = finite.FiniteCheck()  # each copy is checked as it is made, while it is in cache
     for name, spec in chosen.items():
-        set_leaf(params, spec.path, out := _convert(name, tensors[name], spec, target))
-        check.add({name: out})
-    bad = check.non_finite()
-    if bad:
-        raise non_finite_error(bad[0], tensors[bad[0]], target, more=len(bad) - 1)
+        set_leaf(params, spec.path, _convert(name, tensors[name], spec, target))
     if cfg.tie_word_embeddings and EMBED in chosen:
-        params["lm_head"] = np.ascontiguousarray(params["embed"].T)
+        params["lm_head"] = np.ascontiguousarray(param_specs(cfg)["lm_head"].from_hf(params["embed"]))
     return params
-
-
-def _check_tied_head(cfg: ModelConfig, tensors: Mapping[str, Any], target: np.dtype) -> None:
-    """Accept `lm_head.weight` in a tied checkpoint only when it repeats the embedding.
-
-    Some writers store the tied head anyway. Ignoring a *different* head would
-    silently serve a head the user did not mean (the stale-tied-head bug), so
-    that is an error, as is a head sent without the embedding it is tied to.
-    Equality is judged in the engine's dtype, as the head would be served.
-    """
-    if EMBED not in tensors:
-        raise WeightsMismatch(
-            f"{LM_HEAD}: this model ties word embeddings; send {EMBED} (the head is derived from it)"
-        )
-    _check_meta(LM_HEAD, tensors[LM_HEAD], hf_specs(cfg)[EMBED], target)  # the embedding's [V, D]
-    with np.errstate(over="ignore", invalid="ignore"):
-        head, embed = (np.asarray(tensors[n], dtype=target) for n in (LM_HEAD, EMBED))
-    if not np.array_equal(head, embed, equal_nan=True):  # a NaN embedding is reported as NaN, later
-        raise WeightsMismatch(
-            f"{LM_HEAD}: differs from {EMBED} but config.json sets tie_word_embeddings=true"
-        )
 
 
 def hf_from_params(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:

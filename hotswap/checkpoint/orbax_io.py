@@ -5,7 +5,8 @@ for two reasons found in orbax 0.12.8: a target leaf without a sharding
 restores whatever is on disk, silently ignoring the requested shape; and the
 errors it does raise (structure mismatch, "not compatible with the stored
 shape") are long tensorstore dumps that do not name the param. Checking first
-turns every mismatch into one WeightsMismatch line that names the leaf.
+turns every mismatch into one WeightsMismatch line that names the leaf (the one
+validator, `model/validate.py`, on the metadata: nothing is read before it passes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from hotswap.errors import CheckpointError, WeightsMismatch, WeightsPathNotAllowed
+from hotswap.errors import CheckpointError, WeightsPathNotAllowed
+from hotswap.model import validate
 from hotswap.model.spec import Params, path_name
 
 
@@ -69,8 +71,13 @@ def restore_params(path: str | os.PathLike, abstract_params: Params | None = Non
     raw_tree = _read_metadata(path)
     on_disk = _flat(raw_tree)
     wanted = on_disk if abstract_params is None else _flat(abstract_params)
-    if abstract_params is not None:
-        _check_matches(on_disk, wanted, path)
+    if abstract_params is not None:  # before any byte moves: the one validator, on the metadata
+        validate.layout(
+            {name: validate.meta(m) for name, m in on_disk.items()},
+            abstract_params,
+            where=f"orbax checkpoint {str(path)!r}: ",
+            cast_floats=True,
+        )
 
     # The target must mirror the on-disk structure (orbax compares them), so build
     # it from the metadata tree and fill in each leaf's wanted shape/dtype/sharding.
@@ -146,33 +153,11 @@ def _flat(tree: Any) -> dict[str, Any]:
     return {path_name(kp): leaf for kp, leaf in flat}
 
 
-def _check_matches(have: dict[str, Any], want: dict[str, Any], path: Path) -> None:
-    missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    if missing or unexpected:
-        raise WeightsMismatch(
-            f"orbax checkpoint {str(path)!r} does not match the params layout: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, w in want.items():
-        h = have[name]
-        h_dt, w_dt = np.dtype(h.dtype), np.dtype(w.dtype)
-        if tuple(h.shape) != tuple(w.shape):
-            raise WeightsMismatch(f"{name}: expected {tuple(w.shape)} {w_dt}, got {tuple(h.shape)} {h_dt}")
-        castable = h_dt == w_dt or (_is_float(h_dt) and _is_float(w_dt))
-        if not castable:
-            raise WeightsMismatch(f"{name}: expected {tuple(w.shape)} {w_dt}, got {tuple(h.shape)} {h_dt}")
-
-
 def _sharding_or(leaf: Any, default: jax.sharding.Sharding) -> jax.sharding.Sharding:
     # Metadata leaves carry orbax ShardingMetadata, not a jax Sharding: the saved
     # mesh may not exist in this process, so without an abstract tree use `default`.
     sharding = getattr(leaf, "sharding", None)
     return sharding if isinstance(sharding, jax.sharding.Sharding) else default
-
-
-def _is_float(dt: np.dtype) -> bool:
-    return bool(jax.numpy.issubdtype(dt, jax.numpy.floating))
 
 
 def _first_line(e: BaseException) -> str:

@@ -35,7 +35,7 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
-from hotswap.weights import ingest, sources
+from hotswap.weights import sources
 from hotswap.weights.chunks import ChunkStager
 
 
@@ -77,7 +77,10 @@ class Engine:
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
         self.abstract = spec
-        placed = ingest.stage_params(params, self.abstract).params
+        # The first load is an update into an empty state: the same read -> validate -> place
+        # (`params` is any weight source). The path was given by whoever built the engine, so
+        # `weights_root` (which bounds later updates) does not apply to it.
+        placed = sources.stage_source(params, mcfg, current=None, abstract=self.abstract).params
         self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
         self.runner = Runner(mcfg, ecfg, self.backend)
         self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)

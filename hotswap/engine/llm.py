@@ -22,6 +22,7 @@ from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.state import EngineState
 from hotswap.errors import EngineAsleep, RequestError
 from hotswap.model import sharding
+from hotswap.model.config import ModelConfig
 from hotswap.model.forward import token_logprobs_jit
 from hotswap.programs import catalog, kv_sizing
 
@@ -51,9 +52,11 @@ class LLM:
         self.model_id = hub.display_name(model, self.model_dir)
         dtype = eargs.dtype or default_dtype(jax.default_backend())
         if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
+            # params from the converted cache (`converted.py`) when there is one: dequantizing is slow
             mcfg, params, tokenizer = gguf_io.load_gguf(self.model_dir, dtype=dtype)
         else:
-            mcfg, params = hf.load_hf_dir(self.model_dir, dtype=dtype)
+            mcfg = ModelConfig.from_hf(hf.read_hf_config(self.model_dir), dtype=dtype)
+            params = self.model_dir  # read, validated and converted by the engine, as an update is
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
         self.engine = _start_engine(mcfg, params, tokenizer, eargs, mesh)
@@ -89,10 +92,9 @@ class LLM:
             if tokenizer and tokenizer.eos_token_id is not None
             else (),
         )
-        params = nnx_params.params_from_state(model, mcfg)
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__
-        self.engine = _start_engine(mcfg, params, tokenizer, eargs, mesh)
+        self.engine = _start_engine(mcfg, model, tokenizer, eargs, mesh)  # staged as an update is
         return self
 
     # ---- views ---------------------------------------------------------------

@@ -48,7 +48,8 @@ from hotswap.engine import lifecycle, multihost_transfer
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError, TransferError
-from hotswap.weights import ingest, sources, transfer
+from hotswap.model import validate
+from hotswap.weights import sources, transfer
 
 log = logging.getLogger(__name__)
 PREFIX = "hotswap/cmd"
@@ -205,7 +206,7 @@ class Driver:
                 tree = jax.tree.map(np.asarray, tree)  # host copies; global arrays must be replicated
                 # Shapes must be right before the broadcast: followers receive into engine-shaped
                 # buffers. Finiteness is checked once, by the update itself, on every process.
-                ingest.validate_params(tree, e.abstract, check_finite=False)
+                validate.tree(tree, e.abstract)
                 self._send("update_weights", kind="tree", **args)
                 source = _broadcast_weights(e, "tree", tree)
             return self.engine.update_weights(source, **args, drain_timeout_s=math.inf)

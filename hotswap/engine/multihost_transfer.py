@@ -2,7 +2,7 @@
 
 `transfer.publish(params, for_processes=N)` makes one offer per engine process;
 the Driver broadcasts only the reference (`kind="transfer"`), and every process
-runs `update` on it: each pulls its own shards (`transfer_shards.pull_shards`), then
+runs `update` on it: each pulls its own shards (`transfer.pull_shards`), then
 all of them agree, then all of them stage and swap.
 
 The agreement is what keeps a failure clean. A pull fails on one process only
@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from hotswap import errors
 from hotswap.engine.engine import Engine
 from hotswap.errors import HotswapError, TransferError
-from hotswap.weights import transfer, transfer_shards
+from hotswap.weights import transfer
 
 REPORT_BYTES = 1024  # one process's outcome: empty for ok, else JSON {"type", "message"}
 
@@ -74,7 +74,7 @@ def update(
     """Pull this process's shards, agree with the others, then swap; the same result everywhere."""
     tree, err = None, None
     try:
-        tree = transfer_shards.pull_shards(ref, engine.abstract, jax.process_index())
+        tree = transfer.pull_shards(ref, engine.abstract, jax.process_index())
     except Exception as e:  # noqa: BLE001 (any failure must still reach the agreement)
         err = e
     failed = agree(err)

@@ -16,7 +16,8 @@ matrices: `transpose=True` rows are transposed, and a row with `matrix` set is t
 `[in, out]` matrix split into `shape` by a row-major reshape (`from_hf` / `to_hf`,
 the one statement of the transform). The LM head is always its own `[D, V]` leaf; a
 tied-embedding checkpoint has no HF tensor for it (`hf_name=None`): it is derived
-from the embedding.
+from the embedding by its own row's transform (`from_hf` of the `[V, D]` embedding, its
+transpose), wherever it is made (host, device, NNX).
 
 `nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3:
 `weights/nnx.py`). Those models are `[in, out]` with heads split out exactly as

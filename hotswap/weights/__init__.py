@@ -1,2 +1,3 @@
-"""Weights in: readers per source form (directories, GGUF, bytes, trees, NNX states, transfer refs),
-staging and placement on the engine's shardings."""
+"""Weights in, one pipeline: one reader per source form (directories, GGUF, bytes, trees, NNX
+states, transfer refs: `sources.read`) -> the one validator (`model/validate.py`) -> placement
+on the engine's shardings with one finiteness pass (`hf_device.py`, `ingest.py`, `finiteness.py`)."""

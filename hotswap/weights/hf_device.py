@@ -16,7 +16,7 @@ split is a reshape of the transposed result: the same bytes.
   bytes. (A tied head made in the same pass as its embedding's copy was slower:
   the copy then follows the transpose's strips instead of streaming.)
 - Elsewhere (TPU/GPU HBM, a sharded CPU mesh, another cast), XLA transposes and casts,
-  and finiteness goes through the one check (`kernels/finite.py`), over the
+  and finiteness goes through the update's one pass (`finiteness.py`), over the
   converted values on the device (a cast can overflow); on CPU a source already
   in the engine's dtype is checked on the host just before its conversion,
   which then reads it from cache.
@@ -46,10 +46,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hotswap.checkpoint import hf
-from hotswap.kernels import cpu_convert, finite
+from hotswap.kernels import cpu_convert
+from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.model.spec import EMBED, ParamSpec, param_specs
+from hotswap.weights import finiteness
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.
@@ -117,7 +119,7 @@ def _put(array: Any, sharding) -> jax.Array:
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
 
 
-# ---- which values the finiteness check reads ------------------------------------------------
+# ---- where the conversion runs ---------------------------------------------------------------
 
 
 def _on_cpu(sharding) -> bool:
@@ -129,16 +131,6 @@ def _fused(x: jax.Array, dtype: np.dtype, sharding) -> bool:
     """Convert with the C++ kernel, which checks finiteness in the same pass? On one CPU
     device, when the cast is exact (so the values it checks are the params' values)."""
     return _on_cpu(sharding) and cpu_convert.usable(x.dtype, dtype, sharding)
-
-
-def _check_source_on_host(src: Any, dtype: np.dtype, sharding) -> bool:
-    """Let numpy check finiteness on the source instead of the device on the output?
-
-    On CPU, for a numpy source already in the engine's dtype (so the same
-    values): reading it first pulls it into cache for the transpose that
-    follows (~8% faster overall), and leaves no device scalar to fetch.
-    """
-    return isinstance(src, np.ndarray) and src.dtype == dtype and _on_cpu(sharding)
 
 
 # ---- the update ---------------------------------------------------------------------------
@@ -154,18 +146,18 @@ def hf_to_device(
 ) -> Params:
     """HF-named `[out, in]` tensors -> params on `abstract`'s shardings and dtypes.
 
-    Names, shapes and dtypes are checked (`hf.check_hf_tensors`) before any
-    copy. With `check_finite`, a NaN/Inf raises NonFiniteWeights naming the HF
+    Names, shapes, dtypes and a tied head are checked (`model/validate.py`) before
+    any copy. With `check_finite`, a NaN/Inf raises NonFiniteWeights naming the HF
     tensor. With `base` (the current params) `tensors` may be any subset; the
     other leaves are the base's, unchanged and uncopied. For tied models a new
     embedding also rebuilds `lm_head`.
     """
     target = np.dtype(abstract["embed"].dtype)
-    chosen = hf.check_hf_tensors(cfg, tensors, target, partial=base is not None)
+    chosen = validate.hf_tensors(cfg, tensors, target, partial=base is not None)
     head_want, head = abstract["lm_head"], None
     head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose
     new: dict[str, jax.Array] = {}
-    check = finite.FiniteCheck()
+    check = finiteness.Pass(check_finite)
     pending, pending_bytes = [], 0
     for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
         spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
@@ -173,14 +165,11 @@ def hf_to_device(
         x = _put(src, _source_sharding(want.sharding, spec))
         if _fused(x, dtype, want.sharding):
             new[name], flag = _fused_converter(spec.layout, dtype, want.sharding)(x)
-            if check_finite:
-                check.add_flag(name, flag)
+            check.add_flag(name, flag)
         else:
-            on_host = check_finite and _check_source_on_host(src, dtype, want.sharding)
-            if on_host:
-                check.add({name: src})
+            on_host = check.before(name, src, dtype, _on_cpu(want.sharding))
             new[name] = _converter(spec.layout, dtype, want.sharding)(x)
-            if check_finite and not on_host:
+            if not on_host:
                 check.add({name: new[name]})  # the converted values: a cast can overflow
         if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
             head_dtype = np.dtype(head_want.dtype)
@@ -193,11 +182,7 @@ def hf_to_device(
         if pending_bytes > _IN_FLIGHT_BYTES:
             jax.block_until_ready(pending)
             pending, pending_bytes = [], 0
-    if check_finite:
-        flagged = set(check.non_finite())
-        bad = [n for n in chosen if n in flagged]  # in checkpoint order
-        if bad:
-            raise hf.non_finite_error(bad[0], tensors[bad[0]], np.dtype(new[bad[0]].dtype), more=len(bad) - 1)
+    check.raise_first(list(chosen), tensors, {n: a.dtype for n, a in new.items()})  # checkpoint order
     params = hf.empty_tree(cfg) if base is None else hf.copy_tree(base)
     for name, spec in chosen.items():
         hf.set_leaf(params, spec.path, new[name])

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from hotswap.errors import ConfigError, WeightsMismatch
+from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
 
@@ -97,38 +98,23 @@ def _value(var) -> jax.Array:
     return var.get_value() if hasattr(var, "get_value") else var.value
 
 
-def params_from_state(source: nnx.State | nnx.Module, cfg: ModelConfig) -> Params:
+def params_from_state(
+    source: nnx.State | nnx.Module, cfg: ModelConfig, abstract: Params | None = None
+) -> Params:
     """An NNX state (or module) of `cfg`'s family -> hotswap params, by the spec table.
 
-    Raises WeightsMismatch naming the NNX parameter for a missing, unexpected or
-    wrongly shaped one. Dtypes and finiteness are left to the engine's validation.
+    Validated once (`model/validate.py`): a missing, unexpected or wrongly shaped
+    parameter (and, given the engine's `abstract` params, a wrong dtype) raises
+    WeightsMismatch naming the NNX parameter. Finiteness is the engine's placing step's.
     """
-    flat = flat_variables(source)
+    flat = {n: _value(v) for n, v in flat_variables(source).items()}
+    validate.nnx_variables(flat, cfg, abstract)
     specs = param_specs(cfg)
-    rows: list[ParamSpec] = jax.tree.leaves(specs, is_leaf=is_spec)
-    wanted = {s.nnx_name for s in rows if s.nnx_name is not None}
-    missing = sorted(wanted - flat.keys())
-    if missing:
-        raise WeightsMismatch(
-            f"missing parameter(s) {', '.join(missing[:5])}"
-            + (" ..." if len(missing) > 5 else "")
-            + f" for a {cfg.arch} model of {cfg.num_layers} layers"
-        )
-    extra = sorted(flat.keys() - wanted)
-    if extra:
-        raise WeightsMismatch(
-            f"unexpected parameter(s) {', '.join(extra[:5])}"
-            + (" ..." if len(extra) > 5 else "")
-            + f" for a {cfg.arch} model of {cfg.num_layers} layers (another family or size?)"
-        )
 
     def leaf(s: ParamSpec):
-        if s.nnx_name is None:  # tied head: [D, V] is the embedding's transpose, made on its devices
-            return _value(flat[specs["embed"].nnx_name]).T
-        x = _value(flat[s.nnx_name])
-        if tuple(x.shape) != s.shape:
-            raise WeightsMismatch(f"{s.nnx_name}: expected {s.shape}, got {tuple(x.shape)} (params {s.name})")
-        return x
+        if s.nnx_name is None:  # tied head: the spec row's transform of the embedding, on its devices
+            return s.from_hf(flat[specs["embed"].nnx_name])
+        return flat[s.nnx_name]
 
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
 

@@ -14,6 +14,7 @@ place, `wire_tensors`, wherever they came in.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 
 from hotswap.checkpoint import gguf_io, hf, orbax_io, payload
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
+from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.weights import hf_device, transfer
@@ -35,35 +37,8 @@ def _is_flax(obj: Any) -> bool:
     return any(c.__module__.startswith("flax.nnx") for c in type(obj).__mro__)
 
 
-def _from_flax(source: Any, cfg: ModelConfig) -> Any:
-    if not _is_flax(source):
-        return source
-    from hotswap.weights import nnx as nnx_params
-
-    return nnx_params.params_from_state(source, cfg)
-
-
 def is_params_tree(obj: Any) -> bool:
     return isinstance(obj, Mapping) and "layers" in obj and "embed" in obj
-
-
-def _check_same_model(where: str, theirs: ModelConfig, cfg: ModelConfig) -> None:
-    for field in (
-        "arch",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "tie_word_embeddings",
-    ):
-        if getattr(theirs, field) != getattr(cfg, field):
-            raise WeightsMismatch(
-                f"{where}: {field}={getattr(theirs, field)!r} but the engine serves "
-                f"{getattr(cfg, field)!r}; a weight update must keep the architecture"
-            )
 
 
 def _checkpoint_dir(source: str | os.PathLike, weights_root) -> Path:
@@ -89,29 +64,48 @@ def wire_tensors(
     return chunk
 
 
-def _hf_tensors(source: Any, cfg: ModelConfig, weights_root) -> Mapping[str, Any] | None:
-    """The HF-named tensors a source holds, unconverted (views of the file or payload);
-    None for a params tree, a transfer reference or an orbax directory."""
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """What a source holds, read but not converted: HF-named tensors (views of the file or
+    payload; checked when they are converted), or a params tree, `validated` when its
+    reader already ran the validator on it (a transfer manifest, orbax metadata, NNX names)."""
+
+    tensors: Mapping[str, Any] | None = None
+    tree: Params | None = None
+    validated: bool = False
+
+
+def read(source: Any, cfg: ModelConfig, *, weights_root=None, abstract: Params | None = None) -> Read:
+    """One reader per form. A source that states its config (config.json, GGUF metadata)
+    must be the engine's model; everything else is the validator's, once, later (or, for a
+    transfer or an orbax checkpoint, before any byte moves)."""
+    if _is_flax(source):
+        from hotswap.weights import nnx as nnx_params  # the [tunix] extra: flax
+
+        tree = nnx_params.params_from_state(source, cfg, abstract)
+        return Read(tree=tree, validated=abstract is not None)
     if isinstance(source, transfer.TransferRef):
-        return None
+        if abstract is None:
+            raise ConfigError("a transfer pull needs the engine's abstract params (its shardings)")
+        return Read(tree=transfer.pull(source, abstract), validated=True)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return wire_tensors(source)
+        return Read(tensors=wire_tensors(source))
     if isinstance(source, (str, os.PathLike)) and gguf_io.is_gguf(source):
         path = orbax_io.resolve_weights_path(source, weights_root)
         _, theirs, tensors = gguf_io.read_gguf(path, dtype=cfg.dtype)
-        _check_same_model(str(path), theirs, cfg)
-        return tensors
+        validate.same_model(str(path), theirs, cfg)
+        return Read(tensors=tensors)
     if isinstance(source, (str, os.PathLike)):
         path = _checkpoint_dir(source, weights_root)
-        if not ((path / "config.json").exists() or any(path.glob("*.safetensors"))):
-            return None
         if (path / "config.json").exists():
-            _check_same_model(f"{path}/config.json", ModelConfig.from_dir(path), cfg)
-        return hf.read_hf_tensors(path)
+            validate.same_model(f"{path}/config.json", ModelConfig.from_dir(path), cfg)
+        elif not any(path.glob("*.safetensors")):
+            return Read(tree=orbax_io.restore_params(path, abstract), validated=abstract is not None)
+        return Read(tensors=hf.read_hf_tensors(path))
     if is_params_tree(source):
-        return None
+        return Read(tree=source)
     if isinstance(source, Mapping):
-        return wire_tensors(source)
+        return Read(tensors=wire_tensors(source))
     raise ConfigError(
         f"unsupported weight source {type(source).__name__}: pass a params pytree, a dict of HF-named "
         "tensors, a checkpoint directory or .gguf file path, safetensors bytes, or a hotswap.weights.transfer.TransferRef"
@@ -137,21 +131,15 @@ def resolve_source(
     abstract: Params | None = None,
 ) -> Params:
     """Any supported source -> params tree in the engine's layout and dtype, on the host for
-    HF-named sources (what a multihost driver broadcasts). Not yet validated or placed."""
-    source = _from_flax(source, cfg)
+    HF-named sources (what a multihost driver broadcasts). Not yet checked for NaN/Inf or
+    placed: that is the update's (`stage_source`)."""
     base = _partial_base(current, partial)
-    tensors = _hf_tensors(source, cfg, weights_root)
-    if tensors is not None:
-        if base is not None:
-            base = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), base)
-        return hf.params_from_hf(cfg, tensors, partial_base=base)
-    if is_params_tree(source):
-        return source
-    if isinstance(source, transfer.TransferRef):
-        if abstract is None:
-            raise ConfigError("a transfer pull needs the engine's abstract params (its shardings)")
-        return transfer.pull(source, abstract)
-    return orbax_io.restore_params(_checkpoint_dir(source, weights_root), abstract)
+    got = read(source, cfg, weights_root=weights_root, abstract=abstract)
+    if got.tensors is None:
+        return got.tree
+    if base is not None:
+        base = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), base)
+    return hf.params_from_hf(cfg, got.tensors, partial_base=base)
 
 
 def stage_source(
@@ -164,22 +152,20 @@ def stage_source(
     weights_root: str | os.PathLike | None = None,
     check_finite: bool = True,
 ) -> StagedParams:
-    """Any supported source -> params validated and placed on `abstract` (the engine's path).
+    """Any supported source -> params validated and placed on `abstract`: the engine's one
+    path, for an update and for its first load (an update into an empty state).
 
-    HF-named sources are converted on the device (`hf_device.py`): each tensor
-    goes over in the file's layout, is transposed and cast there, and a NaN is
-    reported under its HF name. A partial update keeps the current leaves as
-    they are (no host round trip) and scans only the tensors it brings. Other
-    sources go through `resolve_source` and `ingest.stage_params`. Either way each
-    source is validated once.
+    `read` -> validate (once, by the source's own names) -> place with one finiteness pass.
+    HF-named sources are converted on the device (`hf_device.py`): each tensor goes over in
+    the file's layout, is transposed and cast there, and a NaN is reported under its HF
+    name. A partial update keeps the current leaves as they are (no host round trip) and
+    scans only the tensors it brings. Params trees are placed by `ingest.stage_params`.
     """
-    source = _from_flax(source, cfg)
     base = _partial_base(current, partial)
-    tensors = _hf_tensors(source, cfg, weights_root)
-    if tensors is None:
-        params = resolve_source(source, cfg, current=current, weights_root=weights_root, abstract=abstract)
-        return stage_params(params, abstract, check_finite=check_finite)
-    params = hf_device.hf_to_device(cfg, tensors, abstract, base=base, check_finite=check_finite)
+    got = read(source, cfg, weights_root=weights_root, abstract=abstract)
+    if got.tensors is None:
+        return stage_params(got.tree, abstract, check_finite=check_finite, validated=got.validated)
+    params = hf_device.hf_to_device(cfg, got.tensors, abstract, base=base, check_finite=check_finite)
     # Checked by name, shape and dtype before the conversion, which built the tree from the spec
     # table on `abstract`'s shardings; kept leaves of a partial update are the current, placed ones.
     return StagedParams(place_params(params, abstract), abstract)

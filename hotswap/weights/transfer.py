@@ -27,8 +27,8 @@ dies: a dead peer closes the socket and the pull fails at once) in the middle of
 the data pull leaves one params-sized buffer until the process exits.
 
 For an engine that runs in several processes, `publish(params, for_processes=N)` makes
-one offer per engine process (at `uuid + 4 * p`), each with only that process's shards:
-`transfer_shards.py`.
+one offer per engine process (at `uuid + 4 * p`), each with only that process's shards
+(`process_offer`, `pull_shards`: the last section).
 
 Transfer servers bind 127.0.0.1 unless told otherwise: anything that can reach
 the port can offer or fetch arrays, and there is no authentication.
@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.errors import TransferError, WeightsMismatch
+from hotswap.errors import TransferError
+from hotswap.model import validate
 from hotswap.model.spec import path_name
 
 MAGIC = 0x48535754  # "HSWT"
@@ -185,8 +186,6 @@ def publish(
     if for_processes == 1:
         offers = [offer_arrays(params)]
     else:
-        from hotswap.weights.transfer_shards import process_offer  # it builds on this module
-
         offers = [process_offer(params, p, for_processes) for p in range(for_processes)]
     ref = TransferRef(srv.address(), take_uuids(for_processes), timeout_s, for_processes)
     for p, (leaves, header, blob) in enumerate(offers):
@@ -231,26 +230,6 @@ def _reachable(ref: TransferRef, deadline: float) -> None:
         ).close()
     except OSError as e:
         raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: cannot connect: {e}") from None
-
-
-def _check_manifest(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferRef) -> None:
-    """The published names, shapes and dtypes against the engine's; names the first difference."""
-    where = f"transfer {ref.address} uuid {ref.uuid}"
-    got = {leaf["name"]: leaf for leaf in leaves}
-    names = [n for n, _ in want]
-    missing, extra = sorted(set(names) - got.keys()), sorted(got.keys() - set(names))
-    for label, bad in (("missing", missing), ("unexpected", extra)):
-        if bad:
-            more = " ..." if len(bad) > 5 else ""
-            raise WeightsMismatch(f"{where}: {label} tensor(s): {', '.join(bad[:5])}{more}")
-    if [leaf["name"] for leaf in leaves] != names:
-        raise WeightsMismatch(f"{where}: params tree structure differs from the engine's (leaf order)")
-    for name, spec in want:
-        shape, dtype = tuple(got[name]["shape"]), str(got[name]["dtype"])
-        if shape != tuple(spec.shape) or dtype != np.dtype(spec.dtype).name:
-            raise WeightsMismatch(
-                f"{where}: {name}: expected {tuple(spec.shape)} {np.dtype(spec.dtype)}, got {shape} {dtype}"
-            )
 
 
 def _receive_specs(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferRef) -> list:
@@ -300,6 +279,10 @@ def _pull_manifest(conn, ref: TransferRef, deadline: float, dev) -> dict:
         raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: unreadable manifest: {e}") from None
 
 
+def _where(ref: TransferRef) -> str:
+    return f"transfer {ref.address} uuid {ref.uuid}: "
+
+
 def _pull_weights(conn, ref: TransferRef, specs: list, deadline: float) -> list:
     arrays = _wait(conn.pull(ref.uuid + 2, specs), ref, deadline, "weights")
     stats["pulls"] += 1
@@ -315,8 +298,9 @@ def pull(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> Any:
     """Pull a published tree into `abstract`'s structure (ShapeDtypeStructs with shardings).
 
     Raises TransferError (unreachable, timed out, peer gone) or WeightsMismatch (names the
-    tensor) and returns nothing partial. The result is not yet validated for finiteness:
-    that is `ingest.stage_params`' job, as for any tree.
+    tensor: the manifest goes through the one validator before any weight moves) and
+    returns nothing partial. The result is validated; its values are checked for NaN/Inf
+    where it is placed (`ingest.stage_params`), as for any tree.
     """
     if ref.processes != 1:
         raise TransferError(
@@ -330,8 +314,126 @@ def pull(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> Any:
         _reachable(ref, deadline)
         conn = server(bind).connect(ref.address)
         leaves = _pull_manifest(conn, ref, deadline, _first_device(want))["leaves"]
-        _check_manifest(leaves, want, ref)
+        validate.ordered_layout(leaves, abstract, where=_where(ref))  # before any weight moves
         arrays = _pull_weights(conn, ref, _receive_specs(leaves, want, ref), deadline)
     except jax.errors.JaxRuntimeError as e:  # connect() or pull() refusing before any wait
         raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: {e}") from None
     return treedef.unflatten(arrays)
+
+
+# --------------------------------------------------------------------------- per-process offers
+#
+# For an engine that runs in several processes (`engine/multihost.py`) the trainer lays its
+# params out the way the engine does (`sharding.engine_shardings` over N x L devices, where the
+# engine has L devices per process): its devices, sorted by id, are split into N consecutive
+# groups and group p's shards are process p's offer. Each process pulls its own offer
+# (`pull_shards`) into single-device buffers and assembles the engine's global arrays from
+# them; a shard whose slice is not one the process holds is refused by name before any weight
+# moves. A per-process ref cannot be pulled by `pull` (a single-process engine), and a
+# one-offer ref sent to several processes is pulled by process 0 and broadcast (the generic
+# path). `engine/multihost_transfer.py` runs the pull on every process and agrees on the outcome.
+
+
+def process_offer(params: Any, process: int, processes: int) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+    """Engine process `process`'s shards of `params` (single-device arrays), header and manifest.
+
+    The devices holding `params`, sorted by id, split into `processes` consecutive groups:
+    group p's shards, each leaf's in device order, are process p's."""
+    names, leaves = _flat(params)
+    devices = sorted({d for x in leaves for d in x.sharding.device_set}, key=lambda d: d.id)
+    if len(devices) % processes:
+        raise TransferError(
+            f"publish(for_processes={processes}): the params are on {len(devices)} device(s), "
+            "not a multiple; lay them out as the engine does over its processes' devices"
+        )
+    k = len(devices) // processes
+    group = set(devices[process * k : (process + 1) * k])
+    arrays, entries = [], []
+    for name, x in zip(names, leaves, strict=True):
+        shards = sorted((s for s in x.addressable_shards if s.device in group), key=lambda s: s.device.id)
+        if not shards:
+            raise TransferError(
+                f"publish(for_processes={processes}): {name} has no shard for process {process}"
+            )
+        arrays += [s.data for s in shards]
+        entries.append(
+            {
+                "name": name,
+                "shape": list(x.shape),
+                "dtype": np.dtype(x.dtype).name,
+                "shards": [_slices(s.index, x.shape) for s in shards],
+            }
+        )
+    manifest = {"leaves": entries, "process": process, "processes": processes}
+    return (arrays, *_header_and_manifest(manifest))
+
+
+def _shard_specs(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferRef) -> tuple[list, list]:
+    """Per offered shard, a single-device buffer on the local device that holds that slice
+    of the engine's array; and per leaf, how many shards it has."""
+    where = f"transfer {ref.address} uuid {ref.uuid}"
+    specs, counts = [], []
+    for leaf, (name, spec) in zip(leaves, want, strict=True):
+        own = {
+            d: _slices(i, spec.shape)
+            for d, i in spec.sharding.addressable_devices_indices_map(spec.shape).items()
+        }
+        if len(leaf["shards"]) != len(own):
+            raise TransferError(
+                f"{where}: {name}: the offer has {len(leaf['shards'])} shard(s), this process holds "
+                f"{len(own)}; publish the engine's layout"
+            )
+        for sl in leaf["shards"]:
+            dev = next((d for d, s in own.items() if s == sl), None)
+            if dev is None:
+                raise TransferError(
+                    f"{where}: {name}: shard {sl} is not one this process holds "
+                    f"({sorted(own.values())}); publish the engine's layout"
+                )
+            del own[dev]
+            shape = tuple(b - a for a, b in sl)
+            specs.append(
+                jax.ShapeDtypeStruct(shape, spec.dtype, sharding=jax.sharding.SingleDeviceSharding(dev))
+            )
+        counts.append(len(leaf["shards"]))
+    return specs, counts
+
+
+def pull_shards(ref: TransferRef, abstract: Any, process: int, *, bind: str = DEFAULT_BIND) -> Any:
+    """Engine process `process`'s offer of a per-process publish, as the engine's global arrays.
+
+    Only this process's shards move; each global array is assembled from them
+    (`jax.make_array_from_single_device_arrays`: no copy, no collective). Raises as `pull`.
+    """
+    if ref.processes != jax.process_count() or not 0 <= process < ref.processes:
+        raise TransferError(
+            f"transfer {ref.address} uuid {ref.uuid}: published for {ref.processes} engine process(es), "
+            f"this engine runs in {jax.process_count()}"
+        )
+    mine = ref.offer(process)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    want = [(path_name(p), spec) for p, spec in flat]
+    deadline = time.monotonic() + ref.timeout_s
+    try:
+        _reachable(mine, deadline)
+        conn = server(bind).connect(mine.address)
+        manifest = _pull_manifest(conn, mine, deadline, _first_device(want))
+        if manifest.get("process") != process or manifest.get("processes") != ref.processes:
+            raise TransferError(
+                f"transfer {mine.address} uuid {mine.uuid}: not process {process}'s offer of "
+                f"{ref.processes} (the manifest says process {manifest.get('process')!r} of "
+                f"{manifest.get('processes')!r})"
+            )
+        validate.ordered_layout(manifest["leaves"], abstract, where=_where(mine))  # before any weight moves
+        specs, counts = _shard_specs(manifest["leaves"], want, mine)
+        arrays = iter(_pull_weights(conn, mine, specs, deadline))
+    except jax.errors.JaxRuntimeError as e:
+        raise TransferError(f"transfer {mine.address} uuid {mine.uuid}: {e}") from None
+    return treedef.unflatten(
+        [
+            jax.make_array_from_single_device_arrays(
+                spec.shape, spec.sharding, [next(arrays) for _ in range(n)]
+            )
+            for (_, spec), n in zip(want, counts, strict=True)
+        ]
+    )
