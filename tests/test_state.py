@@ -19,7 +19,7 @@ from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Sequence
-from hotswap.engine.state import initial_state
+from hotswap.engine.state import empty_state
 from hotswap.errors import NonFiniteWeights
 from hotswap.kernels.backend import Backend
 from hotswap.model.params import abstract_params
@@ -44,7 +44,9 @@ def world(tiny_dir):
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), abstract_params(mcfg)
     )
-    state = initial_state(ingest.place_params(params, abstract), mcfg, ECFG)
+    state = lifecycle.update_weights(
+        empty_state(mcfg, ECFG), ingest.place_params(params, abstract), abstract=abstract
+    )
     sched, runner = (
         Scheduler(ECFG),
         Runner(mcfg, ECFG, Backend.choose(ECFG.attention, head_dim=mcfg.head_dim)),

@@ -28,7 +28,7 @@ from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sequence, Sink
-from hotswap.engine.state import initial_state, new_kv_cache
+from hotswap.engine.state import empty_state, new_kv_cache
 from hotswap.errors import EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
 from hotswap.kernels.backend import Backend
 from hotswap.model import sharding
@@ -80,8 +80,9 @@ class Engine:
         # The first load is an update into an empty state: the same read -> validate -> place
         # (`params` is any weight source). The path was given by whoever built the engine, so
         # `weights_root` (which bounds later updates) does not apply to it.
-        placed = sources.stage_source(params, mcfg, current=None, abstract=self.abstract).params
-        self.state = initial_state(placed, mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
+        staged = sources.stage_source(params, mcfg, current=None, abstract=self.abstract)
+        empty = empty_state(mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
+        self.state = lifecycle.update_weights(empty, staged, abstract=self.abstract)  # version 1
         self.runner = Runner(mcfg, ecfg, self.backend)
         self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)
         self.requests: dict[str, Request] = {}

@@ -100,12 +100,12 @@ def new_kv_cache(
     return KVCache(pages=pages, page_version=np.full(ecfg.num_pages, -1, np.int64))
 
 
-def initial_state(
-    params: Params, mcfg: ModelConfig, ecfg: EngineConfig, version: int = 1, kv_sharding=None, backend=None
-):
+def empty_state(mcfg: ModelConfig, ecfg: EngineConfig, kv_sharding=None, backend=None) -> EngineState:
+    """No weights yet (version 0) and an empty cache: the state the first load updates
+    (`lifecycle.update_weights`), as any later update does."""
     return EngineState(
-        params=params,
-        weights_version=version,
+        params=None,
+        weights_version=0,
         kv=new_kv_cache(mcfg, ecfg, sharding=kv_sharding, backend=backend),
         prefix=PrefixIndex.empty(ecfg.num_pages),
         pool=PagePool.empty(ecfg.num_pages),
