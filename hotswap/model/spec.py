@@ -5,12 +5,12 @@ Everything that needs to know a parameter reads it here: the params tree and its
 abstract (`params.py`), the shardings (`sharding.py`, through the logical axes and
 `sharding.RULES`), the HF loader and saver (`checkpoint/hf.py`), the device-side HF
 conversion of an update (`hf_device.py`), and the validation of every update
-(through `params.abstract_params`). `checkpoint/` imports this module and nothing
-else from `engine/`: the table is what ties a file's tensor names to the params.
+(`validate.py`). `checkpoint/` reads the model through this table and never imports
+`engine/`: the table is what ties a file's tensor names to the params.
 
 Shapes are the params layout (`params.py`): matrices `[in, out]`, used as `x @ W`,
 with the attention projections' heads as their own axes (`wq` `[D, Hq, hd]`, `wo`
-`[Hq, hd, D]`): the model contracts them as they are (`model.py`), and the heads axis
+`[Hq, hd, D]`): the model contracts them as they are (`forward.py`), and the heads axis
 is what tensor parallelism splits. HF stores linear weights as 2-D `[out, in]`
 matrices: `transpose=True` rows are transposed, and a row with `matrix` set is that
 `[in, out]` matrix split into `shape` by a row-major reshape (`from_hf` / `to_hf`,

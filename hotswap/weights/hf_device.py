@@ -84,7 +84,7 @@ def _fused_converter(layout: ParamSpec, dtype: np.dtype, sharding):
 
 def lower_conversion(spec: ParamSpec, dtype: np.dtype, sharding) -> jax.stages.Lowered:
     """The program that converts `spec`'s HF tensor on device, lowered from an abstract input
-    placed as `hf_to_device` places it (`programs.py` compiles it ahead of time)."""
+    placed as `hf_to_device` places it (`programs/catalog.py` compiles it ahead of time)."""
     src = jax.ShapeDtypeStruct(spec.hf_shape, dtype, sharding=_source_sharding(sharding, spec))
     return _converter(spec.layout, dtype, sharding).lower(src)
 
