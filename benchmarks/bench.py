@@ -31,9 +31,13 @@ from benchmarks.workloads import (
     startup,
     weight_updates,
 )
+from hotswap.args import EngineArgs
 from hotswap.errors import HotswapError
 
 HELP = "start-up / decode / serving / prefix / update benchmarks vs HF transformers"
+# The engine the workloads run on (the README's figures): 1,024-token prompts plus output fit,
+# prefill chunks of 512 tokens; `max_num_seqs` is the largest decode batch. Engine flags override.
+WORKLOAD_ENGINE = {"max_model_len": 1088, "max_num_batched_tokens": 512}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--only", choices=("startup",), help="run only this part (startup: cold and warm LLM start)"
     )
+    # The engine options, as `hotswap serve` has them; one given here replaces the workload's own
+    # setting (`WORKLOAD_ENGINE`), e.g. `--dtype bfloat16` or `--attention reference`.
+    EngineArgs.add_cli_args(p, "llm", defaults=False)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.bench") -> int:
@@ -68,6 +75,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.bench"
         return 2
 
 
+def engine_options(args: argparse.Namespace, batches: list[int]) -> dict:
+    """`LLM(model, **options)` for the workloads: theirs, with the engine flags given on top."""
+    return {**WORKLOAD_ENGINE, "max_num_seqs": max(batches), **EngineArgs.given(args, "llm")}
+
+
 def run(args) -> int:
     from hotswap import LLM
     from hotswap.checkpoint.create import create_checkpoint
@@ -78,12 +90,7 @@ def run(args) -> int:
     if not (model_dir / "config.json").exists():
         create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = {
-        "max_model_len": 1088,
-        "max_num_seqs": max(batches),
-        "max_num_batched_tokens": 512,
-        "page_size": 16,
-    }
+    engine = engine_options(args, batches)
     if args.only == "startup":
         result = {"startup": _startup(model_dir, engine)}
         (out / "bench.json").write_text(json.dumps(result, indent=2))

@@ -210,12 +210,15 @@ class EngineArgs:
         return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, scope: str) -> None:
-        """The options of `scope` as flags of `parser` (dest: the field's name)."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, scope: str, *, defaults: bool = True) -> None:
+        """The options of `scope` as flags of `parser` (dest: the field's name). Without `defaults`,
+        a flag the command line does not give is absent from the namespace (`given`): for a
+        command whose workload sets its own engine options (`hotswap bench`)."""
         group = parser.add_argument_group("engine options (hotswap.EngineArgs)")
         for f in cls.fields(scope):
             m = f.metadata
-            kw: dict[str, Any] = dict(dest=f.name, default=f.default, help=m["help"].replace("%", "%%"))
+            default = f.default if defaults else argparse.SUPPRESS
+            kw: dict[str, Any] = dict(dest=f.name, default=default, help=m["help"].replace("%", "%%"))
             if m["type"] is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
@@ -227,6 +230,11 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace, scope: str) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in cls.fields(scope)})
+
+    @classmethod
+    def given(cls, ns: argparse.Namespace, scope: str) -> dict[str, Any]:
+        """The options of `scope` the command line gave (flags added with `defaults=False`)."""
+        return {f.name: getattr(ns, f.name) for f in cls.fields(scope) if hasattr(ns, f.name)}
 
     def kwargs(self, scope: str | None = None) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in self.fields(scope)}

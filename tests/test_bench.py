@@ -52,3 +52,30 @@ def test_weight_updates_time_the_check_beside_the_bandwidth_probe(tiny_dir):
     # one bandwidth throughout: the median of the per-repeat ratios is the ratio of the medians
     assert got["same_sharding_vs_bandwidth"] == pytest.approx(got["same_sharding_ms"] / got["bandwidth_ms"])
     assert got["directory_vs_raw"] == got["directory_s"] / got["raw_read_copy_s"]
+
+
+def test_engine_flags_override_the_workloads_engine_and_only_when_given():
+    """`hotswap bench --dtype bfloat16 ...`: the engine options of `serve` (EngineArgs) are bench
+    flags; one not given leaves the workloads' own setting (and no default of its own is written)."""
+    import argparse
+
+    from benchmarks import bench
+    from hotswap.args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    flags = {opt for a in parser._actions for opt in a.option_strings}
+    assert {EngineArgs.flag(f) for f in EngineArgs.fields("llm")} <= flags
+    plain = bench.engine_options(parser.parse_args([]), [1, 16])
+    assert plain == {**bench.WORKLOAD_ENGINE, "max_num_seqs": 16}
+    given = bench.engine_options(
+        parser.parse_args(["--dtype", "bfloat16", "--max-model-len", "512", "--no-enable-prefix-caching"]),
+        [4],
+    )
+    assert given == {
+        **bench.WORKLOAD_ENGINE,
+        "max_num_seqs": 4,
+        "dtype": "bfloat16",
+        "max_model_len": 512,
+        "enable_prefix_caching": False,
+    }
