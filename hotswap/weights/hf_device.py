@@ -2,9 +2,8 @@
 
 A checkpoint update is dominated by the layout change: HF linear weights are
 `[out, in]`, params `[in, out]` with attention's heads split out (`params.py`,
-the row's `from_hf` in the spec table). As a strided numpy copy that is
-about a nanosecond per element on one core (0.4 s of a 0.6 s update of a 100M
-f32 model). Here each tensor goes to its devices in the file's layout (a plain
+the row's `from_hf` in the spec table). As a strided numpy copy on one core that
+transpose is most of an update's time. Here each tensor goes to its devices in the file's layout (a plain
 copy; on CPU none, jax adopts the aligned memmapped bytes) and a small jit per
 shape converts it there into a fresh array on the engine's sharding. The heads
 split is a reshape of the transposed result: the same bytes.
@@ -13,8 +12,8 @@ split is a reshape of the transposed result: the same bytes.
   into f32), the jit is one C++ call (`kernels/cpu_convert.py`) that reads the
   tensor once, checks it for NaN/Inf while it is in registers and writes it once
   in the params layout: the update costs about a read and copy of the file's
-  bytes. (A tied head made in the same pass as its embedding's copy was slower:
-  the copy then follows the transpose's strips instead of streaming.)
+  bytes. A tied head is made in a pass of its own: made in the embedding's copy, that
+  copy would follow the transpose's strips instead of streaming.
 - Elsewhere (TPU/GPU HBM, a sharded CPU mesh, another cast), XLA transposes and casts,
   and finiteness goes through the update's one pass (`finiteness.py`), over the
   converted values on the device (a cast can overflow); on CPU a source already
@@ -24,11 +23,10 @@ split is a reshape of the transposed result: the same bytes.
 Largest tensors go first. On CPU the new weights are malloc'd while the old
 ones still serve; allocated first, the big buffers reuse the holes the
 previous generation left, rather than finding them split by smaller buffers
-and faulting in fresh pages (a 98 MB head: 24k faults, ~40 ms). Converting the
-big untransposed tensors in numpy instead was measured too: faster under
-glibc's default malloc thresholds (numpy backs big buffers with huge pages),
-but under the engine's raised ones (`host_memory.py`) XLA's buffers are reused
-anyway and the kernel's huge-page compaction stalled early updates by 0.3 s.
+and faulting in fresh pages. The conversion stays in XLA's buffers, not numpy's:
+under the engine's raised malloc thresholds (`host_memory.py`) those are reused
+from one update to the next, where numpy's huge-page-backed buffers would make
+the kernel compact huge pages during the first updates.
 
 An output never shares its input's buffer: the input may view a memmapped
 file or a caller's array, either of which can change after the update returns.

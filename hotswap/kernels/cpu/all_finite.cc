@@ -2,8 +2,8 @@
 // every new weight before it swaps them in (hotswap/kernels/cpu_finite.py).
 //
 // Why: the check reads every weight byte once, so it is bound by memory bandwidth, and
-// XLA:CPU's reductions over bench-100m's 0.4 GB of weights ran at about 28 GB/s: 14 ms,
-// more than the 10 ms a same-sharding update may take. Here the arrays are cut into 1 MB
+// XLA:CPU's reductions run one array at a time well below it, slower than the rest of a
+// same-sharding update. Here the arrays are cut into 1 MB
 // pieces shared out over XLA's intra-op threads, each read once with AVX-512 where the
 // CPU has it.
 //

@@ -1,16 +1,15 @@
 // Paged attention for XLA:CPU, as an XLA FFI custom call (hotswap/kernels/cpu_attention.py).
 //
 // Why C++: on XLA:CPU the jnp attention gathers every page a row reads into a fresh
-// buffer and then runs many tiny batched dots; at batch 32 that was about 55 ms of an
-// 85 ms decode step on bench-100m. Here each row reads its keys straight from the pages
+// buffer and then runs many tiny batched dots, which at long contexts and large batches
+// were most of a decode step. Here each row reads its keys straight from the pages
 // through the block table, a page at a time for all its kv heads, once, with an online
 // softmax: no gather, no temporaries, and the work is spread over XLA's own intra-op
-// thread pool. (A pool of our own spinning threads measured 5-10% slower in the same
-// process: it competed with XLA's threads for the two cores.) Consecutive queries of a
-// prefill chunk share each block of keys while it is in L1 (`QueryRun`), and the q heads of
-// a kv head share each K and V vector loaded (`Fold16`): a 512-token chunk's attention
-// 5.0-5.6 -> 3.8 ms a layer on bench-100m (same-process A/B), decode unchanged (it reads
-// each row's pages once either way).
+// thread pool (a pool of our own would compete with XLA's threads for the same cores).
+// Consecutive queries of a prefill chunk share each block of keys while it is in L1
+// (`QueryRun`), and the q heads of a kv head share each K and V vector loaded (`Fold16`): one head at a time would load a K
+// or V vector per FMA and be bound by the load ports. Decode reads each row's pages once
+// either way.
 //
 // Semantics are those of reference.prefill_attention / decode_attention: the pages hold
 // the cache as it was *before* the step (read only), and the step's own K/V come in
@@ -212,8 +211,8 @@ inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, cons
 // A run of consecutive queries of one chunk (flat indices i0 .. i0 + n - 1): their positions
 // follow one another and they read the same pages, so a work item folds each block of keys
 // into all of them while it is in L1. A query alone per item re-read every key it sees from
-// L2 or L3: a 512-token prefill chunk streamed ~270 MB of K/V a layer that way (runs of 8
-// against runs of 1: 4.2 -> 3.8 ms a layer at 512 tokens; runs of 4 or 16 no different).
+// L2 or L3, hundreds of MB of K/V a layer for a 512-token chunk. Runs are up to 8 queries:
+// shorter ones re-read more, longer ones gained nothing (docs/en/benchmarks.md).
 struct QueryRun {
   int64_t i0, n;
   bool real;  // false: a run of one query that may read nothing (see Real)
@@ -259,8 +258,7 @@ std::vector<QueryRun> Runs(const Shape& s, const int32_t* block_tables, const in
 // go a page at a time (then the chunk's own keys, up to ps at a time), and within a block
 // every kv head of the item in turn, and within a head every query of the run: a slot's K/V
 // for all heads is one contiguous record, so the run's pages stream through once instead of
-// once per kv head and query (one item per kv head read them 4x and ran at a third of the
-// speed on bench-100m).
+// once per kv head and query.
 template <typename A, typename K>
 bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q, const K* pages, const A* k_new,
               const A* v_new, const int32_t* block_tables, const int32_t* positions, const int32_t* chunk_starts,

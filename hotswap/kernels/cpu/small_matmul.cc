@@ -5,15 +5,15 @@
 // poorly at both ends of the range served here:
 //   - 1-2 rows: XLA emits a matrix-vector product as single-threaded loops, so a batch-1
 //     step read its weights at one core's bandwidth. `KSlice` splits the weight rows over
-//     the threads: bench-100m's batch-1 step went from 12.0 to 9.3 ms.
-//   - 3-32 rows: XLA's dot ran at 30-70 GFLOP/s over a chain of bench-100m's layer weights
-//     (302 MB, streamed from DRAM as in a decode step). Up to ~20 rows a step is bound by
+//     the threads.
+//   - 3-32 rows: XLA's dot ran far below both the FMA peak and DRAM bandwidth over a chain
+//     of layer weights streamed from DRAM as in a decode step. Up to ~20 rows a step is bound by
 //     reading w (2M FLOP per 4-byte weight against ~11 FLOP/B of the cores over DRAM), above
 //     it by the FMAs. `Item` reads w in place (no packing: the engine's weights are the
 //     trainer's arrays, zero copy), prefetching each block of row segments into L2 a block
 //     ahead, and multiplies every w vector it loads into up to 9 rows held in registers (a
 //     tile's rows set its speed on Zen 4: 5-9 rows run at the FMA peak, 4 or fewer at half
-//     of it). Over that chain: 1.2-2x XLA's dot at 8-32 rows.
+//     of it).
 //
 // Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
 // at most HotswapSmallMatmulMaxRows() rows.
@@ -216,7 +216,7 @@ void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
 // y_i = x[M, K] @ w_i[K, N_i] for every product, all their work items in one parallel region:
 // a layer's q/k/v (or gate/up) weights share x, and one region instead of one per weight
 // saves each call's start (waking the helper thread, the end-of-call wait for the slowest
-// item). Against a call per weight, same-process A/B: batch 1 +2-4%, batch 16 +5%.
+// item).
 void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std::vector<Product>& ps) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (K == 0) {  // no item would write y
