@@ -49,9 +49,7 @@ def run(args: argparse.Namespace) -> dict:
     import optax
     from tqdm.auto import tqdm
 
-    from hotswap.checkpoint import hf
     from hotswap.checkpoint.create import create_checkpoint
-    from hotswap.checkpoint.payload import encode_safetensors
     from hotswap.checkpoint.tokenizer import Tokenizer
     from hotswap.engine.sampling import SamplingParams
     from hotswap.rl import grpo
@@ -81,40 +79,12 @@ def run(args: argparse.Namespace) -> dict:
     )
 
     with contextlib.ExitStack() as stack:
-        if args.via_http:
-            from hotswap.rl.remote import ServerProcess, rollout_http, token_map
-
-            _say("starting `hotswap serve` (compiling its steps) ...")
-            server = stack.enter_context(ServerProcess(model_dir, out / "server.log", engine_args))
-            cfg, host_params = hf.load_hf_dir(model_dir)
-            params = jax.device_put(host_params, jax.devices()[0])  # committed, like the step's outputs
-            tmap = token_map(tok, cfg.vocab_size)
-
-            def rollout(prompts, sps):
-                return rollout_http(server, tmap, prompts, n, max_tokens)
-
-            def push(new_params) -> int:
-                data = encode_safetensors(hf.hf_from_params(cfg, jax.device_get(new_params)))
-                return server.update_weights(data, args.policy)
-
-            version = server.weights_version()
-        else:
-            from hotswap.engine.llm import LLM
-            from hotswap.rl.rollout import rollout_local
-
-            llm = LLM(model_dir, **engine_args)
-            cfg, params = llm.config, llm.params  # the trainer starts from the very arrays served
-
-            def rollout(prompts, sps):
-                return rollout_local(llm, prompts, sps)
-
-            def push(new_params) -> int:
-                return llm.update_weights(new_params, policy=args.policy)
-
-            version = llm.weights_version
+        cfg, params, rollout, push, version = _serving(
+            args, stack, model_dir, tok, engine_args, n, max_tokens
+        )
 
         # Global-norm clipping as TRL's GRPO trainer does (max_grad_norm=1.0): without it one
-        # large step late in the run can undo what the policy learned (seen at step ~390).
+        # large step late in the run can undo what the policy learned.
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
         # Committed like the params, or the second step (fed the first step's outputs) would recompile.
         opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), optimizer.init(params))
@@ -186,6 +156,62 @@ def run(args: argparse.Namespace) -> dict:
             bar.set_postfix(reward=f"{row['reward']:.3f}", version=version, mismatch=f"{mismatch:.1e}")
             if step % every == 0 or step in (1, args.steps):
                 tqdm.write(_format_row(row), file=sys.stdout)
+
+    return _summarize(rows, args, out, version, resolved, t_start)
+
+
+def _serving(
+    args, stack: contextlib.ExitStack, model_dir: Path, tok, engine_args: dict, n: int, max_tokens: int
+):
+    """The engine the demo trains against, in this process or as a `hotswap serve` subprocess:
+    (model config, the trainer's initial params, rollout(prompts, sps), push(params) -> version,
+    the serving version)."""
+    import jax
+
+    from hotswap.checkpoint import hf
+    from hotswap.checkpoint.payload import encode_safetensors
+
+    if args.via_http:
+        from hotswap.rl.remote import ServerProcess, rollout_http, token_map
+
+        _say("starting `hotswap serve` (compiling its steps) ...")
+        server = stack.enter_context(ServerProcess(model_dir, Path(args.out) / "server.log", engine_args))
+        cfg, host_params = hf.load_hf_dir(model_dir)
+        params = jax.device_put(host_params, jax.devices()[0])  # committed, like the step's outputs
+        tmap = token_map(tok, cfg.vocab_size)
+
+        def rollout(prompts, sps):
+            return rollout_http(server, tmap, prompts, n, max_tokens)
+
+        def push(new_params) -> int:
+            data = encode_safetensors(hf.hf_from_params(cfg, jax.device_get(new_params)))
+            return server.update_weights(data, args.policy)
+
+        return cfg, params, rollout, push, server.weights_version()
+
+    from hotswap.engine.llm import LLM
+    from hotswap.rl.rollout import rollout_local
+
+    llm = LLM(model_dir, **engine_args)
+
+    def rollout(prompts, sps):
+        return rollout_local(llm, prompts, sps)
+
+    def push(new_params) -> int:
+        return llm.update_weights(new_params, policy=args.policy)
+
+    return (
+        llm.config,
+        llm.params,
+        rollout,
+        push,
+        llm.weights_version,
+    )  # the trainer starts from the served arrays
+
+
+def _summarize(rows: list[dict], args, out: Path, version: int, resolved: int, t_start: float) -> dict:
+    """The run's summary (also written to OUT/summary.json), its metrics.jsonl and plot."""
+    import numpy as np
 
     w = max(1, min(10, args.steps // 10))  # average a few steps: one step's mean reward is noisy
     summary = {
