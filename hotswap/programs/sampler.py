@@ -50,11 +50,33 @@ class SamplingArrays:
         return SamplingArrays(t, k, p, m, s, st, top)
 
 
+def _draw(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
+    """One categorical draw per row from `scaled` [R, V] (masked entries -inf): the Gumbel-max
+    draw of jax.random.categorical, with the vector argmax. A row's noise depends only on its
+    seed and output index, so it draws the same token in any batch."""
+
+    def draw(row_logits, seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return argmax(jax.random.gumbel(key, row_logits.shape, row_logits.dtype) + row_logits)
+
+    return jax.vmap(draw)(scaled, sa.seed, sa.step)
+
+
+def _scaled(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
+    return logits / jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
+
+
+def _filters(sa: SamplingArrays) -> jax.Array:
+    """Rows that ask for top-k, top-p or min-p [R]: only they need the sorted distribution."""
+    return (sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)
+
+
 def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
-    """Temperature + top-k + top-p + min-p, then a categorical draw per row."""
+    """Temperature + top-k + top-p + min-p, then a categorical draw per row. A row that sets
+    no filter keeps every entry exactly, so it draws what `_draw` draws on its scaled logits
+    (the unsorted path `sample` takes when no row filters): the batch never changes a token."""
     v = logits.shape[-1]
-    temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
-    scaled = logits / temp
+    scaled = _scaled(logits, sa)
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
     k = jnp.where(sa.top_k > 0, jnp.minimum(sa.top_k, v), v)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
@@ -64,17 +86,12 @@ def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
     # Smallest set whose mass reaches top_p: keep sorted entries whose preceding mass < top_p.
     n_keep = jnp.sum((cum - probs_sorted) < sa.top_p[:, None], axis=-1)
     p_thresh = jnp.take_along_axis(sorted_desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
-    keep &= scaled >= p_thresh
+    # top_p = 1 keeps everything, exactly (the cumulative sum may round a tail entry's
+    # preceding mass up to 1).
+    keep &= (sa.top_p[:, None] >= 1.0) | (scaled >= p_thresh)
     probs = jax.nn.softmax(scaled, axis=-1)
     keep &= probs >= sa.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-
-    def draw(row_logits, seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        # The Gumbel-max draw of jax.random.categorical, with the vector argmax.
-        return argmax(jax.random.gumbel(key, row_logits.shape, row_logits.dtype) + row_logits)
-
-    return jax.vmap(draw)(masked, sa.seed, sa.step)
+    return _draw(jnp.where(keep, scaled, -jnp.inf), sa)
 
 
 def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -91,10 +108,20 @@ def sample(
     # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
     # and re-reading a vocabulary-wide array per row is memory traffic the step does not need).
     greedy, lse = row_stats(logits)
-    # Skip the sort entirely when every row is greedy (the common benchmark case).
+    # No draw when every row is greedy; no [R, V] sort unless a sampling row filters (plain
+    # temperature sampling is a Gumbel-max over the scaled logits).
+    sampling = sa.temperature > 0
     tokens = jax.lax.cond(
-        jnp.any(sa.temperature > 0),
-        lambda: jnp.where(sa.temperature > 0, _filtered_sample(logits, sa).astype(jnp.int32), greedy),
+        jnp.any(sampling),
+        lambda: jnp.where(
+            sampling,
+            jax.lax.cond(
+                jnp.any(sampling & _filters(sa)),
+                lambda: _filtered_sample(logits, sa),
+                lambda: _draw(_scaled(logits, sa), sa),
+            ).astype(jnp.int32),
+            greedy,
+        ),
         lambda: greedy,
     )
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
