@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hotswap.engine.structured import StructuredOutputs, structured_outputs
 from hotswap.errors import RequestError
 from hotswap.programs.sampler import TOP_LOGPROBS
 
@@ -27,6 +28,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0..20)
     skip_special_tokens: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar: engine/structured.py);
+    # a dict is read as vLLM's JSON form.
+    structured_outputs: StructuredOutputs | dict | None = None
 
     def __post_init__(self):
         if self.n < 1:
@@ -43,6 +47,7 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= TOP_LOGPROBS):
             raise RequestError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {self.logprobs}")
+        self.structured_outputs = structured_outputs(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -1,0 +1,189 @@
+"""Structured outputs: what a request's output must match, compiled once per distinct constraint.
+
+A request asks with `StructuredOutputs` (vLLM's `StructuredOutputsParams`: exactly one of
+`json`, `json_object`, `regex`, `choice`, `grammar`, `structural_tag`). `Grammars` turns it
+into an llguidance grammar, checks it against the model's tokenizer before anything is
+queued (a bad schema, regex or grammar is a `RequestError` naming the field), and keeps the
+compiled matcher per distinct constraint, so a repeated schema costs a `deep_copy`. Each
+constrained sequence owns a matcher that advances by the tokens it commits; tokens are never
+taken back (every update policy keeps them), so its state survives a pause, a `keep` or a
+`recompute`. The runner fills the packed token masks of a step's constrained rows
+(`fill_masks`), the device sampler applies them (`programs/sampler.py`).
+
+llguidance (the library sgl-jax and vLLM use): an Earley parser over a lexer whose token
+masks cost tens of microseconds, with a Rust thread pool for a batch's masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from hotswap.checkpoint.tokenizer import Tokenizer
+from hotswap.errors import RequestError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+CACHE_SIZE = 256  # distinct constraints kept compiled (an RL run repeats a handful)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's `StructuredOutputsParams`: exactly one constraint.
+
+    json: a JSON schema (a dict or its text); json_object: any JSON object; regex: the whole
+    output matches it; choice: the output is one of these strings; grammar: a Lark grammar
+    (llguidance's dialect) or GBNF/EBNF (llama.cpp's, converted); structural_tag: vLLM's form
+    {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}:
+    free text in which a trigger starts a constrained segment.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict | str | None = None
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _field_error(
+                "structured_outputs",
+                f"set exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}",
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise _field_error("structured_outputs.choice", "expected a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _field_error(f"structured_outputs.{name}", "expected a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled matcher."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return self.kind, value
+        return self.kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar (not yet checked: `Grammars.matcher` does that)."""
+        kind, value = self.kind, getattr(self, self.kind)
+        try:
+            if kind == "json":
+                return llguidance.LLMatcher.grammar_from_json_schema(value)
+            if kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            if kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(value)
+            if kind == "choice":
+                return llguidance.grammar_from("choice", json.dumps(value))
+            if kind == "grammar":
+                return llguidance.grammar_from("grammar", value)
+            return _structural_tag(value)
+        except (ValueError, TypeError, AssertionError) as e:
+            raise _field_error(f"structured_outputs.{kind}", str(e)) from e
+
+
+def _structural_tag(value: dict | str) -> str:
+    """vLLM's structural_tag form -> an llguidance Lark grammar of free text and tagged segments."""
+    spec = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list) or not spec["structures"]:
+        raise ValueError('expected {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}')
+    triggers = spec.get("triggers") or []
+    tags = []
+    for s in spec["structures"]:
+        begin = s.get("begin")
+        if not isinstance(begin, str) or not begin:
+            raise ValueError("each structure needs a non-empty 'begin'")
+        trigger = next((t for t in triggers if begin.startswith(t)), begin)
+        tags.append(
+            llguidance.StructTag(
+                trigger=trigger, begin=begin, grammar=s.get("schema") or {}, end=s.get("end", "")
+            )
+        )
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def _field_error(field: str, why: str) -> RequestError:
+    err = RequestError(f"{field}: {why}")
+    err.param = field  # type: ignore[attr-defined]  # the OpenAI error's `param`
+    return err
+
+
+class Grammars:
+    """One model's constraint compiler: its llguidance tokenizer, the compiled matchers (an LRU
+    over `StructuredOutputs.key`), and the thread pool that fills a batch's masks."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+        # The model's vocabulary (embedding rows) may exceed the tokenizer's: the mask covers
+        # every row, and ids with no token are never allowed.
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)  # int32 words of one row's packed mask
+        eos = list(eos_ids) or None
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json_str(), n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor()
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, so: StructuredOutputs) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence; compiles `so` on first sight. RequestError (naming
+        the field) for a constraint the library rejects."""
+        key = so.key()
+        template = self._compiled.get(key)
+        if template is None:
+            grammar = so.to_grammar()
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+            if is_error:
+                raise _field_error(f"structured_outputs.{so.kind}", messages[0] if messages else "invalid")
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise _field_error(f"structured_outputs.{so.kind}", template.get_error())
+            self._compiled[key] = template
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return template.deep_copy()
+
+    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int]], mask: np.ndarray) -> None:
+        """Write each (matcher, row)'s allowed tokens into mask[row] ([S, words] int32, bit t of
+        word t // 32 is token t), all rows in parallel on llguidance's threads."""
+        if rows:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, mask)
+
+
+def consume(matcher: llguidance.LLMatcher, token: int) -> bool:
+    """Advance a sequence's matcher by its sampled token. True when the constraint is complete
+    (nothing more may follow) or broken; the sequence then stops."""
+    matcher.consume_token(token)
+    return matcher.is_stopped() or matcher.is_error()
+
+
+def structured_outputs(value: Any) -> StructuredOutputs | None:
+    """A `StructuredOutputs`, or the dict form of one (vLLM's JSON body), or None."""
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    if not isinstance(value, dict):
+        raise _field_error("structured_outputs", f"expected an object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(KINDS) - _IGNORED)
+    if unknown:
+        raise _field_error("structured_outputs", f"unknown field(s) {unknown}; use one of {KINDS}")
+    return StructuredOutputs(**{k: v for k, v in value.items() if k in KINDS})
+
+
+# vLLM's options for its own backends; accepted, with no effect here.
+_IGNORED = frozenset(
+    {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+)
