@@ -211,6 +211,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         as_ids = body.return_tokens_as_token_ids
         lp = completion_logprobs(tok, comp, start, offset, as_ids) if body.logprobs is not None else None
         out = {"index": ci, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        if body.return_token_ids:  # a stream sends the prompt's ids with a choice's first tokens
+            if start == 0:
+                out["prompt_token_ids"] = prompts[ci // sp.n][1]
+            out["token_ids"] = comp.token_ids[start:]
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
@@ -277,9 +281,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     def logprobs(comp: CompletionOutput, start: int) -> dict | None:
         return chat_logprobs(tok, comp, start, body.return_tokens_as_token_ids) if body.logprobs else None
 
+    def token_ids(comp: CompletionOutput, start: int) -> dict:
+        return {"token_ids": comp.token_ids[start:]} if body.return_token_ids else {}
+
+    prompt_ids = {"prompt_token_ids": ids} if body.return_token_ids else {}
+
     def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int, _offset: int = 0) -> dict:
         out = {"index": ci, "delta": {"content": text}, "logprobs": logprobs(comp, start)}
-        out["finish_reason"] = comp.finish_reason
+        out.update(token_ids(comp, start), finish_reason=comp.finish_reason)
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
@@ -287,17 +296,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         # The role comes first, once per choice, as OpenAI sends it.
         head = [
-            wrap(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                ctx.engine.weights_version,
-            )
+            {
+                **wrap(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    ctx.engine.weights_version,
+                ),
+                **prompt_ids,
+            }
             for i in range(sp.n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -312,6 +324,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
             "logprobs": logprobs(c, 0),
+            **token_ids(c, 0),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             **version_fields(c),
@@ -319,4 +332,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         }
         for c in outs[0].outputs
     ]
-    return JSONResponse({**wrap(choices, response_version(outs)), "usage": usage(outs)})
+    return JSONResponse({**wrap(choices, response_version(outs)), **prompt_ids, "usage": usage(outs)})
