@@ -97,7 +97,8 @@ class Engine:
         self.eos_ids = tuple(sorted(eos))
         self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "steps": 0}
         self._pause_mode: str | None = None  # set by pause(): the engine does not step
-        self._grammars: Grammars | None = None  # built on the first constrained request
+        # The constraint compiler, built on the first constrained request (engine/structured.py).
+        self.grammars: Grammars | None = None
         if warmup:
             self.runner.warmup(self.state.params, self.state.kv.pages, progress, cache=self._cache_on)
 
@@ -218,9 +219,9 @@ class Engine:
             return [None] * params.n
         if self.tokenizer is None:
             raise RequestError("structured_outputs: this model has no tokenizer to constrain the output with")
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
-        return [self._grammars.matcher(so) for _ in range(params.n)]
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
+        return [self.grammars.matcher(so) for _ in range(params.n)]
 
     def abort(self, request_id: str) -> None:
         with self._lock:

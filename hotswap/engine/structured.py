@@ -171,6 +171,10 @@ class Grammars:
         # never holds up a step.
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """Distinct constraints compiled and kept."""
+        return len(self._compiled)
+
     def matcher(self, so: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher for one sequence; compiles `so` on first sight. RequestError (naming
         the field) for a constraint the library rejects."""
