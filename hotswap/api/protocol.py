@@ -3,7 +3,7 @@
 Requests forbid unknown fields, so a typo such as `max_token` is a 400 naming
 the field instead of a silently ignored knob. Fields the official `openai`
 client can send are accepted; those this engine cannot honour (penalties,
-logit_bias, tools, ...) are accepted only at their neutral value and refused
+logit_bias, ...) are accepted only at their neutral value and refused
 otherwise, again naming the field.
 """
 
@@ -113,6 +113,9 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant's calls (arguments as JSON text) and a tool result's call; checked in engine/chat.py.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -131,17 +134,14 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None
-    # Accepted only at their neutral value.
+    # Tool calling (hotswap/tools/choice.py checks them).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted only at their neutral value.
     response_format: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise unsupported("tools", "tool calling is not implemented")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling is not implemented")
         if self.response_format not in (None, {"type": "text"}):
             raise unsupported("response_format", "only {'type': 'text'} is supported")
         if self.top_logprobs and not self.logprobs:
