@@ -279,7 +279,7 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
         tables = {i: tuple(range(1 + i * pps, 1 + (i + 1) * pps)) for i in range(b)}
         batch = run.decode_batch(seqs, tables)
         sa = SamplingArrays.from_rows(
-            [(SamplingParams(temperature=0.0), 0, 0)] * b, batch.sample_idx.shape[0]
+            [(SamplingParams(temperature=0.0), 0, 0)] * b, batch.sample_idx.shape[0], mcfg.vocab_size
         )
         t0 = time.perf_counter()
         pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)

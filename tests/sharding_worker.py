@@ -73,7 +73,7 @@ def collectives(llm: LLM) -> dict:
     """
     e, out = llm.engine, {}
     for name, (b, c) in {"decode": (4, 1), "prefill": (2, PREFILL_ROW)}.items():
-        batch, sa = placeholder_inputs(b, c, 4, e.backend)
+        batch, sa = placeholder_inputs(b, c, 4, e.backend, vocab_size=e.mcfg.vocab_size)
         args = (e.state.params, e.state.kv.pages, batch, sa)
         fwd = forward_jit.lower(*args, cfg=e.mcfg, backend=e.backend).compile()
         new_kv, _ = forward_jit(*args, cfg=e.mcfg, backend=e.backend)

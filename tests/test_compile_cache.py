@@ -143,7 +143,7 @@ def test_the_step_cache_hits_only_the_same_code_and_bucket(
     )
     st, cfg, cpu = llm.engine.state, llm.engine.mcfg, llm.engine.backend
     ref = Backend.choose("reference", head_dim=cfg.head_dim)
-    args = (st.params, st.kv.pages, *placeholder_inputs(2, 1, 4, cpu))
+    args = (st.params, st.kv.pages, *placeholder_inputs(2, 1, 4, cpu, vocab_size=cfg.vocab_size))
     assert step_cache.eligible(args, cpu) and not step_cache.eligible(args, ref)
     assert step_cache.load(args, cfg=cfg, backend=cpu) is None
     step_cache.store(compile_step(*args, cfg=cfg, backend=cpu), args, cfg=cfg, backend=cpu)
@@ -153,7 +153,7 @@ def test_the_step_cache_hits_only_the_same_code_and_bucket(
     want = fused_jit(st.params, tuple(x.copy() for x in fresh), *args[2:], cfg=cfg, backend=cpu)
     got = loaded(st.params, tuple(x.copy() for x in fresh), *args[2:])
     assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True))
-    other = (st.params, st.kv.pages, *placeholder_inputs(1, 1, 4, cpu))
+    other = (st.params, st.kv.pages, *placeholder_inputs(1, 1, 4, cpu, vocab_size=cfg.vocab_size))
     assert step_cache.load(other, cfg=cfg, backend=cpu) is None
     monkeypatch.setattr(step_cache, "code_hash", lambda: "an edited package")
     assert step_cache.load(args, cfg=cfg, backend=cpu) is None

@@ -235,12 +235,12 @@ def test_engine_step_contains_pallas_call(tiny_dir):
     shapes = runner.Runner(mcfg, ecfg, pallas).buckets.shapes()
     for b, c, p in (shapes[-1], shapes[0]):  # the largest packed prefill and a decode batch, as in warmup
         pages = new_kv_cache(mcfg, ecfg, backend=pallas).pages
-        args = (params, pages, *placeholder_inputs(b, c, p, pallas))
+        args = (params, pages, *placeholder_inputs(b, c, p, pallas, vocab_size=mcfg.vocab_size))
         fused = fused_jit.trace(*args, cfg=mcfg, backend=pallas).jaxpr
         assert "pallas_call" in str(fused)
         assert list(_primitives(fused.jaxpr)).count("pallas_call") == mcfg.num_layers
         pages = new_kv_cache(mcfg, ecfg, backend=reference_).pages
-        args = (params, pages, *placeholder_inputs(b, c, p, reference_))
+        args = (params, pages, *placeholder_inputs(b, c, p, reference_, vocab_size=mcfg.vocab_size))
         ref = forward_jit.trace(*args, cfg=mcfg, backend=reference_).jaxpr
         assert "pallas_call" not in str(ref)
 

@@ -18,7 +18,7 @@ def _logits(rows: int, seed: int = 0) -> jax.Array:
 
 
 def _tokens(logits, params: list[SamplingParams], seeds, steps) -> np.ndarray:
-    sa = SamplingArrays.from_rows(list(zip(params, seeds, steps, strict=True)), len(params))
+    sa = SamplingArrays.from_rows(list(zip(params, seeds, steps, strict=True)), len(params), logits.shape[-1])
     return np.asarray(jax.jit(sample)(logits, sa)[0])
 
 

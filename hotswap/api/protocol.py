@@ -3,8 +3,8 @@
 Requests forbid unknown fields, so a typo such as `max_token` is a 400 naming
 the field instead of a silently ignored knob. Fields the official `openai`
 client can send are accepted; those this engine cannot honour (penalties,
-logit_bias, ...) are accepted only at their neutral value and refused
-otherwise, again naming the field.
+logit_bias) are accepted only at their neutral value and refused otherwise,
+again naming the field.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hotswap.api import structured_fields
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
+from hotswap.engine.structured import StructuredOutputs
 from hotswap.errors import RequestError
 
 
@@ -41,6 +43,19 @@ class _Common(_Strict):
     # vLLM's field: logprob tokens as "token_id:<id>", so a client (an RL trainer re-scoring
     # its samples) gets exact ids; decoded strings of byte-level tokens are ambiguous.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: `prompt_token_ids` and each choice's `token_ids`, so a trainer never re-tokenizes.
+    return_token_ids: bool = False
+    # The output's constraint: OpenAI's `response_format` or vLLM's `structured_outputs` body
+    # (api/structured_fields.py); vLLM's removed `guided_*` fields get a 400 naming the new one.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_json_object: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted for openai-client compatibility; only neutral values (see `_check_neutral`).
@@ -56,7 +71,13 @@ class _Common(_Strict):
         if self.logit_bias:
             raise unsupported("logit_bias", "logit bias is not implemented; leave it unset or {}")
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutputs | None:
+        structured_fields.refuse_guided({name: getattr(self, name) for name in structured_fields.GUIDED})
+        return structured_fields.request_constraint(self.response_format, self.structured_outputs)
+
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None, constraint: StructuredOutputs | None
+    ) -> SamplingParams:
         self._check_neutral()
         return SamplingParams(
             n=self.n,
@@ -71,6 +92,7 @@ class _Common(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=constraint,
         )
 
 
@@ -101,7 +123,7 @@ class CompletionRequest(_Common):
             raise unsupported("best_of", "best_of != n is not implemented")
         if self.suffix:
             raise unsupported("suffix", "suffix (insertion) is not implemented")
-        return self._sampling(self.max_tokens, self.logprobs)
+        return self._sampling(self.max_tokens, self.logprobs, self.constraint())
 
 
 class TextPart(_Strict):
@@ -138,16 +160,14 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # Accepted only at their neutral value.
-    response_format: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.response_format not in (None, {"type": "text"}):
-            raise unsupported("response_format", "only {'type': 'text'} is supported")
         if self.top_logprobs and not self.logprobs:
             raise unsupported("top_logprobs", "top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling(
+            max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.constraint()
+        )
 
 
 # --------------------------------------------------------------------------- responses

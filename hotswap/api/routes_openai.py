@@ -216,6 +216,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         as_ids = body.return_tokens_as_token_ids
         lp = completion_logprobs(tok, comp, start, offset, as_ids) if body.logprobs is not None else None
         out = {"index": ci, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        if body.return_token_ids:  # a stream sends the prompt's ids with a choice's first tokens
+            if start == 0:
+                out["prompt_token_ids"] = prompts[ci // sp.n][1]
+            out["token_ids"] = comp.token_ids[start:]
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
@@ -292,6 +296,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     def logprobs(comp: CompletionOutput, start: int) -> dict | None:
         return chat_logprobs(tok, comp, start, body.return_tokens_as_token_ids) if body.logprobs else None
 
+    def token_ids(comp: CompletionOutput, start: int) -> dict:
+        return {"token_ids": comp.token_ids[start:]} if body.return_token_ids else {}
+
+    prompt_ids = {"prompt_token_ids": ids} if body.return_token_ids else {}
     readers: dict[int, ToolStream | None] = {}  # per choice: its tool-call reader (None: no tools)
 
     def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int, _offset: int = 0) -> dict | None:
@@ -308,7 +316,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             if read.tool_calls:
                 delta["tool_calls"] = [t.to_openai() for t in read.tool_calls]
             reason = _finish_reason(reason, reader.calls)
-        out = {"index": ci, "delta": delta, "logprobs": logprobs(comp, start), "finish_reason": reason}
+        out = {"index": ci, "delta": delta, "logprobs": logprobs(comp, start)}
+        out.update(token_ids(comp, start), finish_reason=reason)
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
@@ -316,17 +325,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         # The role comes first, once per choice, as OpenAI sends it.
         head = [
-            wrap(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-                ctx.engine.weights_version,
-            )
+            {
+                **wrap(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    ctx.engine.weights_version,
+                ),
+                **prompt_ids,
+            }
             for i in range(sp.n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -349,6 +361,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "index": c.index,
             "message": message,
             "logprobs": logprobs(c, 0),
+            **token_ids(c, 0),
             "finish_reason": reason,
             "stop_reason": c.stop_reason,
             **version_fields(c),
@@ -356,4 +369,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         }
 
     choices = [message_choice(c) for c in outs[0].outputs]
-    return JSONResponse({**wrap(choices, response_version(outs)), "usage": usage(outs)})
+    return JSONResponse({**wrap(choices, response_version(outs)), **prompt_ids, "usage": usage(outs)})

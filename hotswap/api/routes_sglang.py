@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from hotswap.api import rl_common
+from hotswap.api import rl_common, structured_fields
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin, settle
 from hotswap.api.errors import HotswapError, RequestError, WeightsPathNotAllowed, exception_body
 from hotswap.engine.lifecycle import SLEEP_TAGS, wake_tags
@@ -246,6 +246,11 @@ class _SGLangSampling(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    # Structured outputs (SGLang's names): at most one.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def engine(self) -> SamplingParams:
         return SamplingParams(
@@ -259,6 +264,9 @@ class _SGLangSampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_fields.from_sglang(
+                self.json_schema, self.regex, self.ebnf, self.structural_tag
+            ),
         )
 
 

@@ -29,6 +29,7 @@ from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sequence, Sink
 from hotswap.engine.state import empty_state, new_kv_cache
+from hotswap.engine.structured import Grammars
 from hotswap.errors import EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
 from hotswap.kernels.backend import Backend
 from hotswap.model import sharding
@@ -96,6 +97,7 @@ class Engine:
         self.eos_ids = tuple(sorted(eos))
         self._counts = {"prompt_tokens": 0, "cached_tokens": 0, "steps": 0}
         self._pause_mode: str | None = None  # set by pause(): the engine does not step
+        self._grammars: Grammars | None = None  # built on the first constrained request
         if warmup:
             self.runner.warmup(self.state.params, self.state.kv.pages, progress, cache=self._cache_on)
 
@@ -164,6 +166,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; max_model_len is {self.ecfg.max_model_len} "
                 "(the prompt plus at least one generated token must fit)"
             )
+        matchers = self._matchers(params)
         rid = request_id or uuid.uuid4().hex
         with self._lock:
             if not self.state.serving:  # paused is fine: the request waits in the queue
@@ -195,6 +198,7 @@ class Engine:
                         arrival=arrival,
                         eos_ids=() if params.ignore_eos else self.eos_ids,
                         fork_parent=seqs[0] if i > 0 else None,
+                        matcher=matchers[i],
                         output_text=SequenceText(self.tokenizer, params)
                         if self.tokenizer is not None
                         else None,
@@ -205,6 +209,18 @@ class Engine:
                 self.sched.add(s)
             self._counts["prompt_tokens"] += len(ids)
         return rid
+
+    def _matchers(self, params: SamplingParams) -> list:
+        """One constraint matcher per sample (None: unconstrained); compiling the constraint
+        here refuses a bad schema, regex or grammar before anything is queued."""
+        so = params.structured_outputs
+        if so is None:
+            return [None] * params.n
+        if self.tokenizer is None:
+            raise RequestError("structured_outputs: this model has no tokenizer to constrain the output with")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
+        return [self._grammars.matcher(so) for _ in range(params.n)]
 
     def abort(self, request_id: str) -> None:
         with self._lock:

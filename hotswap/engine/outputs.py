@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from hotswap.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
+from hotswap.engine import structured
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Request, Sequence
 
@@ -181,6 +182,9 @@ def finish_reason(seq: Sequence, max_model_len: int) -> tuple[str | None, int | 
         hit = seq.output_text.append(t, stop_terminated=reason is not None)
         if hit is not None:
             reason, stop = "stop", hit
+    # A constraint that is complete (nothing may follow) ends the sample, as EOS would.
+    if seq.matcher is not None and structured.consume(seq.matcher, t) and reason is None:
+        reason = "stop"
     if reason is None and p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens:
         reason = "length"
     if reason is None and seq.total_len >= max_model_len:

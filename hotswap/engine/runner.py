@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig
+from hotswap.engine import structured
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import EngineState
@@ -25,7 +26,7 @@ from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.programs import compile_cache, step_cache
-from hotswap.programs.sampler import SamplingArrays
+from hotswap.programs.sampler import SamplingArrays, mask_words
 from hotswap.programs.step import PREFILL_ROW, Buckets, compile_step, pick, placeholder_inputs, run_step
 
 Tables = Mapping[int, tuple[int, ...]]  # seq_id -> block table (the state's page pool)
@@ -149,6 +150,17 @@ class Runner:
             row += k
         return bt
 
+    def _masks(self, rows: list[tuple[Sequence, int]], s: int) -> np.ndarray | None:
+        """The packed token masks of the constrained rows that sample a token in this call (a
+        prompt chunk short of its end samples nothing); None when no row is constrained."""
+        live = [(q.matcher, i) for i, (q, n) in enumerate(rows) if q.matcher is not None]
+        if not live:
+            return None
+        mask = np.zeros((s, mask_words(self.mcfg.vocab_size)), np.int32)
+        sampling = [(m, i) for m, i in live if rows[i][0].num_computed + rows[i][1] >= rows[i][0].total_len]
+        structured.fill_masks(sampling, mask)
+        return mask
+
     def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], tables: Tables, kind: str):
         """One jitted call for `rows`: a decode batch, prefill chunks packed together, or (ragged)
         both in one [T, 1] block."""
@@ -159,7 +171,12 @@ class Runner:
         else:
             batch = self.prefill_batch(rows, tables)
         s = batch.sample_idx.shape[0]
-        sa = SamplingArrays.from_rows([(q.params, q.seed, len(q.output_ids)) for q, _ in rows], s)
+        sa = SamplingArrays.from_rows(
+            [(q.params, q.seed, len(q.output_ids)) for q, _ in rows],
+            s,
+            self.mcfg.vocab_size,
+            self._masks(rows, s),
+        )
         step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
         pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
         n_rows = len(rows)
@@ -226,7 +243,13 @@ class Runner:
         `counter` is warm-up's `CompileCounter`; its counts for this thread tell how it came."""
         b, c, p = shape
         backend = self.backend
-        args = (params, pages, *placeholder_inputs(b, c, p, backend, self.buckets.samples(b, c)))
+        args = (
+            params,
+            pages,
+            *placeholder_inputs(
+                b, c, p, backend, self.buckets.samples(b, c), vocab_size=self.mcfg.vocab_size
+            ),
+        )
         keep = step_cache.eligible(args, backend)
         step = step_cache.load(args, cfg=self.mcfg, backend=backend) if cache and keep else None
         if step is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,6 +62,9 @@ class Sequence:
     kv_version: int | None = None
     output_kv_versions: list[int] = dataclasses.field(default_factory=list)  # kv_version per token
     prompt_keys: tuple[int, list[int]] | None = None  # (version, chain keys of full prompt pages)
+    # Structured outputs: the llguidance matcher of this sample's output so far (its next
+    # token's mask; engine/structured.py), None when unconstrained.
+    matcher: Any = None
 
     def append_token(self, token: int, logprob: float, version: int, top) -> None:
         """One sampled token, the weights version that produced it and its top-k (or None)."""

@@ -8,7 +8,7 @@ compiled matcher per distinct constraint, so a repeated schema costs a `deep_cop
 constrained sequence owns a matcher that advances by the tokens it commits; tokens are never
 taken back (every update policy keeps them), so its state survives a pause, a `keep` or a
 `recompute`. The runner fills the packed token masks of a step's constrained rows
-(`fill_masks`), the device sampler applies them (`programs/sampler.py`).
+(`fill_masks`) and the device sampler applies them (`programs/sampler.py`).
 
 llguidance (the library sgl-jax and vLLM use): an Earley parser over a lexer whose token
 masks cost tens of microseconds, with a Rust thread pool for a batch's masks.
@@ -17,7 +17,9 @@ masks cost tens of microseconds, with a Rust thread pool for a batch's masks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -124,8 +126,8 @@ def _field_error(field: str, why: str) -> RequestError:
 
 
 class Grammars:
-    """One model's constraint compiler: its llguidance tokenizer, the compiled matchers (an LRU
-    over `StructuredOutputs.key`), and the thread pool that fills a batch's masks."""
+    """One model's constraint compiler: its llguidance tokenizer and the compiled matchers (an
+    LRU over `StructuredOutputs.key`)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]):
         # The model's vocabulary (embedding rows) may exceed the tokenizer's: the mask covers
@@ -134,12 +136,18 @@ class Grammars:
         self.words = -(-vocab_size // 32)  # int32 words of one row's packed mask
         eos = list(eos_ids) or None
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json_str(), n_vocab=vocab_size, eos_token=eos)
-        self.executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        # Requests arrive on several threads; compiling under this lock (not the engine's)
+        # never holds up a step.
+        self._lock = threading.Lock()
 
     def matcher(self, so: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher for one sequence; compiles `so` on first sight. RequestError (naming
         the field) for a constraint the library rejects."""
+        with self._lock:
+            return self._template(so).deep_copy()
+
+    def _template(self, so: StructuredOutputs) -> llguidance.LLMatcher:
         key = so.key()
         template = self._compiled.get(key)
         if template is None:
@@ -155,13 +163,19 @@ class Grammars:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(key)
-        return template.deep_copy()
+        return template
 
-    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int]], mask: np.ndarray) -> None:
-        """Write each (matcher, row)'s allowed tokens into mask[row] ([S, words] int32, bit t of
-        word t // 32 is token t), all rows in parallel on llguidance's threads."""
-        if rows:
-            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, mask)
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()  # a thread pool, shared by every engine in the process
+
+
+def fill_masks(rows: list[tuple[llguidance.LLMatcher, int]], mask: np.ndarray) -> None:
+    """Write each (matcher, row)'s allowed tokens into mask[row] ([S, words] int32, bit t % 32
+    of word t // 32 is token t), all rows in parallel on llguidance's threads."""
+    if rows:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, mask)
 
 
 def consume(matcher: llguidance.LLMatcher, token: int) -> bool:

@@ -163,7 +163,9 @@ def step_programs(
     writes = set()
     buckets = Buckets.for_config(ecfg, target.backend)
     for b, c, p in shapes:
-        inputs = placeholder_inputs(b, c, p, target.backend, buckets.samples(b, c))
+        inputs = placeholder_inputs(
+            b, c, p, target.backend, buckets.samples(b, c), vocab_size=mcfg.vocab_size
+        )
         batch, sa = (_abstract(t, target.replicated) for t in inputs)
         lowered = dict(lower_step(params, pages, batch, sa, cfg=mcfg, backend=target.backend))
         yield step_name(b, c, p), lambda low=lowered["step"]: low

@@ -33,10 +33,18 @@ class SamplingArrays:
     seed: jax.Array  # u32
     step: jax.Array  # i32: index of the token being sampled in the row's output
     want_top: jax.Array  # bool: the row asked for top logprobs
+    # Structured outputs (engine/structured.py): the row's allowed tokens, bit t % 32 of word
+    # t // 32 (llguidance's packed layout, 1/32 of a [R, V] bool array to send), read only
+    # where `constrained`.
+    mask: jax.Array  # i32 [R, ceil(V / 32)]
+    constrained: jax.Array  # bool
 
     @staticmethod
-    def from_rows(rows: list[tuple[Any, int, int]], pad_to: int) -> SamplingArrays:
-        """rows: (SamplingParams, seed, output_index); padded rows are greedy."""
+    def from_rows(
+        rows: list[tuple[Any, int, int]], pad_to: int, vocab_size: int, mask: np.ndarray | None = None
+    ) -> SamplingArrays:
+        """rows: (SamplingParams, seed, output_index); padded rows are greedy. `mask`: the
+        constrained rows' packed masks ([pad_to, mask_words(vocab_size)]; None: no row is)."""
         t = np.zeros(pad_to, np.float32)
         k = np.zeros(pad_to, np.int32)
         p = np.ones(pad_to, np.float32)
@@ -47,7 +55,25 @@ class SamplingArrays:
         for i, (sp, seed, idx) in enumerate(rows):
             t[i], k[i], p[i], m[i] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
             s[i], st[i], top[i] = np.uint32(seed & 0xFFFFFFFF), idx, bool(sp.logprobs)
-        return SamplingArrays(t, k, p, m, s, st, top)
+        con = np.zeros(pad_to, bool)
+        if mask is None:
+            mask = np.zeros((pad_to, mask_words(vocab_size)), np.int32)
+        else:
+            con[: len(rows)] = [sp.structured_outputs is not None for sp, _, _ in rows]
+        return SamplingArrays(t, k, p, m, s, st, top, mask, con)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's packed token mask."""
+    return -(-vocab_size // 32)
+
+
+def _masked(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
+    """Constrained rows' disallowed tokens at -inf; other rows as they are."""
+    r, v = logits.shape
+    bits = jnp.right_shift(sa.mask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(r, -1)[:, :v] != 0
+    return jnp.where(sa.constrained[:, None] & ~allowed, -jnp.inf, logits)
 
 
 def _draw(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
@@ -100,18 +126,12 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arr
     return top - lse[:, None], ids
 
 
-def sample(
-    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
-    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`)."""
-    # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
-    # and re-reading a vocabulary-wide array per row is memory traffic the step does not need).
-    greedy, lse = row_stats(logits)
-    # No draw when every row is greedy; no [R, V] sort unless a sampling row filters (plain
-    # temperature sampling is a Gumbel-max over the scaled logits).
+def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array) -> jax.Array:
+    """Each row's token: `greedy` (its argmax) or a draw. No draw when every row is greedy; no
+    [R, V] sort unless a sampling row filters (plain temperature sampling is a Gumbel-max over
+    the scaled logits)."""
     sampling = sa.temperature > 0
-    tokens = jax.lax.cond(
+    return jax.lax.cond(
         jnp.any(sampling),
         lambda: jnp.where(
             sampling,
@@ -123,6 +143,23 @@ def sample(
             greedy,
         ),
         lambda: greedy,
+    )
+
+
+def sample(
+    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
+    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`)."""
+    # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
+    # and re-reading a vocabulary-wide array per row is memory traffic the step does not need).
+    greedy, lse = row_stats(logits)
+    # Constrained rows pick among their allowed tokens; a step without one runs none of it.
+    # The log-probs stay those of the raw distribution (vLLM's default, what `score` returns).
+    tokens = jax.lax.cond(
+        jnp.any(sa.constrained),
+        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked)),
+        lambda: _pick(logits, sa, greedy),
     )
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     # Only when some row asked: under tensor parallelism top_k gathers the whole [R, V] row.

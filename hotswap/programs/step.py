@@ -182,12 +182,13 @@ def flat_pages(backend: Backend, c: int, b: int, p: int) -> int | None:
 
 
 def placeholder_inputs(
-    b: int, c: int, p: int, backend: Backend, s: int | None = None
+    b: int, c: int, p: int, backend: Backend, s: int | None = None, *, vocab_size: int
 ) -> tuple[Batch, SamplingArrays]:
     """All-padding step inputs of bucket shape (B, C, P) sampling S rows (`Buckets.samples`;
-    default B): what warm-up compiles against."""
+    default B) from a vocabulary of `vocab_size`: what warm-up compiles against."""
     s = b if s is None else s
     n = flat_pages(backend, c, b, p)
+    sa = SamplingArrays.from_rows([], s, vocab_size)
     if n is not None:
-        return Batch.zeros(b, c, 0, s, n=n), SamplingArrays.from_rows([], s)
-    return Batch.zeros(b, c, p, s), SamplingArrays.from_rows([], s)
+        return Batch.zeros(b, c, 0, s, n=n), sa
+    return Batch.zeros(b, c, p, s), sa
