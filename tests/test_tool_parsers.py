@@ -298,8 +298,8 @@ def test_required_choice_is_a_list_of_named_calls(parallel):
 
 
 def test_none_and_auto():
-    assert ToolChoice.of([GET_WEATHER], "none").offered is None
-    assert ToolChoice.of([GET_WEATHER], "none").stream(SMOLLM2) is None
+    none = ToolChoice.of([GET_WEATHER], "none")  # the tools stay in the prompt: it stays the turn's prefix
+    assert none.offered == [GET_WEATHER] and none.stream(SMOLLM2) is None and none.constraint() is None
     auto = ToolChoice.of([GET_WEATHER])  # OpenAI's default with tools
     assert auto.mode == "auto" and auto.constraint() is None
     assert auto.sampling_overrides(SMOLLM2, constrained=False) == {}
@@ -403,7 +403,7 @@ def test_template_without_tools_gets_them_written_by_the_family(tiny_dir):
         [{"role": "system", "content": "Be brief."}, *TURN_1], [GET_WEATHER], HERMES, None
     )
     assert variables == {} and messages[0]["content"].startswith("Be brief.\n\n# Tools")
-    # No tools offered (tool_choice "none"): the history is still written, no instructions.
+    # No tools offered: the history is still written, no instructions.
     none, _ = chat_prompt(tok, TURN_2)
     assert "<tool_call>" in none and "You are an expert in composing functions" not in none
 

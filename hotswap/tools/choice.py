@@ -1,7 +1,9 @@
 """`tools` + `tool_choice` + `parallel_tool_calls`: what a request offers, how its output is
 constrained, and how that output is read back as calls.
 
-- `none`: no tools are offered to the model, nothing is parsed.
+- `none`: nothing is constrained or parsed. The tools stay in the prompt, as vLLM keeps them: a
+  conversation's prompt is then the same for every turn whatever each turn chose, so turn k+1
+  begins with turn k's prompt and finds it in the prefix cache.
 - `auto` (the default with tools): the tools are offered; the family's form is parsed after the
   fact (`parsers.MarkerStream`).
 - `required`: the output is constrained to a JSON list of `{"name": <a tool's name>,
@@ -125,8 +127,8 @@ class ToolChoice:
 
     @property
     def offered(self) -> list[dict] | None:
-        """The tools the chat template shows the model (none under tool_choice `none`)."""
-        return list(self.tools) if self.tools and self.mode != "none" else None
+        """The tools the chat template shows the model (under `none` too: see above)."""
+        return list(self.tools) or None
 
     def constraint(self) -> dict | None:
         """`structured_outputs`' JSON form for `required` and named choices, else None."""
