@@ -41,6 +41,17 @@ def start_server(weights_root: Path, log_path: Path) -> ServerProcess:
     return ServerProcess(flags, log_path)
 
 
+SMOL = "smollm2"  # the served name of the default model in `start_smol_server`
+
+
+def start_smol_server(gguf: Path, log_path: Path) -> ServerProcess:
+    """Serves the default model (a real chat model, so constrained output is real output):
+    16 sequences a step, so a batch of constrained requests runs together."""
+    flags = [str(gguf), "--served-model-name", SMOL]
+    flags += cli_flags(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, page_size=16)
+    return ServerProcess(flags, log_path)
+
+
 def openai_client(server: ServerProcess) -> openai.OpenAI:
     # max_retries=0: by default the client retries 503s and 429s, which the tests must see.
     return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

@@ -58,6 +58,18 @@ def api_server(weights_root, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def smol_server(smollm2_gguf, tmp_path_factory):
+    """`hotswap serve` of the default model (SmolLM2-135M-Instruct), no keys: the server the
+    structured-output and tool-calling tests drive with real model output. Shared by the
+    session; tests leave it as they found it."""
+    from api_helpers import start_smol_server
+
+    with start_smol_server(smollm2_gguf, tmp_path_factory.mktemp("smol-log") / "server.log") as server:
+        server.wait_healthy(300)
+        yield server
+
+
 @pytest.fixture(scope="module")
 def api_client(api_server):
     from api_helpers import openai_client

@@ -81,7 +81,7 @@ def grpo(tok) -> dict:
         rollout_engine=Recording,
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=10, max_steps=3
+            actor_optimizer=optax.adam(1e-2), eval_every_n_steps=10, max_steps=3
         ),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=8, max_prompt_length=16, kv_cache_size=256, temperature=0.9, seed=0
@@ -99,11 +99,31 @@ def grpo(tok) -> dict:
     data = grain.MapDataset.source(PROMPTS * 4).batch(2).map(lambda x: {"prompts": x, "answer": x})
     learner.train(data)
     loss = cluster.actor_trainer.metrics_logger.get_metric_history("actor", "loss", "train")
+    generate_versions = [[v, sorted(s)] for v, s in cluster.rollout.version_log]
+    # the trained actor's log-probs (Tunix's own) against the rollout's, on the rollout's tokens
+    actor, pad = cluster.actor_trainer.model, tok.pad_token_id
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=12, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+    )
+    out = cluster.rollout.generate(PROMPTS, rc)
+    comp = padded_completions(out.tokens, pad)
+    want = common.compute_per_token_logps(
+        *nnx.split(actor),
+        prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+        completion_tokens=jnp.asarray(comp),
+        pad_id=pad,
+        eos_id=tok.eos_token_id,
+    )
+    got = cluster.rollout.get_per_token_logps(out.left_padded_prompt_tokens, comp)
+    valid = np.cumprod(comp != pad, axis=1).astype(bool)  # up to a generated pad id, as Tunix masks
     return {
         "should_sync": bool(learner.should_sync_weights),
         "first_version": first,
         "synced": synced,
-        "generate_versions": [[v, sorted(s)] for v, s in cluster.rollout.version_log],
+        "generate_versions": generate_versions,
+        "trained_logp_max_diff": float(
+            np.max(np.abs(np.where(valid, np.asarray(want) - np.asarray(got), 0.0)))
+        ),
         "steps": learner._iter_steps,
         "loss": [float(x) for x in np.asarray(loss)],
         "rewards": rewards,

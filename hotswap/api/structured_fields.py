@@ -58,8 +58,13 @@ def from_response_format(rf: dict[str, Any] | None) -> StructuredOutputs | None:
         schema = spec.get("schema")
         if not isinstance(schema, dict | bool):
             raise _error("response_format.json_schema.schema", "expected a JSON schema object")
-        # `strict`: the output always matches the schema here, strict or not.
-        return StructuredOutputs(json=schema if isinstance(schema, dict) else json.dumps(schema))
+        # OpenAI's strict mode: objects take only the keys their schema names (strict schemas
+        # must say `additionalProperties: false`; here it is implied). The output matches the
+        # schema strict or not.
+        return StructuredOutputs(
+            json=schema if isinstance(schema, dict) else json.dumps(schema),
+            disable_additional_properties=spec.get("strict") is True,
+        )
     if kind == "structural_tag":
         return StructuredOutputs(structural_tag={k: v for k, v in rf.items() if k != "type"})
     raise _error(

@@ -32,7 +32,12 @@ from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.errors import RequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+OPTIONS = ("whitespace_pattern", "disable_any_whitespace", "disable_additional_properties")
 CACHE_SIZE = 256  # distinct constraints kept compiled (an RL run repeats a handful)
+# JSON whitespace between tokens when the request does not say: up to 24 characters, enough
+# for indented output, never unbounded (a small model can emit whitespace until max_tokens
+# under "any whitespace", the default of vLLM's backends).
+WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,11 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: dict | str | None = None
+    # JSON options (vLLM's): the whitespace allowed between JSON tokens (a regex; default
+    # `WHITESPACE`), none at all, or objects closed to keys their schema does not name.
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -73,21 +83,29 @@ class StructuredOutputs:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints share one compiled matcher."""
+    def key(self) -> tuple[str, str, tuple]:
+        """(kind, canonical text, options): equal constraints share one compiled matcher."""
         value = getattr(self, self.kind)
-        if isinstance(value, str):
-            return self.kind, value
-        return self.kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind, text, tuple(getattr(self, o) for o in OPTIONS)
+
+    def _json(self, schema: dict | str) -> str:
+        if self.disable_additional_properties:
+            schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
+        if self.disable_any_whitespace:
+            options = {"whitespace_flexible": False}
+        else:
+            options = {"whitespace_pattern": self.whitespace_pattern or WHITESPACE}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
 
     def to_grammar(self) -> str:
         """The llguidance grammar (not yet checked: `Grammars.matcher` does that)."""
         kind, value = self.kind, getattr(self, self.kind)
         try:
             if kind == "json":
-                return llguidance.LLMatcher.grammar_from_json_schema(value)
+                return self._json(value)
             if kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+                return self._json({"type": "object"})
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(value)
             if kind == "choice":
@@ -97,6 +115,18 @@ class StructuredOutputs:
             return _structural_tag(value)
         except (ValueError, TypeError, AssertionError) as e:
             raise _field_error(f"structured_outputs.{kind}", str(e)) from e
+
+
+def _closed(schema):
+    """The schema with `additionalProperties: false` on every object that does not set it."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _structural_tag(value: dict | str) -> str:
@@ -191,13 +221,8 @@ def structured_outputs(value: Any) -> StructuredOutputs | None:
         return value
     if not isinstance(value, dict):
         raise _field_error("structured_outputs", f"expected an object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(KINDS) - _IGNORED)
+    unknown = sorted(set(value) - set(KINDS) - set(OPTIONS) - {"disable_fallback"})
     if unknown:
         raise _field_error("structured_outputs", f"unknown field(s) {unknown}; use one of {KINDS}")
-    return StructuredOutputs(**{k: v for k, v in value.items() if k in KINDS})
-
-
-# vLLM's options for its own backends; accepted, with no effect here.
-_IGNORED = frozenset(
-    {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
-)
+    # disable_fallback (vLLM: no fallback to another grammar backend) holds here: there is one.
+    return StructuredOutputs(**{k: v for k, v in value.items() if k in KINDS + OPTIONS})

@@ -10,11 +10,19 @@ state already on the engine's sharding is served from its own buffers.
     cfg = model_config(tunix_model)                       # hotswap ModelConfig
     params = params_from_state(nnx.state(tunix_model, nnx.Param), cfg)
     state = state_from_params(params, cfg, like=nnx.state(tunix_model, nnx.Param))
+
+The config is what the Tunix model computes, which is not always what its config says:
+Tunix's Llama3 and Qwen3 attention call their module's `apply_rope` without `rope_theta`,
+so they rotate by its default base, 1e6, whatever `config.rope_theta` holds (a Llama 3
+config holds 5e5). The engine rotates as the trainer's model does: a different base
+changes every attention score, and the log-probs the trainer recomputes then differ
+from the rollout's, the more as training sharpens attention.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -25,11 +33,24 @@ from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
 
-# Tunix model class name -> (hotswap arch, qkv_bias, qk_norm, config field that ties the head).
+log = logging.getLogger(__name__)
+
+
+class Family(NamedTuple):
+    """How hotswap serves one Tunix model class."""
+
+    arch: str  # hotswap's arch
+    qkv_bias: bool
+    qk_norm: bool
+    tie_field: str  # the Tunix config field that ties the head
+    rope_theta: float | None  # the RoPE base its attention applies; None: its config's rope_theta
+
+
+# Tunix model class name -> Family. Llama3 and Qwen3 rotate by `apply_rope`'s default base.
 FAMILIES = {
-    "Llama3": ("llama", False, False, "weight_tying"),
-    "Qwen2": ("qwen2", True, False, "use_tied_embedding"),
-    "Qwen3": ("qwen3", False, True, "use_tied_embedding"),
+    "Llama3": Family("llama", False, False, "weight_tying", 1_000_000.0),
+    "Qwen2": Family("qwen2", True, False, "use_tied_embedding", None),
+    "Qwen3": Family("qwen3", False, True, "use_tied_embedding", 1_000_000.0),
 }
 
 
@@ -43,7 +64,6 @@ def model_config(
             f"{type(model).__module__}.{type(model).__name__} is not a supported Flax model; "
             f"supported: Tunix {', '.join(sorted(FAMILIES))}"
         )
-    arch, qkv_bias, qk_norm, tie_field = family
     c = model.config
     if getattr(c, "num_experts", None):
         raise ConfigError(
@@ -51,8 +71,17 @@ def model_config(
         )
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     dtype = np.dtype(leaves[0].dtype).name if leaves else "float32"
+    theta = float(c.rope_theta) if family.rope_theta is None else family.rope_theta
+    if theta != float(c.rope_theta):
+        log.warning(
+            "Tunix %s applies RoPE base %g whatever its config's rope_theta (%g) says; "
+            "hotswap serves what the model computes",
+            type(model).__name__,
+            theta,
+            float(c.rope_theta),
+        )
     return ModelConfig(
-        arch=arch,
+        arch=family.arch,
         vocab_size=c.vocab_size,
         hidden_size=c.embed_dim,
         intermediate_size=c.hidden_dim,
@@ -60,11 +89,11 @@ def model_config(
         num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        rope_theta=float(c.rope_theta),
+        rope_theta=theta,
         rms_norm_eps=float(c.norm_eps),
-        tie_word_embeddings=bool(getattr(c, tie_field)),
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
+        tie_word_embeddings=bool(getattr(c, family.tie_field)),
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
         max_position_embeddings=max_position_embeddings,
         dtype=dtype,
         eos_token_ids=tuple(eos_token_ids),
