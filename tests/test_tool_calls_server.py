@@ -153,6 +153,12 @@ def test_auto_parses_the_model_s_own_call(client):
         [("get_weather", call.function.arguments)],
         "tool_calls",
     )
+    # Chunks the reader held back carry their tokens' logprobs in the next chunk: none is lost.
+    chunks = list(
+        _chat(client, COPY, stream=True, logprobs=True, stream_options={"include_usage": True}, **kw)
+    )
+    entries = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert entries == chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     # tool_choice "none": nothing parsed.
     plain = _chat(client, COPY, tool_choice="none").choices[0]
     assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")

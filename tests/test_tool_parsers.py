@@ -304,7 +304,8 @@ def test_none_and_auto():
     assert auto.mode == "auto" and auto.constraint() is None
     assert auto.sampling_overrides(SMOLLM2, constrained=False) == {}
     assert auto.sampling_overrides(MISTRAL, constrained=False) == {"skip_special_tokens": False}
-    assert ToolChoice.of(None, None).mode == "none" and ToolChoice.of([], "auto").offered is None
+    assert ToolChoice.of(None, None).mode == "none"
+    assert ToolChoice.of([], "auto").offered is None and ToolChoice.of([], "auto").stream(SMOLLM2) is None
 
 
 @pytest.mark.parametrize(

@@ -103,12 +103,11 @@ class ToolChoice:
         cls, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None
     ) -> ToolChoice:
         checked = _check_tools(tools)
-        if tool_choice is None:
-            mode, name = ("auto" if checked else "none"), None
-        else:
-            mode, name = _mode(tool_choice)
+        mode, name = ("auto", None) if tool_choice is None else _mode(tool_choice)
         if mode in ("required", "named") and not checked:
             raise field_error("tool_choice", f"{mode!r} needs `tools`")
+        if not checked:
+            mode = "none"  # no tools offered: nothing to parse
         out = cls(checked, mode, name, parallel_tool_calls is not False)
         if mode == "named" and name not in out.parameters():
             raise field_error(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from hotswap.tools.formats import ToolFormat, read_json_calls
@@ -208,7 +208,7 @@ class ArgumentsStream:
     """Output constrained to one tool's parameters (a named tool_choice): the whole text is the
     arguments of one call to `name`, streamed as it comes."""
 
-    def __init__(self, name: str, new_id):
+    def __init__(self, name: str, new_id: Callable[[], str]):
         self.name, self._new_id = name, new_id
         self.calls = 0
 
@@ -228,7 +228,7 @@ class ListStream:
     """Output constrained to a JSON list of {"name", "parameters"} (tool_choice `required`):
     read whole at the end; text that does not read (cut by max_tokens) stays content."""
 
-    def __init__(self, new_id):
+    def __init__(self, new_id: Callable[[], str]):
         self._new_id = new_id
         self._text = ""
         self.calls = 0
