@@ -432,3 +432,29 @@ def test_template_without_tools_gets_them_written_by_the_family(tiny_dir):
 def test_bad_tool_messages_name_the_field(tiny_dir, message, field):
     with pytest.raises(RequestError, match=re.escape(f"messages[1].{field}:")):
         chat_prompt(Tokenizer.from_dir(tiny_dir), [*TURN_1, message])
+
+
+# ---- LLM.chat ------------------------------------------------------------------------------
+
+
+def test_llm_chat_offers_tools_and_constrains_a_named_choice(tiny_dir):
+    from hotswap import LLM, SamplingParams
+
+    llm = LLM(tiny_dir, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, warmup=False)
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    template = "{{ tools | length }} tool(s){% for m in messages %}|{{ m.content }}{% endfor %}|"  # short: a tiny context
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)  # byte-sized tokens
+    [out] = llm.chat(TURN_1, greedy, use_tqdm=False, chat_template=template, tools=tools, tool_choice=named)
+    assert out.prompt == "1 tool(s)|Weather in Paris?|"
+    content, [call] = parse_tool_calls(out.outputs[0].text, llm.tool_parser, named)
+    assert content is None and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), city)  # random weights, constrained output
+    with pytest.raises(RequestError, match="tool_choice"):
+        llm.chat(TURN_1, greedy, tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})
