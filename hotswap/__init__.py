@@ -12,6 +12,7 @@ _LAZY = {
     "LLM": "hotswap.engine.llm",
     "Engine": "hotswap.engine.engine",
     "SamplingParams": "hotswap.engine.sampling",
+    "StructuredOutputs": "hotswap.engine.structured",
     "RequestOutput": "hotswap.engine.outputs",
     "CompletionOutput": "hotswap.engine.outputs",
     "EngineArgs": "hotswap.args",
