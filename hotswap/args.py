@@ -18,6 +18,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from hotswap.tools.formats import PARSER_NAMES
+
 # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build), else
 # "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
@@ -179,6 +181,20 @@ class EngineArgs:
         "of the slice)",
         "把参数和 KV 头分片到这么多个设备上（`None`：一个设备；`hotswap aot`：切片的所有芯片）",
         type=int,
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "how tool calls are read from the model's text (`tools` with tool_choice `auto`) and written into "
+        'prompts whose chat template does not: `"hermes"` (`<tool_call>` JSON, Qwen; SGLang\'s `"qwen25"`), '
+        '`"llama3_json"` (SGLang\'s `"llama3"`), `"mistral"`, `"smollm2"`',
+        "如何从模型输出中读出工具调用（`tools` 且 tool_choice 为 `auto` 时），以及在聊天模板不渲染工具时如何写入提示词："
+        '`"hermes"`（`<tool_call>` JSON，Qwen；即 SGLang 的 `"qwen25"`）、`"llama3_json"`（SGLang 的 `"llama3"`）、'
+        '`"mistral"`、`"smollm2"`',
+        type=str,
+        choices=PARSER_NAMES,
+        scopes=SERVING,
+        doc_default="chosen from the chat template's markers (`smollm2` when it has none)",
+        doc_default_zh="按聊天模板中的标记选择（没有标记时为 `smollm2`）",
     )
     revision: str | None = option(
         None,

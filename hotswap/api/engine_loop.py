@@ -28,6 +28,8 @@ from hotswap.api.errors import Forbidden, ModelNotFound, ShuttingDown, Unauthori
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
+from hotswap.tools import formats
+from hotswap.tools.formats import ToolFormat
 
 log = logging.getLogger("hotswap.api")
 
@@ -156,6 +158,8 @@ class ServerContext:
     # SGLang / vLLM name weights versions with strings; hotswap's are ints (api/rl_common.py).
     version_labels: dict[int, str] = dataclasses.field(default_factory=dict)
     vllm_transfer: Any = None  # the vLLM four-phase update in progress (api/routes_vllm.py)
+    # The family whose tool calls chat reads and writes (`--tool-call-parser`, else the template's).
+    tool_format: ToolFormat = formats.SMOLLM2
 
     @property
     def model_name(self) -> str:

@@ -135,6 +135,9 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant's calls (arguments as JSON text) and a tool result's call; checked in engine/chat.py.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -153,16 +156,12 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None
-    # Accepted only at their neutral value.
+    # Tool calling (hotswap/tools/choice.py checks them).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise unsupported("tools", "tool calling is not implemented")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling is not implemented")
         if self.top_logprobs and not self.logprobs:
             raise unsupported("top_logprobs", "top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -10,6 +10,7 @@ A client that disconnects has its engine request aborted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -35,6 +36,8 @@ from hotswap.api.protocol import (
 from hotswap.engine.chat import chat_prompt
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
+from hotswap.tools.choice import ToolChoice
+from hotswap.tools.parsers import Delta, ToolStream, collect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -118,12 +121,13 @@ async def _stream(
     rids: list[str],
     sp: SamplingParams,
     head: list[dict],
-    choice: Callable[[int, CompletionOutput, str, int, int], dict],
+    choice: Callable[[int, CompletionOutput, str, int, int], dict | None],
     wrap: Callable[[list[dict], int], dict],
     include_usage: bool,
     request: Request,
 ) -> AsyncIterator[str]:
-    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`.
+    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`,
+    None for no chunk yet (a tool-call reader holds the text back; its tokens go with the next one).
 
     The text of a chunk is the engine's `text_delta` (engine/outputs.py holds back what a
     stop string could still cut and partial characters), so the chunks add up to the text."""
@@ -146,13 +150,14 @@ async def _stream(
                 text = comp.text_delta
                 if not text and comp.finish_reason is None:
                     continue  # held back (partial character or stop-string prefix)
-                start = sent_tokens.get(ci, 0)
+                start, offset = sent_tokens.get(ci, 0), sent_chars.get(ci, 0)
+                body = choice(ci, comp, text, start, offset)
+                if body is None:
+                    continue
                 sent_tokens[ci] = len(comp.token_ids)
-                offset = sent_chars.get(ci, 0)
                 sent_chars[ci] = offset + len(text)
                 if comp.finish_reason is not None:
                     done_choices.add(ci)
-                body = choice(ci, comp, text, start, offset)
                 yield _sse(wrap([body], _chunk_version(item, comp)))
             if item.finished:
                 final[item.request_id] = item
@@ -248,11 +253,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 # --------------------------------------------------------------------------- /v1/chat/completions
 
 
+def _finish_reason(reason: str | None, calls: int) -> str | None:
+    """OpenAI's `tool_calls` for an output that ended by itself with calls made."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = ctx_of(request)
     ctx.check_model(body.model)
+    tools, fmt = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls), ctx.tool_format
     sp = body.sampling_params()
+    if overrides := tools.sampling_overrides(fmt, sp.structured_outputs is not None):
+        sp = dataclasses.replace(sp, **overrides)
     tok = ctx.engine.tokenizer
     if tok is None:
         raise unsupported("messages", "this model has no tokenizer; use /v1/completions with token ids")
@@ -262,6 +275,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         chat_template_kwargs=body.chat_template_kwargs,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
+        tools=tools.offered,
+        tool_format=fmt,
     )
     queue, rids = await _start(ctx, [ids], sp, body.stream)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -285,10 +300,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return {"token_ids": comp.token_ids[start:]} if body.return_token_ids else {}
 
     prompt_ids = {"prompt_token_ids": ids} if body.return_token_ids else {}
+    readers: dict[int, ToolStream | None] = {}  # per choice: its tool-call reader (None: no tools)
 
-    def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int, _offset: int = 0) -> dict:
-        out = {"index": ci, "delta": {"content": text}, "logprobs": logprobs(comp, start)}
-        out.update(token_ids(comp, start), finish_reason=comp.finish_reason)
+    def delta_choice(ci: int, comp: CompletionOutput, text: str, start: int, _offset: int = 0) -> dict | None:
+        delta: dict[str, Any] = {"content": text}
+        reason = comp.finish_reason
+        if ci not in readers:
+            readers[ci] = tools.stream(fmt)
+        reader = readers[ci]
+        if reader is not None:
+            read = reader.feed(text) + (reader.flush() if reason is not None else Delta())
+            if not read and reason is None:
+                return None
+            delta = {"content": read.content} if read.content else {}
+            if read.tool_calls:
+                delta["tool_calls"] = [t.to_openai() for t in read.tool_calls]
+            reason = _finish_reason(reason, reader.calls)
+        out = {"index": ci, "delta": delta, "logprobs": logprobs(comp, start)}
+        out.update(token_ids(comp, start), finish_reason=reason)
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
@@ -319,17 +348,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     settle(request, "aborted" if outs is None else _ended(outs))
     if outs is None:
         return Response(status_code=CLIENT_GONE)
-    choices = [
-        {
+
+    def message_choice(c: CompletionOutput) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason, reader = c.finish_reason, tools.stream(fmt)
+        if reader is not None:
+            message["content"], calls = collect(reader, c.text)
+            if calls:
+                message["tool_calls"] = [t.to_openai() for t in calls]
+            reason = _finish_reason(reason, len(calls))
+        return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": logprobs(c, 0),
             **token_ids(c, 0),
-            "finish_reason": c.finish_reason,
+            "finish_reason": reason,
             "stop_reason": c.stop_reason,
             **version_fields(c),
             **wire(c),
         }
-        for c in outs[0].outputs
-    ]
+
+    choices = [message_choice(c) for c in outs[0].outputs]
     return JSONResponse({**wrap(choices, response_version(outs)), **prompt_ids, "usage": usage(outs)})

@@ -34,6 +34,7 @@ from hotswap.api.engine_loop import (
 )
 from hotswap.api.errors import HotswapError, ShuttingDown, error_body, exception_body
 from hotswap.engine.engine import Engine
+from hotswap.tools import formats
 
 log = logging.getLogger("hotswap.api")
 
@@ -281,14 +282,22 @@ def create_app(
     admin_key: str | None = None,
     model_name: str | list[str] = "hotswap",
     weights_root: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The server for one engine. `weights_root` bounds `/update_weights {"path": ...}`
-    (without it, path updates are refused); `model_name` may list several accepted names."""
+    (without it, path updates are refused); `model_name` may list several accepted names;
+    `tool_call_parser` names the family of chat's tool calls (default: the chat template's)."""
     if weights_root is not None:
         engine.weights_root = weights_root
     names = [model_name] if isinstance(model_name, str) else list(model_name)
+    template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     ctx = ServerContext(
-        engine=engine, loop=EngineLoop(engine), model_names=names, api_key=api_key, admin_key=admin_key
+        engine=engine,
+        loop=EngineLoop(engine),
+        model_names=names,
+        api_key=api_key,
+        admin_key=admin_key,
+        tool_format=formats.choose(tool_call_parser, template),
     )
 
     @contextlib.asynccontextmanager

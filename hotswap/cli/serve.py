@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
         admin_key=args.admin_key,
         model_name=args.served_model_name or [name or llm.model_id],
         weights_root=args.weights_root,
+        tool_call_parser=args.tool_call_parser,
     )
     ctx = app.state.ctx
 

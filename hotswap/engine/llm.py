@@ -25,6 +25,8 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.forward import token_logprobs_jit
 from hotswap.programs import catalog, kv_sizing
+from hotswap.tools import formats
+from hotswap.tools.choice import ToolChoice
 
 
 class LLM:
@@ -60,6 +62,9 @@ class LLM:
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
         self.engine = _start_engine(mcfg, params, tokenizer, eargs, mesh)
+        self.tool_parser = formats.choose(
+            eargs.tool_call_parser, tokenizer.chat_template if tokenizer else None
+        )
 
     @classmethod
     def from_flax(
@@ -95,6 +100,9 @@ class LLM:
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__
         self.engine = _start_engine(mcfg, model, tokenizer, eargs, mesh)  # staged as an update is
+        self.tool_parser = formats.choose(
+            eargs.tool_call_parser, tokenizer.chat_template if tokenizer else None
+        )
         return self
 
     # ---- views ---------------------------------------------------------------
@@ -171,12 +179,26 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of messages) or a list of them, rendered by the
         chat template (or `chat_template`) exactly as /v1/chat/completions renders them, then generated.
 
         Each output's `prompt` is the rendered text, `prompt_token_ids` the template's ids.
+        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's, as the server takes them (a
+        `required` or named choice constrains the output); read the calls out of an output's text
+        with `hotswap.tools.parse_tool_calls(text, llm.tool_parser, tool_choice)`.
         """
+        choice = ToolChoice.of(tools, tool_choice, parallel_tool_calls)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+        sps = [
+            dataclasses.replace(
+                sp, **choice.sampling_overrides(self.tool_parser, sp.structured_outputs is not None)
+            )
+            for sp in (p or SamplingParams() for p in sps)
+        ]
         prompts = [
             chat_prompt(
                 self.tokenizer,
@@ -185,10 +207,13 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=choice.offered,
+                tool_format=self.tool_parser,
             )
             for conv in conversations(messages)
         ]
-        outs = self.generate([ids for _, ids in prompts], sampling_params, use_tqdm)
+        params = sps if isinstance(sampling_params, list) else sps[0]
+        outs = self.generate([ids for _, ids in prompts], params, use_tqdm)
         return [dataclasses.replace(o, prompt=text) for o, (text, _) in zip(outs, prompts, strict=True)]
 
     def score(self, prompt_token_ids, completion_token_ids=None, *, temperature: float = 1.0):

@@ -37,6 +37,29 @@ def _raw_bodies() -> list[tuple[str, bytes, str]]:
             "application/json",
         ),
         ("empty messages", b'{"messages": []}', "application/json"),
+        (
+            "tools not a list",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": "x"}',
+            "application/json",
+        ),
+        (
+            "nameless tool, named choice",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}],'
+            b' "tool_choice": {"type": "function", "function": {"name": 7}}}',
+            "application/json",
+        ),
+        (
+            "required, bad schema",
+            b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [{"type":'
+            b' "function", "function": {"name": "f", "parameters": {"type": "bogus", "$ref": "#/x"}}}]}',
+            "application/json",
+        ),
+        (
+            "bad tool_calls",
+            b'{"messages": [{"role": "user", "tool_calls": 5}, {"role": "assistant", "tool_calls": [{"function":'
+            b' {"name": "f", "arguments": "{x"}}]}, {"role": "tool", "tool_call_id": 3}]}',
+            "application/json",
+        ),
         ("top_p out of range", b'{"prompt": "x", "top_p": 7, "temperature": -3}', "application/json"),
         ("stop list of ints", b'{"prompt": "x", "stop": [1, 2]}', "application/json"),
         ("form body", b"a=1&b=2", "application/x-www-form-urlencoded"),

@@ -1,0 +1,209 @@
+"""`tools` + `tool_choice` + `parallel_tool_calls`: what a request offers, how its output is
+constrained, and how that output is read back as calls.
+
+- `none`: nothing is constrained or parsed. The tools stay in the prompt, as vLLM keeps them: a
+  conversation's prompt is then the same for every turn whatever each turn chose, so turn k+1
+  begins with turn k's prompt and finds it in the prefix cache.
+- `auto` (the default with tools): the tools are offered; the family's form is parsed after the
+  fact (`parsers.MarkerStream`).
+- `required`: the output is constrained to a JSON list of `{"name": <a tool's name>,
+  "parameters": <that tool's parameters>}`, at least one (exactly one without parallel calls);
+  vLLM's scheme.
+- named (`{"type": "function", "function": {"name": ...}}`): the output is constrained to that
+  tool's parameters, and the call is built with that name.
+
+The constraint is `structured_outputs`' JSON form (`{"json": schema}`), which `SamplingParams`
+reads into the engine's `StructuredOutputs`. Bad input is a `RequestError` naming the field, raised
+before anything is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+
+from hotswap.errors import RequestError
+from hotswap.tools.formats import ToolFormat, get_format
+from hotswap.tools.parsers import ArgumentsStream, ListStream, MarkerStream, ToolCall, ToolStream, collect
+
+MODES = ("none", "auto", "required")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_DEFS = ("$defs", "definitions")  # where a schema keeps the subschemas its `$ref`s name
+
+
+def field_error(field: str, why: str) -> RequestError:
+    err = RequestError(f"{field}: {why}")
+    err.param = field  # type: ignore[attr-defined]  # the OpenAI error's `param`
+    return err
+
+
+def _check_tools(tools: Any) -> tuple[dict, ...]:
+    """OpenAI's `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if tools is None:
+        return ()
+    if not isinstance(tools, Sequence) or isinstance(tools, str):
+        raise field_error("tools", "expected a list of {'type': 'function', 'function': {...}}")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise field_error(f"tools[{i}].type", "only function tools are supported")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise field_error(f"tools[{i}].function", "expected an object with a 'name'")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise field_error(f"tools[{i}].function.name", "expected a non-empty string")
+        if name in seen:
+            raise field_error(f"tools[{i}].function.name", f"{name!r} is named by an earlier tool too")
+        seen.add(name)
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise field_error(f"tools[{i}].function.parameters", "expected a JSON schema object")
+    return tuple(tools)
+
+
+def _check_schema(field: str, schema: dict) -> None:
+    """What the grammar library makes of the schema, without a tokenizer (microseconds)."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if is_error:
+        raise field_error(field, messages[0] if messages else "not a usable JSON schema")
+
+
+def _mode(tool_choice: Any) -> tuple[str, str | None]:
+    """tool_choice -> (mode, the named tool or None)."""
+    if isinstance(tool_choice, str):
+        if tool_choice not in MODES:
+            raise field_error(
+                "tool_choice", f"expected one of {MODES} or a named function, got {tool_choice!r}"
+            )
+        return tool_choice, None
+    choice = tool_choice if isinstance(tool_choice, dict) else {}
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
+        raise field_error("tool_choice", "expected {'type': 'function', 'function': {'name': ...}}")
+    return "named", name
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolChoice:
+    """A request's checked tools and what it chose. `of` raises on bad input."""
+
+    tools: tuple[dict, ...] = ()
+    mode: str = "none"  # "none" | "auto" | "required" | "named"
+    name: str | None = None  # the named tool
+    parallel: bool = True
+
+    @classmethod
+    def of(
+        cls, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None
+    ) -> ToolChoice:
+        checked = _check_tools(tools)
+        mode, name = ("auto", None) if tool_choice is None else _mode(tool_choice)
+        if mode in ("required", "named") and not checked:
+            raise field_error("tool_choice", f"{mode!r} needs `tools`")
+        if not checked:
+            mode = "none"  # no tools offered: nothing to parse
+        out = cls(checked, mode, name, parallel_tool_calls is not False)
+        if mode == "named" and name not in out.parameters():
+            raise field_error(
+                "tool_choice", f"names {name!r}, which is not in `tools` ({', '.join(out.parameters())})"
+            )
+        for i, (tool_name, schema) in enumerate(out.parameters().items()):
+            if mode == "required" or tool_name == name:
+                _check_schema(f"tools[{i}].function.parameters", schema)
+        return out
+
+    def parameters(self) -> dict[str, dict]:
+        """name -> parameters schema, in `tools` order."""
+        return {
+            t["function"]["name"]: t["function"].get("parameters") or EMPTY_PARAMETERS for t in self.tools
+        }
+
+    @property
+    def offered(self) -> list[dict] | None:
+        """The tools the chat template shows the model (under `none` too: see above)."""
+        return list(self.tools) or None
+
+    def constraint(self) -> dict | None:
+        """`structured_outputs`' JSON form for `required` and named choices, else None."""
+        if self.mode == "named":
+            return {"json": self.parameters()[self.name]}  # type: ignore[index]
+        if self.mode != "required":
+            return None
+        defs: dict[str, Any] = {}
+        items = []
+        for name, schema in self.parameters().items():
+            items.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": _hoist(schema, defs),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return {"json": schema}
+
+    def sampling_overrides(self, fmt: ToolFormat, constrained: bool) -> dict[str, Any]:
+        """`SamplingParams` fields this choice sets (`dataclasses.replace` them in). `constrained`:
+        the request already constrains its output (response_format, structured_outputs)."""
+        out: dict[str, Any] = {}
+        constraint = self.constraint()
+        if constraint is not None:
+            if constrained:
+                raise field_error(
+                    "tool_choice",
+                    f"a {self.mode} tool choice constrains the output, so it cannot be combined with "
+                    "response_format or structured_outputs",
+                )
+            out["structured_outputs"] = constraint
+        if self.mode == "auto" and fmt.special:
+            out["skip_special_tokens"] = False  # the family's markers are special tokens
+        return out
+
+    def stream(self, fmt: ToolFormat) -> ToolStream | None:
+        """A fresh reader of one output, or None when nothing is parsed (`none`)."""
+        if self.mode == "named":
+            return ArgumentsStream(self.name, fmt.new_id)  # type: ignore[arg-type]
+        if self.mode == "required":
+            return ListStream(fmt.new_id)
+        if self.mode == "auto":
+            return MarkerStream(fmt, max_calls=None if self.parallel else 1)
+        return None
+
+
+def _hoist(schema: dict, defs: dict[str, Any]) -> dict:
+    """A tool's schema with its `$defs` (or draft-7 `definitions`) moved into `defs`: the combined
+    schema's root, where its `#/$defs/...` references then point. Two tools defining one name
+    differently: 400."""
+    if not any(isinstance(schema.get(k), dict) for k in _DEFS):
+        return schema
+    schema = json.loads(json.dumps(schema).replace('"#/definitions/', '"#/$defs/'))
+    for key in _DEFS:
+        for name, sub in (schema.pop(key, None) or {}).items():
+            if defs.setdefault(name, sub) != sub:
+                raise field_error("tools", f"two tools define {key}.{name} differently; rename one")
+    return schema
+
+
+def parse_tool_calls(
+    text: str, parser: ToolFormat | str, tool_choice: Any = "auto", parallel_tool_calls: bool | None = None
+) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of one output generated under `tool_choice` (e.g. by `LLM.chat(...,
+    tools=...)`). `parser`: the family's form (`LLM.tool_parser`) or a parser name."""
+    fmt = get_format(parser) if isinstance(parser, str) else parser
+    mode, name = ("none", None) if tool_choice is None else _mode(tool_choice)
+    stream = ToolChoice((), mode, name, parallel_tool_calls is not False).stream(fmt)
+    return (text, []) if stream is None else collect(stream, text)
