@@ -15,10 +15,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess, cli_flags
+from api_helpers import SMOL, openai_client
 
-API_KEY, MODEL = "tools-key", "smol"
-PAGE = 16
+MODEL = SMOL
+PAGE = 16  # the shared server's page size
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
 
 WEATHER = {
@@ -60,17 +60,13 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    flags = [str(smollm2_gguf), "--api-key", API_KEY, "--served-model-name", MODEL, "--no-warmup"]
-    flags += cli_flags(max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=256, page_size=PAGE)
-    with ServerProcess(flags, tmp_path_factory.mktemp("tools-log") / "server.log") as proc:
-        proc.wait_healthy(300)
-        yield proc
+def server(smol_server):
+    return smol_server  # the session's SmolLM2 server (conftest.py), shared with the structured-output tests
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 def _chat(client, messages=ASK, **kw):
@@ -229,7 +225,7 @@ def test_the_docs_agent_loop_runs_on_the_default_model(server):
     from test_docs import DOCS, python_blocks  # docs/zh_cn's code is the same (tests/test_docs.py)
 
     [block] = [b for b in python_blocks(DOCS / "en" / "serving.md") if "get_weather" in b.code]
-    ns = {"BASE_URL": server.base, "API_KEY": API_KEY}
+    ns = {"BASE_URL": server.base, "API_KEY": "no-key"}  # the shared server takes any key
     exec(compile("\n" * (block.line - 1) + block.code, "docs/en/serving.md", "exec"), ns)
     roles = [m["role"] for m in ns["messages"]]
     assert roles[:3] == ["user", "assistant", "tool"] and roles[-1] == "assistant"
