@@ -85,9 +85,18 @@ class WeightsPathNotAllowed(HotswapError):
 
 
 class RequestError(HotswapError):
-    """A generation request is invalid (bad sampling parameter, bad prompt)."""
+    """A generation request is invalid (bad sampling parameter, bad prompt). `param`: the
+    request field at fault, when one is (the OpenAI error body's `param`)."""
 
     code = "invalid_request"
+    param: str | None = None
+
+    @classmethod
+    def of_field(cls, field: str, why: str) -> RequestError:
+        """ "field: why", with `param` set to the field."""
+        err = cls(f"{field}: {why}")
+        err.param = field
+        return err
 
 
 class PromptTooLong(RequestError):

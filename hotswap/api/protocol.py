@@ -97,9 +97,7 @@ class _Common(_Strict):
 
 
 def unsupported(param: str, why: str) -> RequestError:
-    err = RequestError(f"{param}: {why}")
-    err.param = param  # type: ignore[attr-defined]  # surfaced as the OpenAI error's `param`
-    return err
+    return RequestError.of_field(param, why)
 
 
 class CompletionRequest(_Common):

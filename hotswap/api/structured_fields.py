@@ -27,19 +27,13 @@ GUIDED = {
 }
 
 
-def _error(param: str, why: str) -> RequestError:
-    err = RequestError(f"{param}: {why}")
-    err.param = param  # type: ignore[attr-defined]  # the OpenAI error's `param`
-    return err
-
-
 def refuse_guided(given: dict[str, Any]) -> None:
     """A 400 for any `guided_*` field set, naming what replaced it."""
     for name, value in given.items():
         if value is not None:
             new = GUIDED[name]
             use = f"structured_outputs={{{new!r}: ...}}" if new else "structured_outputs"
-            raise _error(name, f"removed in vLLM 0.12 and not accepted here; use {use}")
+            raise RequestError.of_field(name, f"removed in vLLM 0.12 and not accepted here; use {use}")
 
 
 def from_response_format(rf: dict[str, Any] | None) -> StructuredOutputs | None:
@@ -54,10 +48,12 @@ def from_response_format(rf: dict[str, Any] | None) -> StructuredOutputs | None:
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
-            raise _error("response_format.json_schema", "expected {'name': ..., 'schema': {...}}")
+            raise RequestError.of_field(
+                "response_format.json_schema", "expected {'name': ..., 'schema': {...}}"
+            )
         schema = spec.get("schema")
         if not isinstance(schema, dict | bool):
-            raise _error("response_format.json_schema.schema", "expected a JSON schema object")
+            raise RequestError.of_field("response_format.json_schema.schema", "expected a JSON schema object")
         # OpenAI's strict mode: objects take only the keys their schema names (strict schemas
         # must say `additionalProperties: false`; here it is implied). The output matches the
         # schema strict or not.
@@ -67,7 +63,7 @@ def from_response_format(rf: dict[str, Any] | None) -> StructuredOutputs | None:
         )
     if kind == "structural_tag":
         return StructuredOutputs(structural_tag={k: v for k, v in rf.items() if k != "type"})
-    raise _error(
+    raise RequestError.of_field(
         "response_format.type",
         f"expected 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}",
     )
@@ -81,7 +77,9 @@ def request_constraint(
     rf = from_response_format(response_format)
     so = structured_outputs(body)
     if rf is not None and so is not None:
-        raise _error("structured_outputs", "set response_format or structured_outputs, not both")
+        raise RequestError.of_field(
+            "structured_outputs", "set response_format or structured_outputs, not both"
+        )
     return rf or so
 
 
@@ -102,5 +100,7 @@ def from_sglang(
     if not given:
         return None
     if len(given) > 1:
-        raise _error("sampling_params", "set at most one of json_schema, regex, ebnf, structural_tag")
+        raise RequestError.of_field(
+            "sampling_params", "set at most one of json_schema, regex, ebnf, structural_tag"
+        )
     return StructuredOutputs(**given)

@@ -66,18 +66,20 @@ class StructuredOutputs:
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise _field_error(
+            raise RequestError.of_field(
                 "structured_outputs",
                 f"set exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}",
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise _field_error("structured_outputs.choice", "expected a non-empty list of non-empty strings")
+            raise RequestError.of_field(
+                "structured_outputs.choice", "expected a non-empty list of non-empty strings"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise _field_error(f"structured_outputs.{name}", "expected a non-empty string")
+                raise RequestError.of_field(f"structured_outputs.{name}", "expected a non-empty string")
 
     @property
     def kind(self) -> str:
@@ -114,7 +116,7 @@ class StructuredOutputs:
                 return llguidance.grammar_from("grammar", value)
             return _structural_tag(value)
         except (ValueError, TypeError, AssertionError) as e:
-            raise _field_error(f"structured_outputs.{kind}", str(e)) from e
+            raise RequestError.of_field(f"structured_outputs.{kind}", str(e)) from e
 
 
 def _closed(schema):
@@ -147,12 +149,6 @@ def _structural_tag(value: dict | str) -> str:
             )
         )
     return llguidance.StructTag.to_grammar(tags)
-
-
-def _field_error(field: str, why: str) -> RequestError:
-    err = RequestError(f"{field}: {why}")
-    err.param = field  # type: ignore[attr-defined]  # the OpenAI error's `param`
-    return err
 
 
 class Grammars:
@@ -188,10 +184,12 @@ class Grammars:
             grammar = so.to_grammar()
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
             if is_error:
-                raise _field_error(f"structured_outputs.{so.kind}", messages[0] if messages else "invalid")
+                raise RequestError.of_field(
+                    f"structured_outputs.{so.kind}", messages[0] if messages else "invalid"
+                )
             template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             if template.is_error():
-                raise _field_error(f"structured_outputs.{so.kind}", template.get_error())
+                raise RequestError.of_field(f"structured_outputs.{so.kind}", template.get_error())
             self._compiled[key] = template
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -224,9 +222,9 @@ def structured_outputs(value: Any) -> StructuredOutputs | None:
     if value is None or isinstance(value, StructuredOutputs):
         return value
     if not isinstance(value, dict):
-        raise _field_error("structured_outputs", f"expected an object, got {type(value).__name__}")
+        raise RequestError.of_field("structured_outputs", f"expected an object, got {type(value).__name__}")
     unknown = sorted(set(value) - set(KINDS) - set(OPTIONS) - {"disable_fallback"})
     if unknown:
-        raise _field_error("structured_outputs", f"unknown field(s) {unknown}; use one of {KINDS}")
+        raise RequestError.of_field("structured_outputs", f"unknown field(s) {unknown}; use one of {KINDS}")
     # disable_fallback (vLLM: no fallback to another grammar backend) holds here: there is one.
     return StructuredOutputs(**{k: v for k, v in value.items() if k in KINDS + OPTIONS})

@@ -35,33 +35,29 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _DEFS = ("$defs", "definitions")  # where a schema keeps the subschemas its `$ref`s name
 
 
-def field_error(field: str, why: str) -> RequestError:
-    err = RequestError(f"{field}: {why}")
-    err.param = field  # type: ignore[attr-defined]  # the OpenAI error's `param`
-    return err
-
-
 def _check_tools(tools: Any) -> tuple[dict, ...]:
     """OpenAI's `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
     if tools is None:
         return ()
     if not isinstance(tools, Sequence) or isinstance(tools, str):
-        raise field_error("tools", "expected a list of {'type': 'function', 'function': {...}}")
+        raise RequestError.of_field("tools", "expected a list of {'type': 'function', 'function': {...}}")
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise field_error(f"tools[{i}].type", "only function tools are supported")
+            raise RequestError.of_field(f"tools[{i}].type", "only function tools are supported")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise field_error(f"tools[{i}].function", "expected an object with a 'name'")
+            raise RequestError.of_field(f"tools[{i}].function", "expected an object with a 'name'")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise field_error(f"tools[{i}].function.name", "expected a non-empty string")
+            raise RequestError.of_field(f"tools[{i}].function.name", "expected a non-empty string")
         if name in seen:
-            raise field_error(f"tools[{i}].function.name", f"{name!r} is named by an earlier tool too")
+            raise RequestError.of_field(
+                f"tools[{i}].function.name", f"{name!r} is named by an earlier tool too"
+            )
         seen.add(name)
         if not isinstance(fn.get("parameters", {}), dict):
-            raise field_error(f"tools[{i}].function.parameters", "expected a JSON schema object")
+            raise RequestError.of_field(f"tools[{i}].function.parameters", "expected a JSON schema object")
     return tuple(tools)
 
 
@@ -70,14 +66,14 @@ def _check_schema(field: str, schema: dict) -> None:
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if is_error:
-        raise field_error(field, messages[0] if messages else "not a usable JSON schema")
+        raise RequestError.of_field(field, messages[0] if messages else "not a usable JSON schema")
 
 
 def _mode(tool_choice: Any) -> tuple[str, str | None]:
     """tool_choice -> (mode, the named tool or None)."""
     if isinstance(tool_choice, str):
         if tool_choice not in MODES:
-            raise field_error(
+            raise RequestError.of_field(
                 "tool_choice", f"expected one of {MODES} or a named function, got {tool_choice!r}"
             )
         return tool_choice, None
@@ -85,7 +81,7 @@ def _mode(tool_choice: Any) -> tuple[str, str | None]:
     fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
-        raise field_error("tool_choice", "expected {'type': 'function', 'function': {'name': ...}}")
+        raise RequestError.of_field("tool_choice", "expected {'type': 'function', 'function': {'name': ...}}")
     return "named", name
 
 
@@ -105,12 +101,12 @@ class ToolChoice:
         checked = _check_tools(tools)
         mode, name = ("auto", None) if tool_choice is None else _mode(tool_choice)
         if mode in ("required", "named") and not checked:
-            raise field_error("tool_choice", f"{mode!r} needs `tools`")
+            raise RequestError.of_field("tool_choice", f"{mode!r} needs `tools`")
         if not checked:
             mode = "none"  # no tools offered: nothing to parse
         out = cls(checked, mode, name, parallel_tool_calls is not False)
         if mode == "named" and name not in out.parameters():
-            raise field_error(
+            raise RequestError.of_field(
                 "tool_choice", f"names {name!r}, which is not in `tools` ({', '.join(out.parameters())})"
             )
         for i, (tool_name, schema) in enumerate(out.parameters().items()):
@@ -163,7 +159,7 @@ class ToolChoice:
         constraint = self.constraint()
         if constraint is not None:
             if constrained:
-                raise field_error(
+                raise RequestError.of_field(
                     "tool_choice",
                     f"a {self.mode} tool choice constrains the output, so it cannot be combined with "
                     "response_format or structured_outputs",
@@ -194,7 +190,7 @@ def _hoist(schema: dict, defs: dict[str, Any]) -> dict:
     for key in _DEFS:
         for name, sub in (schema.pop(key, None) or {}).items():
             if defs.setdefault(name, sub) != sub:
-                raise field_error("tools", f"two tools define {key}.{name} differently; rename one")
+                raise RequestError.of_field("tools", f"two tools define {key}.{name} differently; rename one")
     return schema
 
 
