@@ -10,6 +10,7 @@ sampling transform. The request-side parameters are `engine/sampling.py`'s `Samp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -57,10 +58,19 @@ class SamplingArrays:
             s[i], st[i], top[i] = np.uint32(seed & 0xFFFFFFFF), idx, bool(sp.logprobs)
         con = np.zeros(pad_to, bool)
         if mask is None:
-            mask = np.zeros((pad_to, mask_words(vocab_size)), np.int32)
+            mask = _no_mask(pad_to, mask_words(vocab_size))
         else:
             con[: len(rows)] = [sp.structured_outputs is not None for sp, _, _ in rows]
         return SamplingArrays(t, k, p, m, s, st, top, mask, con)
+
+
+@functools.lru_cache(maxsize=64)
+def _no_mask(rows: int, words: int) -> np.ndarray:
+    """The mask of a step without constrained rows: one read-only array per shape, not a fresh
+    [S, V/32] allocation every step (the device never reads it: no row is constrained)."""
+    mask = np.zeros((rows, words), np.int32)
+    mask.flags.writeable = False
+    return mask
 
 
 def mask_words(vocab_size: int) -> int:
