@@ -159,3 +159,32 @@ def test_a_repeated_constraint_compiles_once(llm):
     assert len(llm.engine.grammars) == compiled  # the same constraint: no new entry
     llm.engine.abort("c1")
     llm.engine.abort("c2")
+
+
+def test_structural_tag_constrains_only_inside_its_tags(llm):
+    """vLLM's structural_tag: free text, and after a trigger the tag's schema then its end."""
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": "<f=add>",
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                "end": "</f>",
+            }
+        ],
+        "triggers": ["<f="],
+    }
+    tok = llm.engine.tokenizer
+    llm.engine.add_request(
+        "t", PROMPT, SamplingParams(max_tokens=2, structured_outputs={"structural_tag": tag})
+    )
+    llm.engine.abort("t")
+    grammars = llm.engine.grammars
+
+    def accepts(text: str) -> bool:
+        m = grammars.matcher(StructuredOutputs(structural_tag=tag))
+        ids = tok.encode(text, add_special_tokens=False)
+        return m.try_consume_tokens(ids) == len(ids)
+
+    assert accepts('any text <f=add>{"a": 3}</f> and more')
+    assert not accepts('text <f=add>{"a": "three"}</f>')  # not the schema inside the tag
