@@ -301,10 +301,10 @@ def test_none_and_auto():
     none = ToolChoice.of([GET_WEATHER], "none")  # the tools stay in the prompt: it stays the turn's prefix
     assert none.offered == [GET_WEATHER] and none.stream(SMOLLM2) is None and none.constraint() is None
     auto = ToolChoice.of([GET_WEATHER])  # OpenAI's default with tools
-    assert auto.mode == "auto" and auto.constraint() is None
+    assert auto.mode.name == "auto" and auto.constraint() is None
     assert auto.sampling_overrides(SMOLLM2, constrained=False) == {}
     assert auto.sampling_overrides(MISTRAL, constrained=False) == {"skip_special_tokens": False}
-    assert ToolChoice.of(None, None).mode == "none"
+    assert ToolChoice.of(None, None).mode.name == "none"
     assert ToolChoice.of([], "auto").offered is None and ToolChoice.of([], "auto").stream(SMOLLM2) is None
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -30,7 +30,6 @@ from hotswap.errors import RequestError
 from hotswap.tools.formats import ToolFormat, get_format
 from hotswap.tools.parsers import ArgumentsStream, ListStream, MarkerStream, ToolCall, ToolStream, collect
 
-MODES = ("none", "auto", "required")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _DEFS = ("$defs", "definitions")  # where a schema keeps the subschemas its `$ref`s name
 
@@ -69,20 +68,84 @@ def _check_schema(field: str, schema: dict) -> None:
         raise RequestError.of_field(field, messages[0] if messages else "not a usable JSON schema")
 
 
-def _mode(tool_choice: Any) -> tuple[str, str | None]:
-    """tool_choice -> (mode, the named tool or None)."""
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One tool_choice mode's row: the ToolChoice methods read these columns and never branch on
+    a mode's name."""
+
+    name: str
+    needs_tools: bool = False  # refused without `tools`
+    # The constraint on the output (structured_outputs' JSON form), or None: unconstrained.
+    constraint: Callable[[ToolChoice], dict | None] = lambda _c: None
+    # A fresh reader of one output's calls, or None: nothing is parsed.
+    reader: Callable[[ToolChoice, ToolFormat], ToolStream | None] = lambda _c, _f: None
+    # Whether a tool's schema is compiled now (it will constrain the output).
+    compiles: Callable[[ToolChoice, str], bool] = lambda _c, _n: False
+    parses_markers: bool = False  # the family's markers (maybe special tokens) are read back
+
+
+def _required_schema(c: ToolChoice) -> dict:
+    """vLLM's `required` scheme: a JSON list of {"name": <a tool>, "parameters": <its schema>}."""
+    defs: dict[str, Any] = {}
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": _hoist(schema, defs)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in c.parameters().items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not c.parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return {"json": schema}
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("none"),
+        Mode(
+            "auto",
+            reader=lambda c, fmt: MarkerStream(fmt, max_calls=None if c.parallel else 1),
+            parses_markers=True,
+        ),
+        Mode(
+            "required",
+            needs_tools=True,
+            constraint=_required_schema,
+            reader=lambda c, fmt: ListStream(fmt.new_id),
+            compiles=lambda c, name: True,
+        ),
+        Mode(
+            "named",
+            needs_tools=True,
+            constraint=lambda c: {"json": c.parameters()[c.name]},
+            reader=lambda c, fmt: ArgumentsStream(c.name, fmt.new_id),
+            compiles=lambda c, name: name == c.name,
+        ),
+    )
+}
+_STRING_MODES = ("none", "auto", "required")  # the named mode is a dict
+
+
+def _mode(tool_choice: Any) -> tuple[Mode, str | None]:
+    """tool_choice -> (its mode's row, the named tool or None)."""
     if isinstance(tool_choice, str):
-        if tool_choice not in MODES:
+        if tool_choice not in _STRING_MODES:
             raise RequestError.of_field(
-                "tool_choice", f"expected one of {MODES} or a named function, got {tool_choice!r}"
+                "tool_choice", f"expected one of {_STRING_MODES} or a named function, got {tool_choice!r}"
             )
-        return tool_choice, None
+        return MODES[tool_choice], None
     choice = tool_choice if isinstance(tool_choice, dict) else {}
     fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
         raise RequestError.of_field("tool_choice", "expected {'type': 'function', 'function': {'name': ...}}")
-    return "named", name
+    return MODES["named"], name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +153,7 @@ class ToolChoice:
     """A request's checked tools and what it chose. `of` raises on bad input."""
 
     tools: tuple[dict, ...] = ()
-    mode: str = "none"  # "none" | "auto" | "required" | "named"
+    mode: Mode = MODES["none"]
     name: str | None = None  # the named tool
     parallel: bool = True
 
@@ -99,18 +162,18 @@ class ToolChoice:
         cls, tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None
     ) -> ToolChoice:
         checked = _check_tools(tools)
-        mode, name = ("auto", None) if tool_choice is None else _mode(tool_choice)
-        if mode in ("required", "named") and not checked:
-            raise RequestError.of_field("tool_choice", f"{mode!r} needs `tools`")
+        mode, name = (MODES["auto"], None) if tool_choice is None else _mode(tool_choice)
+        if mode.needs_tools and not checked:
+            raise RequestError.of_field("tool_choice", f"{mode.name!r} needs `tools`")
         if not checked:
-            mode = "none"  # no tools offered: nothing to parse
+            mode = MODES["none"]  # no tools offered: nothing to parse
         out = cls(checked, mode, name, parallel_tool_calls is not False)
-        if mode == "named" and name not in out.parameters():
+        if name is not None and name not in out.parameters():
             raise RequestError.of_field(
                 "tool_choice", f"names {name!r}, which is not in `tools` ({', '.join(out.parameters())})"
             )
         for i, (tool_name, schema) in enumerate(out.parameters().items()):
-            if mode == "required" or tool_name == name:
+            if mode.compiles(out, tool_name):
                 _check_schema(f"tools[{i}].function.parameters", schema)
         return out
 
@@ -127,30 +190,7 @@ class ToolChoice:
 
     def constraint(self) -> dict | None:
         """`structured_outputs`' JSON form for `required` and named choices, else None."""
-        if self.mode == "named":
-            return {"json": self.parameters()[self.name]}  # type: ignore[index]
-        if self.mode != "required":
-            return None
-        defs: dict[str, Any] = {}
-        items = []
-        for name, schema in self.parameters().items():
-            items.append(
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "enum": [name]},
-                        "parameters": _hoist(schema, defs),
-                    },
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-            )
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        if defs:
-            schema["$defs"] = defs
-        return {"json": schema}
+        return self.mode.constraint(self)
 
     def sampling_overrides(self, fmt: ToolFormat, constrained: bool) -> dict[str, Any]:
         """`SamplingParams` fields this choice sets (`dataclasses.replace` them in). `constrained`:
@@ -161,23 +201,17 @@ class ToolChoice:
             if constrained:
                 raise RequestError.of_field(
                     "tool_choice",
-                    f"a {self.mode} tool choice constrains the output, so it cannot be combined with "
+                    f"a {self.mode.name} tool choice constrains the output, so it cannot be combined with "
                     "response_format or structured_outputs",
                 )
             out["structured_outputs"] = constraint
-        if self.mode == "auto" and fmt.special:
+        if self.mode.parses_markers and fmt.special:
             out["skip_special_tokens"] = False  # the family's markers are special tokens
         return out
 
     def stream(self, fmt: ToolFormat) -> ToolStream | None:
         """A fresh reader of one output, or None when nothing is parsed (`none`)."""
-        if self.mode == "named":
-            return ArgumentsStream(self.name, fmt.new_id)  # type: ignore[arg-type]
-        if self.mode == "required":
-            return ListStream(fmt.new_id)
-        if self.mode == "auto":
-            return MarkerStream(fmt, max_calls=None if self.parallel else 1)
-        return None
+        return self.mode.reader(self, fmt)
 
 
 def _hoist(schema: dict, defs: dict[str, Any]) -> dict:
@@ -200,6 +234,6 @@ def parse_tool_calls(
     """(content, calls) of one output generated under `tool_choice` (e.g. by `LLM.chat(...,
     tools=...)`). `parser`: the family's form (`LLM.tool_parser`) or a parser name."""
     fmt = get_format(parser) if isinstance(parser, str) else parser
-    mode, name = ("none", None) if tool_choice is None else _mode(tool_choice)
+    mode, name = (MODES["none"], None) if tool_choice is None else _mode(tool_choice)
     stream = ToolChoice((), mode, name, parallel_tool_calls is not False).stream(fmt)
     return (text, []) if stream is None else collect(stream, text)
