@@ -92,6 +92,24 @@ def test_fixed_matmul_rows_do_not_depend_on_the_row_count():
             assert np.asarray(mm(x[:m])).tobytes() == full[:m].tobytes(), (k, n, m)
 
 
+def test_fixed_norm_and_softmax_rows_do_not_depend_on_the_row_count():
+    """The RMS norms' mean of squares and the sampler filters' softmax: XLA's reductions (and its
+    exp of a fused `x - max`) change a row's bits with the row count; the mode's do not."""
+    backend = Backend(attention="cpu", platform="cpu", deterministic=True)
+    rng = np.random.default_rng(2)
+    for fn, shape in (
+        (backend.mean_square, (40, 64)),
+        (backend.softmax, (40, 512)),
+        (backend.softmax, (40, 7)),
+    ):
+        x = rng.standard_normal(shape).astype(np.float32) * 3
+        x[3, ::3] = -np.inf if fn is backend.softmax else x[3, ::3]  # masked entries: probability 0
+        full = np.asarray(jax.jit(fn)(x))
+        for m in (1, 2, 3, 5, 8, 16):
+            assert np.asarray(jax.jit(fn)(x[:m])).tobytes() == full[:m].tobytes(), (fn, shape, m)
+    np.testing.assert_allclose(full, np.asarray(jax.nn.softmax(x, axis=-1)), atol=1e-6)
+
+
 @pytest.mark.parametrize("hd", [16, 64])
 def test_fixed_attention_does_not_depend_on_the_chunk_layout(hd):
     """A query's output is the same bits whether its keys come from a permuted page table, from

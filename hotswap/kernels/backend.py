@@ -34,6 +34,7 @@ are, before any engine exists (checkpoint loads), and `finite.py` decides it per
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -224,6 +225,12 @@ class Backend:
         """The RMS norms' mean of squares: XLA's reduction, or in deterministic mode one
         fixed-order sum per row."""
         return fixed_mean_square if self.deterministic else jnp_mean_square
+
+    @property
+    def softmax(self):
+        """The sampler filters' row softmax ([R, V] -> [R, V]): jax's, or in deterministic mode
+        the C++ one, one order per row whatever R (XLA's moved a top-p cut's sums with R)."""
+        return cpu_sampling.row_softmax if self.deterministic else functools.partial(jax.nn.softmax, axis=-1)
 
     @property
     def row_stats(self):
