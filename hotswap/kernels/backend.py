@@ -67,14 +67,6 @@ def jnp_mean_square(x: jax.Array) -> jax.Array:
     return jnp.mean(x * x, axis=-1, keepdims=True)
 
 
-def fixed_mean_square(x: jax.Array) -> jax.Array:
-    """`jnp_mean_square` with each row's sum one chain over D in order: the squares times a
-    column of ones on the fixed-order matmul. XLA's reduction sums a row in an order that
-    depends on the row count (for D = 64, a [1, D] row and the same row among 8 differ)."""
-    ones = jnp.ones((x.shape[-1], 1), jnp.float32)
-    return cpu_matmul.fixed_matmuls(x * x, [ones])[0] / x.shape[-1]
-
-
 def _pallas_on_tpu_problem(head_dim: int) -> str | None:
     """Why the Mosaic kernel cannot read this model's pages in place (None: it can)."""
     if head_dim % 64:
@@ -222,9 +214,10 @@ class Backend:
 
     @property
     def mean_square(self):
-        """The RMS norms' mean of squares: XLA's reduction, or in deterministic mode one
-        fixed-order sum per row."""
-        return fixed_mean_square if self.deterministic else jnp_mean_square
+        """The RMS norms' mean of squares: XLA's reduction, or in deterministic mode the C++ row
+        kernel, one order per row (XLA's orders a row's sum by the row count: for D = 64 a
+        [1, D] row and the same row among 8 differ)."""
+        return cpu_sampling.row_mean_square if self.deterministic else jnp_mean_square
 
     @property
     def softmax(self):

@@ -6,8 +6,9 @@ its logit minus the logsumexp. XLA:CPU computes the jnp forms (`reference.argmax
 intra-op threads. Same results: the first index of the max, V - 1 and NaN for a row with
 NaN, -inf for an all -inf row.
 
-`row_softmax` (deterministic mode's sampler filters) is each row's softmax in one order per row,
-whatever the row count: XLA's sums a row in an order set by the row count.
+Deterministic mode's row kernels live in the same library: `row_softmax` (the sampler filters'
+softmax) and `row_mean_square` (the RMS norms' mean of squares), each row in one order whatever
+the row count, where XLA's reductions order a row's sum by it.
 """
 
 from __future__ import annotations
@@ -35,3 +36,14 @@ def row_softmax(logits: jax.Array) -> jax.Array:
         raise ValueError(f"need f32 logits [R, V], got {logits.dtype} {logits.shape}")
     target = cpu_build.register("row_stats", "HotswapRowSoftmax")
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(logits.shape, jnp.float32))(logits)
+
+
+def row_mean_square(x: jax.Array) -> jax.Array:
+    """mean(x * x) over the last axis, f32 [..., D] -> [..., 1], one fixed order per row whatever
+    the row count (deterministic mode's RMS norms; XLA's reduction orders it by the row count)."""
+    if x.dtype != jnp.float32:
+        raise ValueError(f"need f32, got {x.dtype}")
+    target = cpu_build.register("row_stats", "HotswapRowMeanSquare")
+    rows = x.reshape(-1, x.shape[-1])
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0],), jnp.float32))(rows)
+    return out.reshape(*x.shape[:-1], 1)
