@@ -267,8 +267,8 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
       Tail(xp, p, M, K);  // on this thread, before it joins in
     } else
 #endif
-        if (fixed) {
-      PlanColumns(p, share);
+    if (fixed) {
+      PlanColumns(p, share);  // the fixed order without AVX-512
     } else {
       PlanGemv(p, K, threads);
     }
