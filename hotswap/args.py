@@ -127,6 +127,17 @@ class EngineArgs:
         type=str,
         choices=ATTENTION_IMPLS,
     )
+    deterministic: bool = option(
+        False,
+        "batch-invariant kernels: a request's tokens and log-probs are the same bits whatever else runs "
+        "(batch, prefill chunk size, a prefix hit), and `LLM.score` returns the log-probs generation "
+        "did. The C++ CPU kernels in f32 only, on one device (else a `ConfigError`)",
+        "批次不变的内核：无论同时运行什么（批次、预填充分块大小、前缀命中），请求的 token 与 log-prob "
+        "逐位相同，且 `LLM.score` 返回与生成时相同的 log-prob。仅限单设备上 f32 的 C++ CPU "
+        "内核（否则抛出 `ConfigError`）",
+        type=bool,
+        scopes=SERVING,
+    )
     warmup: bool = option(
         True, "compile every step shape now", "立即编译所有 step 形状", type=bool, scopes=SERVING
     )

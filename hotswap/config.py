@@ -51,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
     enable_prefix_caching: bool = _ARGS["enable_prefix_caching"]
     attention: str = _ARGS["attention"]  # resolved once by the Engine (kernels/backend.py)
+    deterministic: bool = _ARGS["deterministic"]  # batch-invariant kernels (kernels/backend.py)
     max_waiting: int = _ARGS["max_waiting"]  # backpressure: QueueFull beyond this
     drain_timeout_s: float = _ARGS["drain_timeout_s"]
     max_version_lag: int | None = _ARGS["max_version_lag"]
@@ -86,6 +87,7 @@ class EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
             attention=attention or args.attention,
+            deterministic=args.deterministic,
             max_waiting=args.max_waiting,
             drain_timeout_s=args.drain_timeout_s,
             max_version_lag=args.max_version_lag,

@@ -13,6 +13,12 @@ What it checks, every step, from evidence rather than by trusting the engine:
   request after an update reports no cached tokens (the update emptied the
   cache), and every KV page a sequence reused was written under that version.
 
+With `--deterministic` the engine runs its batch-invariant kernels and the mismatch column is
+the engine's own `score` of every sampled token (its programs, the rollout's weights) against the
+log-prob the rollout returned: bitwise equal, so it reads 0.0. "Bitwise" holds against the
+engine's own kernels; the trainer's jnp forward (what the loss differentiates) still sums in
+other orders, and its difference is reported beside it (`trainer_mismatch`).
+
 Prints a table and a progress bar, writes `demo.png`, `metrics.jsonl` and
 `summary.json` to --out, and ends with one JSON summary line on stdout.
 """
@@ -73,13 +79,17 @@ def run(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=max(128, groups * n),
         seed=args.seed,
     )
+    if args.deterministic:
+        if args.via_http:
+            raise SystemExit("--deterministic scores with the in-process engine: drop --via-http")
+        engine_args["deterministic"] = True
     _say(
         f"hotswap demo: model {model_dir}, {'REST server' if args.via_http else 'in-process engine'}, "
         f"policy={args.policy}, {args.steps} steps x {groups} prompts x {n} samples x {max_tokens} tokens"
     )
 
     with contextlib.ExitStack() as stack:
-        cfg, params, rollout, push, version = _serving(
+        cfg, params, rollout, push, version, score = _serving(
             args, stack, model_dir, tok, engine_args, n, max_tokens
         )
 
@@ -122,11 +132,14 @@ def run(args: argparse.Namespace) -> dict:
             )
             batch = grpo.pack(ro.samples, grpo.group_advantages(rewards), length)
 
+            # Before the update: the engine still serves the weights that generated the rollout.
+            scored = _score_mismatch(score, ro.samples) if args.deterministic else None
             t0 = time.perf_counter()
             # The trainer's log-probs come from `params` before this step's update: the weights
             # (version ro.version) that generated the rollout.
             params, opt_state, loss, lp = train_step(params, opt_state, batch)
-            mismatch = grpo.max_mismatch(lp, batch)
+            trainer_mismatch = grpo.max_mismatch(lp, batch)
+            mismatch = trainer_mismatch if scored is None else scored
             t1 = time.perf_counter()
             version = push(params)
             t2 = time.perf_counter()
@@ -147,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
                 train_s=t1 - t0,
                 update_s=t2 - t1,
                 max_logprob_mismatch=mismatch,
+                trainer_mismatch=trainer_mismatch,
                 loss=float(loss),
                 sample=tok.decode(
                     [ro.samples[0].prompt_ids[-1], *ro.samples[0].token_ids], skip_special_tokens=False
@@ -187,7 +201,7 @@ def _serving(
             data = encode_safetensors(hf.hf_from_params(cfg, jax.device_get(new_params)))
             return server.update_weights(data, args.policy)
 
-        return cfg, params, rollout, push, server.weights_version()
+        return cfg, params, rollout, push, server.weights_version(), None
 
     from hotswap.engine.llm import LLM
     from hotswap.rl.rollout import rollout_local
@@ -202,11 +216,24 @@ def _serving(
 
     return (
         llm.config,
-        llm.params,
+        llm.params,  # the trainer starts from the served arrays
         rollout,
         push,
         llm.weights_version,
-    )  # the trainer starts from the served arrays
+        llm.score,
+    )
+
+
+def _score_mismatch(score, samples) -> float:
+    """max |engine score - rollout log-prob| over every sampled token (deterministic mode: 0.0)."""
+    import numpy as np
+
+    scored = score([(s.prompt_ids, s.token_ids) for s in samples])
+    diffs = [
+        np.abs(np.asarray(lp, np.float32) - np.asarray(s.logprobs, np.float32))
+        for lp, s in zip(scored, samples, strict=True)
+    ]
+    return float(max((d.max() for d in diffs if d.size), default=0.0))
 
 
 def _summarize(rows: list[dict], args, out: Path, version: int, resolved: int, t_start: float) -> dict:
@@ -220,6 +247,8 @@ def _summarize(rows: list[dict], args, out: Path, version: int, resolved: int, t
         "steps": args.steps,
         "weights_version": version,
         "max_logprob_mismatch": max(r["max_logprob_mismatch"] for r in rows),
+        "trainer_mismatch": max(r["trainer_mismatch"] for r in rows),
+        "deterministic": bool(args.deterministic),
         "stale_prefix_hits": sum(r["stale_prefix_hits"] for r in rows),
         "stale_tokens": sum(r["stale_tokens"] for r in rows),
         "prefix_cache_hit_rate": round(float(np.mean([r["prefix_hit_rate"] for r in rows])), 4),

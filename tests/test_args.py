@@ -115,6 +115,7 @@ def test_every_shared_option_reaches_the_engine_config():
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
         attention="reference",
+        deterministic=True,
         max_waiting=7,
         drain_timeout_s=1.5,
         max_version_lag=2,

@@ -29,7 +29,8 @@ from hotswap import LLM, SamplingParams
 traced = []
 monitoring.register_event_duration_secs_listener(
     lambda e, s, fun_name=None, **kw: traced.append(1) if fun_name == "_step" else None)
-llm = LLM(sys.argv[1], attention="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
+llm = LLM(sys.argv[1], attention="cpu", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+          deterministic=sys.argv[2] == "1")
 sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 outs = llm.generate([[5, 6, 7, 8], [9, 10]], sp, use_tqdm=False)
 print(json.dumps({"warmup": llm.engine.runner.warmup_counts, "traced": len(traced),
@@ -37,12 +38,16 @@ print(json.dumps({"warmup": llm.engine.runner.warmup_counts, "traced": len(trace
 """
 
 
-def _start(model_dir, root, **env_extra):
+def _start(model_dir, root, deterministic: bool = False, **env_extra):
     env = {k: v for k, v in os.environ.items() if k not in _CACHE_SETTINGS}
     # The tiny model's steps compile in far under JAX's default 1 s threshold: written anyway.
     env |= {"HOTSWAP_CACHE_DIR": str(root), **env_extra}
     out = subprocess.run(
-        [sys.executable, "-c", _START, str(model_dir)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _START, str(model_dir), "1" if deterministic else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1]), out.stderr
@@ -70,6 +75,15 @@ def test_a_second_process_loads_every_step_from_the_cache_and_generates_the_same
     assert first["traced"] >= n and second["traced"] == 0
     assert len(list((cache_root / "steps").glob("*.bin"))) == n
     assert f"{n} from cache" in second_err and f"{n} compiled" in first_err  # the progress bar
+
+
+def test_a_deterministic_engine_compiles_its_own_steps(tiny_dir, cache_root):
+    """The default engine's cached steps call other kernels: deterministic mode never loads them."""
+    first, _ = _start(tiny_dir, cache_root)
+    det, _ = _start(tiny_dir, cache_root, deterministic=True)
+    assert det["warmup"] == {"compiled": sum(first["warmup"].values()), "from_cache": 0, "in_memory": 0}
+    again, _ = _start(tiny_dir, cache_root, deterministic=True)
+    assert again["warmup"]["compiled"] == 0 and again["tokens"] == det["tokens"]
 
 
 def test_off_by_env_var_writes_nothing(tiny_dir, cache_root):

@@ -50,6 +50,16 @@ def test_demo_other_policies(tmp_path, capsys, policy):
 
 
 @pytest.mark.slow
+def test_demo_deterministic_mismatch_is_zero(tmp_path, capsys):
+    """--deterministic: the engine's own score of every sampled token equals the rollout's bit
+    for bit (the mismatch column), while the jnp trainer still differs by float noise."""
+    argv = ["--steps", "3", "--prompts-per-step", "4", "--n", "4", "--deterministic"]
+    rc, s = _run(capsys, [*argv, "--out", str(tmp_path)])
+    assert rc == 0 and s["deterministic"] and s["stale_prefix_hits"] == 0
+    assert s["max_logprob_mismatch"] == 0.0
+    assert 0.0 <= s["trainer_mismatch"] < 1e-3
+
+
 def test_demo_catches_stale_kv_from_a_broken_engine(tmp_path, capsys, monkeypatch):
     """The demo's checks are evidence, not trust: re-create the bug class hotswap prevents (a prefix
     index that survives an update and matches any version) and they must all fire."""

@@ -99,3 +99,40 @@ def test_rollout_logps_match_tunix_on_trained_weights(family):
     # trained: the completions are far likelier than under the near-uniform initial weights
     start = np.asarray(_logps(*nnx.split(MODELS[family]()), prompts, comps, pad, eos))
     assert np.mean(want[mask]) > np.mean(start[mask]) + 1.0
+
+
+def test_deterministic_rollout_logps_are_its_generations_bit_for_bit():
+    """`HotswapRollout(..., deterministic=True)` on trained weights: the log-probs a seeded
+    rollout returned (four prompts of mixed lengths in one batch) are `get_per_token_logps`'s,
+    bit for bit, and the first prompt alone samples the same tokens and log-probs as in the batch."""
+    from tunix.rl.rollout import base_rollout
+
+    adapter = tokenizer_adapter.TokenizerAdapter(tokenizer())
+    pad, eos = adapter.pad_id(), adapter.eos_id()
+    prompts, comps = _batch(pad)
+    m = _train(MODELS["llama3"](), prompts, comps, pad, eos)
+    hs = HotswapRollout(rollout_actor=m, tokenizer=adapter, max_num_seqs=4, deterministic=True)
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=12,
+        max_prompt_length=16,
+        temperature=1.0,
+        top_p=0.95,
+        seed=5,
+        return_logprobs=True,
+    )
+    texts = ["the quick brown fox", "a", "jumps over the lazy dog and then some more", "hello world"]
+    out = hs.generate(texts, rc)
+    width = max(len(t) for t in out.tokens)
+    comp = np.full((len(texts), width), pad, np.int32)
+    for i, t in enumerate(out.tokens):
+        assert pad not in t.tolist()
+        comp[i, : len(t)] = t
+    got = np.asarray(hs.get_per_token_logps(out.left_padded_prompt_tokens, comp))
+    for i, lp in enumerate(out.logprobs):
+        assert got[i, : len(lp)].tobytes() == np.asarray(lp, np.float32).tobytes()
+    first = hs.generate(texts[:1], rc)  # row 0 again, alone: the same row seed
+    assert first.tokens[0].tolist() == out.tokens[0].tolist()
+    assert (
+        np.asarray(first.logprobs[0], np.float32).tobytes()
+        == np.asarray(out.logprobs[0], np.float32).tobytes()
+    )

@@ -23,6 +23,11 @@ def add_parser(sub) -> None:
         "--policy", default="drain", choices=["drain", "abort", "keep"], help="update_weights policy"
     )
     p.add_argument("--via-http", action="store_true", help="drive a `hotswap serve` subprocess over REST")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant engine; the mismatch is its own score of each token against the rollout's (0.0)",
+    )
     p.add_argument("--model", default=None, help="HF model dir (default: a fresh tiny checkpoint in --out)")
     p.add_argument("--out", default="runs/demo", help="output directory (plot, metrics, model)")
     p.add_argument("--seed", type=int, default=0)

@@ -63,7 +63,9 @@ class Engine:
         if jax.default_backend() == "cpu":
             host_memory.tune_allocator()  # device buffers are host malloc here (host_memory.py)
         if backend is None:
-            backend, kv_sharding = sharding.engine_backend(mcfg, ecfg.attention, kv_sharding)
+            backend, kv_sharding = sharding.engine_backend(
+                mcfg, ecfg.attention, kv_sharding, deterministic=ecfg.deterministic
+            )
         self.backend = backend
         ecfg = dataclasses.replace(ecfg, attention=self.backend.attention)
         self.mcfg, self.ecfg, self.tokenizer = mcfg, ecfg, tokenizer

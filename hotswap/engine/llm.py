@@ -246,7 +246,13 @@ class LLM:
         for i, s in enumerate(seqs):
             toks[i, : len(s)], lens[i] = s, len(s)
         t = jnp.float32(temperature)
-        lp = np.asarray(token_logprobs_jit(params, jnp.asarray(toks), jnp.asarray(lens), t, cfg=self.config))
+        # The engine's Backend: in deterministic mode its step kernels, so a score is the bits a
+        # generation of the same tokens returned.
+        backend = self.engine.backend
+        lp = token_logprobs_jit(
+            params, jnp.asarray(toks), jnp.asarray(lens), t, cfg=self.config, backend=backend
+        )
+        lp = np.asarray(lp)
         out = [lp[i, len(p) - 1 : len(s) - 1] for i, ((p, _), s) in enumerate(zip(pairs, seqs, strict=True))]
         return out[0] if single else out
 
@@ -323,7 +329,7 @@ def _start_engine(mcfg, params, tokenizer, args: EngineArgs, mesh: jax.sharding.
     max_model_len = args.max_model_len or min(mcfg.max_position_embeddings, 2048)
     tp = args.tensor_parallel_size or 1
     shardings, kv = sharding.engine_shardings(mcfg, tp, mesh)  # (None, None): 1 device
-    target = catalog.Target.on(mcfg, args.attention, shardings, kv)
+    target = catalog.Target.on(mcfg, args.attention, shardings, kv, deterministic=args.deterministic)
 
     def temps_at(n: int) -> int:  # on an accelerator: its largest steps, compiled for n pages
         probe = EngineConfig.of(

@@ -89,7 +89,9 @@ class HotswapRollout(base_rollout.BaseRollout):
         **engine_kwargs,
     ):
         """`engine_kwargs`: `hotswap.EngineArgs`' options, as `LLM(...)` takes them (`max_model_len`
-        defaults to the rollout config's `kv_cache_size`); `warmup` is off unless asked."""
+        defaults to the rollout config's `kv_cache_size`); `warmup` is off unless asked.
+        `deterministic=True`: a completion's log-probs are the same bits whatever shared its
+        batch, and `get_per_token_logps` (the engine's `score`) returns them bit for bit."""
         self._tokenizer = (
             tokenizer
             if isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter)

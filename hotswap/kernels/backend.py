@@ -19,13 +19,22 @@ that is the layout its Mosaic call reads in place for head_dim 64 as for 128. Th
 reference index heads on their own axis. Under tensor parallelism the Pallas attention and its
 KV write run in `shard_map` over the kv-head mesh axis: Mosaic calls cannot be partitioned
 automatically, and each chip owns whole (K, V) pairs of its heads, so no collective touches a
-KV-sized array. The finiteness check of new weights is not here: it runs on arrays wherever they
+KV-sized array.
+
+Deterministic mode (`deterministic=True`) keeps the C++ backend and selects its fixed-order
+kernels: every matmul on `cpu_matmul.fixed_matmuls` (a row's sums one chain over K, whatever the
+row count), attention in 16-key blocks at fixed positions (`cpu_attention`'s `fixed`), and
+`score` through the same kernels (`dense_matmuls`, `causal_attention`, `token_logprobs`). A
+token's log-prob is then the same bits alone or in any batch, chunk or prefix hit, and `score`
+returns them. It needs the C++ kernels (one CPU device, f32): other paths refuse it. The
+finiteness check of new weights is not here: it runs on arrays wherever they
 are, before any engine exists (checkpoint loads), and `finite.py` decides it per array.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +62,11 @@ def jnp_matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
     return [jnp.tensordot(x, w, axes=contract) for w in ws]
 
 
+def jnp_mean_square(x: jax.Array) -> jax.Array:
+    """The norms' mean of squares (`Backend.mean_square`): x [..., D] f32 -> [..., 1]."""
+    return jnp.mean(x * x, axis=-1, keepdims=True)
+
+
 def _pallas_on_tpu_problem(head_dim: int) -> str | None:
     """Why the Mosaic kernel cannot read this model's pages in place (None: it can)."""
     if head_dim % 64:
@@ -69,6 +83,7 @@ class Backend:
     platform: str  # of the engine's devices: "tpu", "cpu", "gpu"
     mesh: Mesh | None = None  # the cache's mesh when it spans more than one device
     head_axis: str | None = None  # the mesh axis kv heads are split over (with mesh)
+    deterministic: bool = False  # batch-invariant kernels (module doc)
     reason: str = dataclasses.field(default="", compare=False)
 
     @staticmethod
@@ -80,11 +95,13 @@ class Backend:
         devices: Sequence[Any] | None = None,
         mesh: Mesh | None = None,
         head_axis: str | None = None,
+        deterministic: bool = False,
     ) -> Backend:
         """`attention` ("auto" or one of ATTENTIONS) for a model of `head_dim` and `dtype` on
         `devices` (default: the first of `jax.devices()`) or on `mesh` (its devices; kv heads
         split over `head_axis`).
-        An explicit choice that cannot run here raises ConfigError saying why."""
+        An explicit choice that cannot run here raises ConfigError saying why, as does
+        `deterministic` anywhere but on the C++ kernels in f32."""
         if mesh is not None:
             devices = list(mesh.devices.flat)
         devices = list(devices) if devices is not None else jax.devices()[:1]
@@ -98,11 +115,15 @@ class Backend:
             attention, why = _auto(platform, n, head_dim, dtype)
         else:
             why = _check(attention, platform, n, head_dim, dtype, where)
+        if deterministic:
+            _check_deterministic(attention, dtype, why)
+            why += "; deterministic: the fixed-order kernels"
         backend = Backend(
             attention=attention,
             platform=platform,
             mesh=mesh if mesh is not None and mesh.size > 1 else None,
             head_axis=head_axis if mesh is not None and mesh.size > 1 else None,
+            deterministic=deterministic,
             reason=why,
         )
         log.info("hotswap backend: attention=%s on %s: %s", attention, where, why)
@@ -153,8 +174,56 @@ class Backend:
     def matmuls(self):
         """`(x, [w, ...]) -> [x @ w, ...]`: on the C++ backend, hotswap's C++ matmul for
         decode-sized row counts, one call for the weights that share x (`cpu_matmul.matmuls`
-        falls back to XLA's dot otherwise)."""
+        falls back to XLA's dot otherwise); in deterministic mode the fixed-order kernel for all."""
+        if self.deterministic:
+            return cpu_matmul.fixed_matmuls
         return cpu_matmul.matmuls if self.attention == "cpu" else jnp_matmuls
+
+    # ---- scoring (`forward.forward_dense`) -----------------------------------
+
+    @property
+    def dense_matmuls(self):
+        """The cache-free forward's matmuls: XLA's dot, or in deterministic mode the step's."""
+        return self.matmuls if self.deterministic else jnp_matmuls
+
+    def causal_attention(self, q, k, v, lengths, scale: float):
+        """Causal self-attention of [B, L] sequences of `lengths` (q [B, L, Hq, hd], k/v [B, L,
+        Hkv, hd]) for the cache-free forward. In deterministic mode the step's kernel, every
+        key the chunk's own, so each query sums exactly what a step computes for it."""
+        if not self.deterministic:
+            return reference.dense_causal_attention(q, k, v, lengths, scale=scale)
+        b, n, hkv, hd = k.shape
+        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+        no_pages = jnp.zeros((1, 1, 2 * hkv, hd), q.dtype)  # nothing cached: never read
+        zeros = jnp.zeros((b,), jnp.int32)
+        return cpu_attention.paged_attention(
+            q, no_pages, k, v, zeros[:, None], positions, zeros, lengths, scale=scale, fixed=True
+        )
+
+    def token_logprobs(self, logits: jax.Array, tokens: jax.Array) -> jax.Array:
+        """log p(tokens) under logits [..., V] (tokens [...]): log_softmax, or in deterministic mode
+        what the sampler returns, logit - logsumexp by `row_stats`."""
+        if not self.deterministic:
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            return jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+        lead = logits.shape[:-1]
+        flat = logits.reshape(-1, logits.shape[-1])
+        _, lse = self.row_stats(flat)
+        chosen = jnp.take_along_axis(flat, tokens.reshape(-1, 1), axis=-1)[:, 0]
+        return (chosen - lse).reshape(lead)
+
+    @property
+    def mean_square(self):
+        """The RMS norms' mean of squares: XLA's reduction, or in deterministic mode the C++ row
+        kernel, one order per row (XLA's orders a row's sum by the row count: for D = 64 a
+        [1, D] row and the same row among 8 differ)."""
+        return cpu_sampling.row_mean_square if self.deterministic else jnp_mean_square
+
+    @property
+    def softmax(self):
+        """The sampler filters' row softmax ([R, V] -> [R, V]): jax's, or in deterministic mode
+        the C++ one, one order per row whatever R (XLA's moved a top-p cut's sums with R)."""
+        return cpu_sampling.row_softmax if self.deterministic else functools.partial(jax.nn.softmax, axis=-1)
 
     @property
     def row_stats(self):
@@ -184,6 +253,7 @@ class Backend:
                 batch.kv_lens,
                 scale=scale,
                 slots=batch.slots,
+                fixed=self.deterministic,
             )
         if self.attention == "reference" and q.shape[1] == 1:
             o = reference.decode_attention(
@@ -258,6 +328,20 @@ def _auto(platform: str, n: int, head_dim: int, dtype: str) -> tuple[str, str]:
         # An opaque custom call would make GSPMD gather a head-sharded cache around it.
         return "reference", f"the cache spans {n} CPU devices (the C++ kernels run on one): the jnp reference"
     return "reference", f"{platform}: the jnp reference (the Pallas kernel is TPU-only)"
+
+
+def _check_deterministic(attention: str, dtype: str, why: str) -> None:
+    """Deterministic mode runs on the C++ kernels' fixed-order paths, f32 only."""
+    if attention != "cpu":
+        raise ConfigError(
+            f"deterministic mode needs the C++ CPU kernels (one CPU device), but attention is "
+            f"{attention!r} ({why}); the jnp, Pallas and tensor-parallel paths have no "
+            "batch-invariant kernels yet"
+        )
+    if dtype != "float32":
+        raise ConfigError(
+            f"deterministic mode takes dtype float32 (its fixed-order matmul is f32), not {dtype!r}"
+        )
 
 
 def _check(attention: str, platform: str, n: int, head_dim: int, dtype: str, where: str) -> str:

@@ -35,6 +35,7 @@ def paged_attention(
     *,
     scale: float,
     slots: jax.Array | None = None,
+    fixed: bool = False,
 ):
     """Attention of a [B, C] step over the cache before the step plus the step's own K/V.
 
@@ -49,6 +50,10 @@ def paged_attention(
     the step's K/V into `pages` in place and returns (out, pages): the page operand is
     aliased to the second output, so a step that donates its pages pays no copy and no
     separate write call. Without, it returns out.
+
+    `fixed` (deterministic mode): every query folds its keys in 16-key blocks at fixed absolute
+    positions, so its output is the same bits whichever chunk, step or prefix hit it came in
+    (`RunHeadsFixed` in the kernel); else blocks follow pages and chunk starts.
     """
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     args = [q, pages, k_new.astype(q.dtype), v_new.astype(q.dtype)]
@@ -56,8 +61,8 @@ def paged_attention(
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if slots is None:
         target = cpu_build.register("paged_attention", "HotswapPagedAttention")
-        return jax.ffi.ffi_call(target, out)(*args, scale=np.float32(scale))
+        return jax.ffi.ffi_call(target, out)(*args, scale=np.float32(scale), fixed=bool(fixed))
     target = cpu_build.register("paged_attention", "HotswapPagedAttentionWrite")
     pages_out = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
     call = jax.ffi.ffi_call(target, (out, pages_out), input_output_aliases={1: 1})
-    return call(*args, i32(slots), scale=np.float32(scale))
+    return call(*args, i32(slots), scale=np.float32(scale), fixed=bool(fixed))

@@ -40,13 +40,29 @@ def matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
     arrays on CPU are bitcasts, not copies. Weights that share x (a layer's q/k/v, or
     gate/up) in one call share one parallel region: +2-4% decode at batch 1 and +5% at
     batch 16 against a call per weight (same-process A/B)."""
-    lead = x.shape[: x.ndim - contract]
-    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract :])
+    rows = math.prod(x.shape[: x.ndim - contract])
     ws = list(ws)
     f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
     if not f32 or rows > max_rows():
         return [jnp.tensordot(x, w, axes=contract) for w in ws]
-    target = cpu_build.register("small_matmul", "HotswapSmallMatmul")
+    return _call("HotswapSmallMatmul", x, ws, contract)
+
+
+def fixed_matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+    """`matmuls`' interface, every f32 call on the kernel's fixed-order path whatever the row
+    count (see the module doc). Other dtypes raise: deterministic mode is f32 on the CPU backend
+    (`Backend.choose` refuses the rest before any step is traced)."""
+    ws = list(ws)
+    if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
+        raise TypeError(f"the fixed-order matmul takes f32 operands, got {x.dtype} x {[w.dtype for w in ws]}")
+    return _call("HotswapFixedMatmul", x, ws, contract)
+
+
+def _call(symbol: str, x: jax.Array, ws: list[jax.Array], contract: int) -> list[jax.Array]:
+    """One call of the kernel's `symbol` on x [..., K...] and the weights [K..., N...]."""
+    lead = x.shape[: x.ndim - contract]
+    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract :])
+    target = cpu_build.register("small_matmul", symbol)
     flat = [w.reshape(k, math.prod(w.shape[contract:])) for w in ws]  # [K, N]
     ys = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32) for w in flat])(
         x.reshape(rows, k), *flat

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hotswap.kernels import reference
-from hotswap.kernels.backend import Backend, jnp_matmuls
+from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -41,9 +41,10 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, mean_square=jnp_mean_square) -> jax.Array:
+    """`mean_square`: the Backend's (`Backend.mean_square`), [..., D] f32 -> [..., 1]."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * jax.lax.rsqrt(mean_square(xf) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -65,22 +66,23 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls):
+def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp_mean_square):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
-    `mms` is the matmul routine (`Backend.matmuls`); wq [D, Hq, hd], wk/wv [D, Hkv, hd]."""
+    `mms` is the matmul routine (`Backend.matmuls`), `ms` the norms' mean of squares
+    (`Backend.mean_square`); wq [D, Hq, hd], wk/wv [D, Hkv, hd]."""
     q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
     if cfg.qkv_bias:  # biases are flat [H*hd], as checkpoints store them
         q = q + lp["bq"].reshape(cfg.num_heads, cfg.head_dim)
         k = k + lp["bk"].reshape(cfg.num_kv_heads, cfg.head_dim)
         v = v + lp["bv"].reshape(cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, ms)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, ms)
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls) -> jax.Array:
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square) -> jax.Array:
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ms)
     gate, up = mms(h, (lp["w_gate"], lp["w_up"]))
     return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0]
 
@@ -108,7 +110,7 @@ def forward_paged(
         x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, cfg=cfg, backend=backend)
         new_kv.append(kv)
         new_pages.append(layer_pages)
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend.mean_square)
     return h, tuple(new_kv), tuple(new_pages)
 
 
@@ -121,13 +123,13 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, ba
     before it optimizes, so the compiled step is the same. Start-up (which traces every
     bucket even when the compiled programs come from the persistent cache) pays for one
     layer, not `num_layers`."""
-    mms = backend.matmuls
+    mms, ms = backend.matmuls, backend.mean_square
     with jax.named_scope("layer"):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(lp, cfg, h, rope, mms)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ms)
+        q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         o, layer_pages = backend.attend(q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
-        return _mlp(lp, cfg, x, mms), (k, v), layer_pages
+        return _mlp(lp, cfg, x, mms, ms), (k, v), layer_pages
 
 
 def write_pages(pages, new_kv, slots, *, backend: Backend):
@@ -146,29 +148,46 @@ def logits_from_hidden(params: Params, h: jax.Array, mms=jnp_matmuls) -> jax.Arr
     return mms(h, (head,))[0].astype(jnp.float32)
 
 
-def forward_dense(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig) -> jax.Array:
-    """Cache-free causal forward for scoring and training. tokens: [B, L] -> logits [B, L, V] f32."""
+def forward_dense(
+    params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig, backend: Backend | None = None
+) -> jax.Array:
+    """Cache-free causal forward for scoring and training. tokens: [B, L] -> logits [B, L, V] f32.
+    `backend`: the engine's, whose scoring kernels run (`Backend.dense_matmuls`,
+    `causal_attention`: the step's own in deterministic mode); None: XLA's dot and the jnp
+    attention, as a trainer differentiates."""
+    mms = jnp_matmuls if backend is None else backend.dense_matmuls
+    ms = jnp_mean_square if backend is None else backend.mean_square
+    attention = reference.dense_causal_attention if backend is None else backend.causal_attention
     scale = 1.0 / math.sqrt(cfg.head_dim)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     rope = rope_tables(positions, rope_inv_freq(cfg))
     x = params["embed"][tokens]
     for lp in params["layers"]:
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(lp, cfg, h, rope)
-        o = reference.dense_causal_attention(q, k, v, lengths, scale=scale)
-        x = x + jnp_matmuls(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
-        x = _mlp(lp, cfg, x)
-    return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ms)
+        q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
+        o = attention(q, k, v, lengths, scale=scale)
+        x = x + mms(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
+        x = _mlp(lp, cfg, x, mms, ms)
+    return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ms), mms)
 
 
 def token_logprobs(
-    params: Params, tokens: jax.Array, lengths: jax.Array, temperature=1.0, *, cfg: ModelConfig
+    params: Params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    temperature=1.0,
+    *,
+    cfg: ModelConfig,
+    backend: Backend | None = None,
 ) -> jax.Array:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for every t: [B, L-1] f32, under the raw
-    distribution or, with `temperature` (traced: any value, one compile), softmax(logits / T)."""
-    logits = forward_dense(params, tokens, lengths, cfg=cfg)[:, :-1] / temperature
+    distribution or, with `temperature` (traced: any value, one compile), softmax(logits / T).
+    `backend` as in `forward_dense` (and its `token_logprobs`: the sampler's in deterministic mode)."""
+    logits = forward_dense(params, tokens, lengths, cfg=cfg, backend=backend)[:, :-1] / temperature
+    if backend is not None:
+        return backend.token_logprobs(logits, tokens[:, 1:])
     lp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-token_logprobs_jit = jax.jit(token_logprobs, static_argnames=("cfg",))
+token_logprobs_jit = jax.jit(token_logprobs, static_argnames=("cfg", "backend"))

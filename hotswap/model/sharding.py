@@ -129,7 +129,12 @@ def engine_shardings(
 
 
 def engine_backend(
-    cfg: ModelConfig, attention: str, kv: NamedSharding | None = None, device: jax.Device | None = None
+    cfg: ModelConfig,
+    attention: str,
+    kv: NamedSharding | None = None,
+    device: jax.Device | None = None,
+    *,
+    deterministic: bool = False,
 ) -> tuple[Backend, NamedSharding | None]:
     """The engine's Backend (`Backend.choose`, from the devices its cache is on) and the KV
     sharding in that backend's page layout. `kv` None: one device, `device` (default: the
@@ -143,6 +148,7 @@ def engine_backend(
         devices=devices,
         mesh=mesh,
         head_axis=RULES["kv_heads"],
+        deterministic=deterministic,
     )
     if mesh is not None:  # split by kv head, in the backend's page layout
         kv = kv_sharding(cfg, mesh, folded=backend.folded_pages)

@@ -99,11 +99,18 @@ class Target:
 
     @staticmethod
     def on(
-        mcfg: ModelConfig, attention: str, shardings: Params | None, kv: NamedSharding | None, device=None
+        mcfg: ModelConfig,
+        attention: str,
+        shardings: Params | None,
+        kv: NamedSharding | None,
+        device=None,
+        *,
+        deterministic: bool = False,
     ):
         """The Engine's target for `Engine(shardings=, kv_sharding=)` (None, None: one device,
-        `device` or the first of `jax.devices()`), with the Backend it would choose there."""
-        backend, kv = sharding.engine_backend(mcfg, attention, kv, device)
+        `device` or the first of `jax.devices()`), with the Backend it would choose there
+        (`deterministic`: its batch-invariant kernels)."""
+        backend, kv = sharding.engine_backend(mcfg, attention, kv, device, deterministic=deterministic)
         if kv is None:
             one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
             return Target(backend, jax.tree.map(lambda _: one, param_specs(mcfg), is_leaf=is_spec), one, one)

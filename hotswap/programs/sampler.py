@@ -107,7 +107,11 @@ def _filters(sa: SamplingArrays) -> jax.Array:
     return (sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)
 
 
-def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
+def _softmax(x: jax.Array) -> jax.Array:
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _filtered_sample(logits: jax.Array, sa: SamplingArrays, softmax=_softmax) -> jax.Array:
     """Temperature + top-k + top-p + min-p, then a categorical draw per row. A row that sets
     no filter keeps every entry exactly, so it draws what `_draw` draws on its scaled logits
     (the unsorted path `sample` takes when no row filters): the batch never changes a token."""
@@ -117,7 +121,7 @@ def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
     k = jnp.where(sa.top_k > 0, jnp.minimum(sa.top_k, v), v)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     keep = scaled >= kth
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    probs_sorted = softmax(sorted_desc)
     cum = jnp.cumsum(probs_sorted, axis=-1)
     # Smallest set whose mass reaches top_p: keep sorted entries whose preceding mass < top_p.
     n_keep = jnp.sum((cum - probs_sorted) < sa.top_p[:, None], axis=-1)
@@ -125,7 +129,7 @@ def _filtered_sample(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
     # top_p = 1 keeps everything, exactly (the cumulative sum may round a tail entry's
     # preceding mass up to 1).
     keep &= (sa.top_p[:, None] >= 1.0) | (scaled >= p_thresh)
-    probs = jax.nn.softmax(scaled, axis=-1)
+    probs = softmax(scaled)
     keep &= probs >= sa.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return _draw(jnp.where(keep, scaled, -jnp.inf), sa)
 
@@ -136,7 +140,7 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arr
     return top - lse[:, None], ids
 
 
-def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array) -> jax.Array:
+def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, softmax=_softmax) -> jax.Array:
     """Each row's token: `greedy` (its argmax) or a draw. No draw when every row is greedy; no
     [R, V] sort unless a sampling row filters (plain temperature sampling is a Gumbel-max over
     the scaled logits)."""
@@ -147,7 +151,7 @@ def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array) -> jax.Array
             sampling,
             jax.lax.cond(
                 jnp.any(sampling & _filters(sa)),
-                lambda: _filtered_sample(logits, sa),
+                lambda: _filtered_sample(logits, sa, softmax),
                 lambda: _draw(_scaled(logits, sa), sa),
             ).astype(jnp.int32),
             greedy,
@@ -157,10 +161,11 @@ def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array) -> jax.Array
 
 
 def sample(
-    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp
+    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp, softmax=_softmax
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
-    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`)."""
+    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`);
+    `softmax`: the filters' row softmax, the Backend's (`Backend.softmax`)."""
     # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
     # and re-reading a vocabulary-wide array per row is memory traffic the step does not need).
     greedy, lse = row_stats(logits)
@@ -168,8 +173,8 @@ def sample(
     # The log-probs stay those of the raw distribution (vLLM's default, what `score` returns).
     tokens = jax.lax.cond(
         jnp.any(sa.constrained),
-        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked)),
-        lambda: _pick(logits, sa, greedy),
+        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked), softmax),
+        lambda: _pick(logits, sa, greedy, softmax),
     )
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     # Only when some row asked: under tensor parallelism top_k gathers the whole [R, V] row.

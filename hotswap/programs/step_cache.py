@@ -9,7 +9,7 @@ everything the program is made from instead, so a hit needs neither:
   `.cc`/`.h`), hashed once per process;
 - JAX, jaxlib, the backend's platform and version, `XLA_FLAGS`, `LIBTPU_INIT_ARGS`, and
   JAX's configuration (the settings that shape tracing: x64, matmul precision, ...);
-- the model config, the Backend's attention and platform, and the arguments' tree, shapes, dtypes and
+- the model config, the Backend's attention, platform and deterministic mode, and the arguments' tree, shapes, dtypes and
   shardings (the bucket).
 
 An entry is the PJRT executable's own serialized bytes (what JAX's cache stores too) and a
@@ -98,6 +98,7 @@ def _key(leaves: list, tree, cfg: Any, backend: Backend, device: jax.Device) -> 
         repr(cfg),
         backend.attention,
         backend.platform,
+        backend.deterministic,  # which kernels the step calls (`Backend` doc)
         str(tree),
         [(x.shape, str(x.dtype), repr(getattr(x, "sharding", None))) for x in leaves],
     ]

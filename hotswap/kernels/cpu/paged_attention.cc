@@ -69,6 +69,11 @@ inline const float* as_f32(const uint16_t* src, float* tmp, int n) {
   for (int i = 0; i < n; ++i) tmp[i] = bf16_to_f32(src[i]);
   return tmp;
 }
+// n values into f32 at dst, copied or widened.
+inline void load(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void load(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
 inline void store(float* dst, const float* src, int n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void store(uint16_t* dst, const float* src, int n) {
   for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
@@ -343,10 +348,105 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
   return true;
 }
 
+// Deterministic mode: a query folds its keys in blocks of kKeyBlock at fixed absolute positions
+// [16a, 16a + 16), whichever of the cache and the step's own K/V hold them. `RunHeads` cuts blocks
+// at page and chunk starts instead, and a query's softmax state (its running max, the rescaling
+// of what came before, each block's 16-lane sum) depends on where blocks start: so a query's
+// output changed with the chunk it came in, with a prefix hit (the chunk then starts later) and
+// between a decode step and a prefill of the same tokens. Here it is the same bits in all of them.
+constexpr int64_t kKeyBlock = 16;
+
+// One work item as `RunHeads`, with fixed key blocks: a block that lies in one page, or in the
+// step's own f32 K/V, is folded in place; any other (it spans the cached keys and the chunk's own,
+// or two pages, or is bf16) is first gathered into f32 scratch. The values and the order of a
+// block's keys are the same either way.
+template <typename A, typename K>
+bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q, const K* pages,
+                   const A* k_new, const A* v_new, const int32_t* block_tables, const int32_t* positions,
+                   const int32_t* chunk_starts, const int32_t* kv_lens, A* out) {
+  const int64_t g_n = s.hq / s.hkv, hd = s.hd, ps = s.ps, nh = (h1 - h0) * g_n, nq = r.n;
+  const int64_t b = r.i0 / s.c, start = chunk_starts[b];
+  std::vector<float> row(hd, 0.0f), tmp(hd);
+  if (!r.real) {
+    for (int64_t h = 0; h < nh; ++h) store(out + (r.i0 * s.hq + h0 * g_n + h) * hd, row.data(), hd);
+    return positions[r.i0] >= kv_lens[b];  // padding, or a real query whose chunk does not fit
+  }
+  std::vector<float> qv(nq * nh * hd), acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(kKeyBlock);
+  std::vector<float> kt(kKeyBlock * hd), vt(kKeyBlock * hd);
+  std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < nq; ++j) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* src = as_f32(q + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, tmp.data(), hd);
+      for (int64_t d = 0; d < hd; ++d) qv[(j * nh + h) * hd + d] = src[d] * s.scale;
+    }
+  }
+  const int32_t* table = block_tables + b * s.p;
+  const int64_t slot = 2 * s.hkv * hd, own = s.hkv * hd;  // strides of a cached and an own key
+  const int64_t pos0 = positions[r.i0], end = positions[r.i0 + nq - 1] + 1;  // keys [0, end)
+  // Where key p's K sits (its V is hd further on in a page, at v_new's same offset for an own
+  // key): the page slot through the table for p < start, else the chunk's flat index.
+  auto cached = [&](int64_t p, int64_t kvh) -> const K* {
+    const int64_t page = table[p / ps];
+    if (page < 0 || page >= s.num_pages) return nullptr;
+    return pages + (page * ps + p % ps) * slot + 2 * kvh * hd;
+  };
+  auto own_at = [&](int64_t p) { return r.i0 + (p - pos0); };
+  for (int64_t a = 0; a < end; a += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - a);
+    for (int64_t kvh = h0; kvh < h1; ++kvh) {
+      const float *kf = kt.data(), *vf = vt.data();
+      int64_t stride = hd;
+      bool gather = true;
+      if constexpr (std::is_same_v<K, float>) {
+        if (a + n <= start && a / ps == (a + n - 1) / ps) {
+          const K* base = cached(a, kvh);
+          if (base == nullptr) return false;
+          kf = base, vf = base + hd, stride = slot, gather = false;
+        }
+      }
+      if constexpr (std::is_same_v<A, float>) {
+        if (a >= start) {
+          const int64_t i = own_at(a);
+          kf = k_new + i * own + kvh * hd, vf = v_new + i * own + kvh * hd, stride = own, gather = false;
+        }
+      }
+      for (int64_t j = 0; gather && j < n; ++j) {
+        const int64_t p = a + j;
+        if (p < start) {
+          const K* base = cached(p, kvh);
+          if (base == nullptr) return false;
+          load(kt.data() + j * hd, base, hd);
+          load(vt.data() + j * hd, base + hd, hd);
+        } else {
+          const int64_t i = own_at(p);
+          load(kt.data() + j * hd, k_new + i * own + kvh * hd, hd);
+          load(vt.data() + j * hd, v_new + i * own + kvh * hd, hd);
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t nj = std::min(n, positions[r.i0 + j] - a + 1);  // the block's keys query j sees
+        if (nj <= 0) continue;
+        const int64_t i = j * nh + (kvh - h0) * g_n;
+        Fold(hd, g_n, qv.data() + i * hd, kf, vf, stride, nj, m.data() + i, l.data() + i, acc.data() + i * hd,
+             sc.data());
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t i = j * nh + h;
+      const float inv = 1.0f / std::max(l[i], 1e-30f);
+      for (int64_t d = 0; d < hd; ++d) row[d] = acc[i * hd + d] * inv;
+      store(out + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, row.data(), hd);
+    }
+  }
+  return true;
+}
+
 template <typename A, typename K>
 ffi::Error Run(ffi::ThreadPool pool, const Shape& s, const void* q, const void* pages,
                const void* k_new, const void* v_new, const int32_t* bt, const int32_t* pos,
-               const int32_t* cs, const int32_t* kl, void* out) {
+               const int32_t* cs, const int32_t* kl, void* out, bool fixed) {
   // Runs x chunks of kv heads: whole runs when there are enough to share out, else a run's
   // heads split so that a batch-1 step still uses every thread. The last runs of a prefill
   // chunk see the most keys, so items go from the last run back: the short ones even out
@@ -358,7 +458,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Shape& s, const void* q, const void* 
   hotswap::ParallelFor(pool, nr * chunks, [&](int64_t it) {
     const QueryRun& r = runs[nr - 1 - it / chunks];
     const int64_t c = it % chunks;
-    if (!RunHeads<A, K>(s, r, s.hkv * c / chunks, s.hkv * (c + 1) / chunks, static_cast<const A*>(q),
+    auto heads = fixed ? RunHeadsFixed<A, K> : RunHeads<A, K>;
+    if (!heads(s, r, s.hkv * c / chunks, s.hkv * (c + 1) / chunks, static_cast<const A*>(q),
                         static_cast<const K*>(pages), static_cast<const A*>(k_new), static_cast<const A*>(v_new),
                         bt, pos, cs, kl, static_cast<A*>(out))) {
       ok = false;
@@ -387,7 +488,8 @@ auto WithDtypes(ffi::DataType at, ffi::DataType kt, F&& f) -> std::optional<decl
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer pages, ffi::AnyBuffer k_new,
                           ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
-                          ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float scale) {
+                          ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float scale,
+                          bool fixed) {
   auto qd = q.dimensions(), pd = pages.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 4 || pd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("hotswap paged attention: q and pages must be 4-D, tables 2-D");
@@ -402,7 +504,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   void* o = out->untyped_data();
   auto run = WithDtypes(q.element_type(), pages.element_type(), [&](auto a, auto k) {
     return Run<decltype(a), decltype(k)>(pool, s, args[0], args[1], args[2], args[3], ints[0], ints[1], ints[2],
-                                         ints[3], o);
+                                         ints[3], o, fixed);
   });
   if (run) return *run;
   return ffi::Error::InvalidArgument("hotswap paged attention: activations and pages must be f32 or bf16");
@@ -443,7 +545,8 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
                                ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> block_tables,
                                ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> slots,
-                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pages_out, float scale) {
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pages_out, float scale,
+                               bool fixed) {
   if (pages_out->untyped_data() != pages.untyped_data()) {
     return ffi::Error::InvalidArgument("hotswap paged attention: the page output must alias the page input");
   }
@@ -451,7 +554,7 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   if (qd.size() != 4 || static_cast<int64_t>(slots.element_count()) != qd[0] * qd[1]) {
     return ffi::Error::InvalidArgument("hotswap paged attention: slots must hold one entry per query token");
   }
-  ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out, scale);
+  ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out, scale, fixed);
   if (err.failure()) return err;  // shapes and dtypes are checked there
   auto pd = pages.dimensions();
   Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], block_tables.dimensions()[1], scale};
@@ -479,7 +582,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // chunk_starts
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("fixed"));  // deterministic mode: RunHeadsFixed
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
                               ffi::Ffi::Bind()
@@ -495,4 +599,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::AnyBuffer>()         // pages_out
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("fixed"));  // deterministic mode: RunHeadsFixed

@@ -17,6 +17,12 @@
 //
 // Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
 // at most HotswapSmallMatmulMaxRows() rows.
+//
+// `HotswapFixedMatmul` (deterministic mode) takes any M and computes every y[r, n] as one chain
+// over k = 0 .. K-1 in order: register tiles whatever the row count, never a split over K. Tile
+// grouping, column chunks, k-blocks and prefetching decide only which values are in registers
+// when, not the order of a row's sum, so a row's result is the same bits in a step of 1 row or
+// of 512 (the small-row path splits K for 1-2 rows, and XLA's dot blocks K by the row count).
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +66,21 @@ void KSlice(const float* __restrict x, const float* __restrict w, float* __restr
       const float a = x[r * K + k];
       float* pr = part + r * N;
       for (int64_t n = 0; n < N; ++n) pr[n] += a * wk[n];
+    }
+  }
+}
+
+// Columns [n0, n1) of y = x @ w, each a chain over k = 0 .. K-1 in order (the fixed-order path
+// without AVX-512; see the header).
+void ColumnSlice(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t M, int64_t K,
+                 int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t r = 0; r < M; ++r) {
+    float* yr = y + r * N;
+    std::fill(yr + n0, yr + n1, 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = x[r * K + k];
+      const float* wk = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) yr[n] += a * wk[n];
     }
   }
 }
@@ -186,6 +207,14 @@ void PlanGemv(Product& p, int64_t K, int64_t threads) {
   p.ksplit = std::min<int64_t>(2 * threads, std::max<int64_t>(K / 64, 1));
 }
 
+// The fixed-order path without AVX-512: column chunks of about one thread's share, all of K each.
+void PlanColumns(Product& p, int64_t share) {
+  p.cols = p.N;
+  p.width = std::max<int64_t>(16, std::min<int64_t>(p.N, share));
+  p.chunks = (p.N + p.width - 1) / p.width;
+  p.ksplit = 1;
+}
+
 #if defined(__AVX512F__)
 // 3-32 rows: items are column chunks, each at most MaxWidth(M) and at most one thread's share
 // of the call's columns (`share`): a layer's q [768] splits in two while its k and v [256]
@@ -217,15 +246,16 @@ void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
 // a layer's q/k/v (or gate/up) weights share x, and one region instead of one per weight
 // saves each call's start (waking the helper thread, the end-of-call wait for the slowest
 // item).
-void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std::vector<Product>& ps) {
+// `fixed`: every row's sums in one order whatever M (see the header).
+void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std::vector<Product>& ps, bool fixed) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  if (K == 0) {  // no item would write y
+  if (K == 0 || M == 0) {  // no item would write y
     for (Product& p : ps) std::fill(p.y, p.y + M * p.N, 0.0f);
     return;
   }
   bool tiled = false;
 #if defined(__AVX512F__)
-  tiled = M > 2;
+  tiled = M > 2 || fixed;
 #endif
   int64_t total = 0, cols = 0;
   for (const Product& p : ps) cols += p.N / 16 * 16;
@@ -233,11 +263,15 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
   for (Product& p : ps) {
 #if defined(__AVX512F__)
     if (tiled) {
-      PlanTiled(p, M, K, threads, share, ps.size() == 1);
+      PlanTiled(p, M, K, threads, share, ps.size() == 1 && !fixed);
       Tail(xp, p, M, K);  // on this thread, before it joins in
     } else
 #endif
+    if (fixed) {
+      PlanColumns(p, share);  // the fixed order without AVX-512
+    } else {
       PlanGemv(p, K, threads);
+    }
     if (p.ksplit > 1) p.partial.reset(new float[(p.ksplit - 1) * M * p.N]);
     total += p.items();
   }
@@ -249,6 +283,10 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
     const int64_t n0 = ch * p.width, n1 = std::min(n0 + p.width, p.cols);
     const int64_t k0 = K * part / p.ksplit, k1 = K * (part + 1) / p.ksplit;
     float* y = (part == 0 ? p.y : p.partial.get() + (part - 1) * M * p.N) + n0;
+    if (!tiled && fixed) {
+      ColumnSlice(xp, p.w, p.y, M, K, p.N, n0, n1);
+      return;
+    }
     if (!tiled) {
       KSlice(xp, p.w, y, M, K, p.N, k0, k1);
       return;
@@ -266,8 +304,8 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
 }
 
 // x [M, K] and weights w_i [K, N_i] in; y_i [M, N_i] out, one result per weight.
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
-                       ffi::RemainingRets ys) {
+ffi::Error Matmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::RemainingArgs& ws, ffi::RemainingRets& ys,
+                   bool fixed) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || ws.size() == 0 || ws.size() != ys.size()) {
     return ffi::Error::InvalidArgument("hotswap small matmul: need x [M, K] and one result per weight");
@@ -286,13 +324,28 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
     }
     ps.push_back(Product{w->typed_data(), (*y)->typed_data(), wd[1]});
   }
-  Products(pool, x.typed_data(), M, K, ps);
+  Products(pool, x.typed_data(), M, K, ps, fixed);
   return ffi::Error::Success();
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  return Matmuls(pool, x, ws, ys, false);
+}
+
+ffi::Error FixedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  return Matmuls(pool, x, ws, ys, true);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapSmallMatmul, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .RemainingArgs()               // weights
+                                  .RemainingRets());             // one result each
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapFixedMatmul, FixedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
