@@ -161,6 +161,11 @@ class Backend:
         """Each logits row's (argmax, logsumexp), what the sampler needs of every row."""
         return cpu_sampling.argmax_logsumexp if self.attention == "cpu" else reference.argmax_logsumexp
 
+    @property
+    def keep_thresholds(self):
+        """Each filtering row's least kept logit (top-k / top-p / min-p), for the sampler."""
+        return cpu_sampling.keep_thresholds if self.attention == "cpu" else reference.keep_thresholds
+
     # ---- the step's attention -----------------------------------------------
 
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
