@@ -30,9 +30,9 @@ import numpy as np
 
 from benchmarks.workloads import decode_seconds
 
-# SamplingParams fields of each mode on top of greedy's (temperature 0).
+# SamplingParams fields of each mode (SamplingParams' own default temperature is 1.0).
 MODES = {
-    "greedy": {},
+    "greedy": {"temperature": 0.0},
     "temperature_1": {"temperature": 1.0},
     "top_k_50": {"temperature": 1.0, "top_k": 50},
     "top_p_0.9": {"temperature": 1.0, "top_p": 0.9},
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 700, a.prompt_len).tolist() for _ in range(a.prompts)]
-    modes = {name: {**fields, "seed": 1} if fields else fields for name, fields in MODES.items()}
+    modes = {name: {**fields, "seed": 1} for name, fields in MODES.items()}
     for fields in modes.values():  # warm-up: every mode's step programs compiled and run once
         decode_seconds(llm, prompts, a.new_tokens, fields, a.n)
     times: dict[str, list[float]] = {name: [] for name in modes}
