@@ -1,7 +1,7 @@
 // Each logits row's keep threshold for top-k, top-p and min-p without sorting the row
 // (hotswap/kernels/cpu_sampling.py; the jnp twin is `reference.keep_thresholds`).
 //
-// Why: sorting a [R, V] logits array costs ~100x a pass over it on XLA:CPU. Every filter keeps
+// Why: XLA:CPU sorts a [R, V] logits array in the time of hundreds of passes over it. Every filter keeps
 // an upper set of the row's values, so each is one threshold:
 //   top-k: the k-th largest value (its ties kept);
 //   top-p: the least value x whose strictly larger entries' mass is below top_p (the smallest
@@ -17,9 +17,9 @@
 // top_p f32 [R] (>= 1: off); min_p f32 [R] (<= 0: off); threshold f32 [R] (-inf: keep all).
 // A row holding NaN gets an unspecified threshold (its draw is garbage either way).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
