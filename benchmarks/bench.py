@@ -3,8 +3,9 @@
 Everything is measured in the same run (this kind of machine is shared and noisy):
 the physical limits are probed (matmul FLOP/s first; GEMV bandwidth first and again
 between the timed repeats of each batch size), and each engine runs the same prompts
-with the same thread count. Prints a table and one
-JSON line, and writes a PNG of throughput vs batch size.
+with the same thread count. Decode is greedy, and beside it seeded sampling (temperature 1,
+top-k 50, top-p 0.95) on the same prompts, as step-time ratios to greedy. Prints a table and
+one JSON line, and writes a PNG of throughput vs batch size.
 
 `hotswap bench ARGS` (from an editable install) and `python -m benchmarks.bench ARGS` (from
 the repository root, with any install of hotswap) run the same thing.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from benchmarks import bench_peers
 from benchmarks.limits import GemvProbe, probe_matmul_flops
+from benchmarks.sampled_decode import MODES
 from benchmarks.workloads import (
     hf_decode,
     hf_static_batches,
@@ -38,6 +40,8 @@ HELP = "start-up / decode / serving / prefix / update benchmarks vs HF transform
 # The engine the workloads run on (the README's figures): 1,024-token prompts plus output fit,
 # prefill chunks of 512 tokens; `max_num_seqs` is the largest decode batch. Engine flags override.
 WORKLOAD_ENGINE = {"max_model_len": 1088, "max_num_batched_tokens": 512}
+# Sampled decode timed beside greedy at each batch size (`benchmarks/sampled_decode.py` has them all).
+SAMPLED = ("temperature_1", "top_k_50", "top_p_0.95")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,6 +126,13 @@ def run(args) -> int:
         ours = hotswap_decode(llm, prompts, args.new_tokens, args.repeats, lambda p=probes: p.append(gemv()))
         bw = statistics.median(p["gemv_bytes_per_s"] for p in probes)
         row = {"batch": b, "hotswap_tok_s": ours, "gemv_bytes_per_s": bw}
+        # Seeded sampling on the same prompts: `<mode>_step_vs_greedy` is its step time over greedy's.
+        for mode in SAMPLED:
+            sampling = {**MODES[mode], "seed": 1}
+            row[f"{mode}_tok_s"] = hotswap_decode(
+                llm, prompts, args.new_tokens, args.repeats, sampling=sampling
+            )
+            row[f"{mode}_step_vs_greedy"] = ours / row[f"{mode}_tok_s"]
         row["mem_limit_tok_s"] = bw / weight_bytes * b
         row["compute_limit_tok_s"] = limits["matmul_flops"] / flops_per_token
         row["fraction_of_limit"] = ours / min(row["mem_limit_tok_s"], row["compute_limit_tok_s"])

@@ -83,31 +83,45 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [rng.integers(10, min(vocab, 700), length).tolist() for _ in range(n)]
 
 
-def hotswap_decode(llm, prompts: list[list[int]], new_tokens: int, repeats: int, before_each=None) -> float:
+def hotswap_decode(
+    llm,
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    before_each=None,
+    sampling: dict | None = None,
+    n: int = 1,
+) -> float:
     """Decode tok/s: time from every sequence having its first token until all finish.
-    `before_each()` runs before each timed repeat (the bandwidth probe, taken next to it)."""
-    from hotswap import SamplingParams
-
-    eng = llm.engine
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-
-    def once() -> float:
-        eng.reset_prefix_cache()
-        rids = [eng.add_request(None, p, sp) for p in prompts]
-        while any(not eng.requests[r].seqs[0].output_ids for r in rids if r in eng.requests):
-            eng.step()
-        t = time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-        return time.perf_counter() - t
-
-    once()
+    `before_each()` runs before each timed repeat (the bandwidth probe, taken next to it).
+    `sampling`: SamplingParams fields on top of greedy's (e.g. `{"temperature": 1.0, "seed": 1}`:
+    seeded, so every repeat draws the same tokens); `n`: sequences per prompt (a GRPO group)."""
+    decode_seconds(llm, prompts, new_tokens, sampling, n)  # untimed: warm-up
     times = []
     for _ in range(repeats):
         if before_each is not None:
             before_each()
-        times.append(once())
-    return len(prompts) * (new_tokens - 1) / statistics.median(times)
+        times.append(decode_seconds(llm, prompts, new_tokens, sampling, n))
+    return len(prompts) * n * (new_tokens - 1) / statistics.median(times)
+
+
+def decode_seconds(llm, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None, n: int = 1):
+    """One timed decode (`hotswap_decode`): seconds from every sequence having its first token
+    until all have `new_tokens`, i.e. `new_tokens - 1` steps of len(prompts) * n rows."""
+    from hotswap import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(
+        **{"temperature": 0.0, **(sampling or {})}, n=n, max_tokens=new_tokens, ignore_eos=True
+    )
+    eng.reset_prefix_cache()
+    rids = [eng.add_request(None, p, sp) for p in prompts]
+    while any(not s.output_ids for r in rids if r in eng.requests for s in eng.requests[r].seqs):
+        eng.step()
+    t = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    return time.perf_counter() - t
 
 
 def hf_decode(model, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:

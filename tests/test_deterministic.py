@@ -92,22 +92,24 @@ def test_fixed_matmul_rows_do_not_depend_on_the_row_count():
             assert np.asarray(mm(x[:m])).tobytes() == full[:m].tobytes(), (k, n, m)
 
 
-def test_fixed_norm_and_softmax_rows_do_not_depend_on_the_row_count():
-    """The RMS norms' mean of squares and the sampler filters' softmax: XLA's reductions (and its
-    exp of a fused `x - max`) change a row's bits with the row count; the mode's do not."""
+def test_fixed_norm_and_keep_threshold_rows_do_not_depend_on_the_row_count():
+    """The RMS norms' mean of squares (XLA's reduction changes a row's bits with the row count;
+    the mode's does not) and the sampler filters' keep thresholds (a C++ select per row)."""
     backend = Backend(attention="cpu", platform="cpu", deterministic=True)
     rng = np.random.default_rng(2)
-    for fn, shape in (
-        (backend.mean_square, (40, 64)),
-        (backend.softmax, (40, 512)),
-        (backend.softmax, (40, 7)),
-    ):
-        x = rng.standard_normal(shape).astype(np.float32) * 3
-        x[3, ::3] = -np.inf if fn is backend.softmax else x[3, ::3]  # masked entries: probability 0
-        full = np.asarray(jax.jit(fn)(x))
-        for m in (1, 2, 3, 5, 8, 16):
-            assert np.asarray(jax.jit(fn)(x[:m])).tobytes() == full[:m].tobytes(), (fn, shape, m)
-    np.testing.assert_allclose(full, np.asarray(jax.nn.softmax(x, axis=-1)), atol=1e-6)
+    x = rng.standard_normal((40, 64)).astype(np.float32) * 3
+    full = np.asarray(jax.jit(backend.mean_square)(x))
+    for m in (1, 2, 3, 5, 8, 16):
+        assert np.asarray(jax.jit(backend.mean_square)(x[:m])).tobytes() == full[:m].tobytes(), m
+    logits = rng.standard_normal((40, 512)).astype(np.float32) * 3
+    logits[3, ::3] = -np.inf  # masked entries: probability 0
+    k, p, mp = rng.integers(0, 60, 40), rng.uniform(0.5, 1.0, 40), rng.uniform(0.0, 0.2, 40)
+    args = [a.astype(t) for a, t in ((k, np.int32), (p, np.float32), (mp, np.float32))]
+    thresholds = jax.jit(backend.keep_thresholds)
+    full = np.asarray(thresholds(logits, *args))
+    for m in (1, 2, 3, 5, 8, 16):
+        got = np.asarray(thresholds(logits[:m], *(a[:m] for a in args)))
+        assert got.tobytes() == full[:m].tobytes(), m
 
 
 @pytest.mark.parametrize("hd", [16, 64])

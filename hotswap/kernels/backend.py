@@ -34,7 +34,6 @@ are, before any engine exists (checkpoint loads), and `finite.py` decides it per
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -220,15 +219,14 @@ class Backend:
         return cpu_sampling.row_mean_square if self.deterministic else jnp_mean_square
 
     @property
-    def softmax(self):
-        """The sampler filters' row softmax ([R, V] -> [R, V]): jax's, or in deterministic mode
-        the C++ one, one order per row whatever R (XLA's moved a top-p cut's sums with R)."""
-        return cpu_sampling.row_softmax if self.deterministic else functools.partial(jax.nn.softmax, axis=-1)
-
-    @property
     def row_stats(self):
         """Each logits row's (argmax, logsumexp), what the sampler needs of every row."""
         return cpu_sampling.argmax_logsumexp if self.attention == "cpu" else reference.argmax_logsumexp
+
+    @property
+    def keep_thresholds(self):
+        """Each filtering row's least kept logit (top-k / top-p / min-p), for the sampler."""
+        return cpu_sampling.keep_thresholds if self.attention == "cpu" else reference.keep_thresholds
 
     # ---- the step's attention -----------------------------------------------
 

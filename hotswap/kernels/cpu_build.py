@@ -96,6 +96,7 @@ def available() -> bool:
         register("paged_attention", "HotswapPagedAttentionWrite")
         register("small_matmul", "HotswapSmallMatmul")
         register("row_stats", "HotswapRowStats")
+        register("keep_threshold", "HotswapKeepThreshold")
         register("all_finite", "HotswapAllFinite")
         register("convert_finite", "HotswapConvertFinite")
     except (ConfigError, OSError):

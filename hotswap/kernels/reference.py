@@ -225,3 +225,66 @@ def argmax_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's argmax (`argmax`) and logsumexp: what the sampler needs of every
     row. The jnp twin of `cpu_sampling.argmax_logsumexp`."""
     return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys with the f32 order (-0 as +0: a zero's ties are kept whatever its sign)."""
+    b = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    return b ^ jnp.where(b >> 31 == 1, jnp.uint32(0xFFFFFFFF), jnp.uint32(0x80000000))
+
+
+def _from_keys(k: jax.Array) -> jax.Array:
+    b = k ^ jnp.where(k >> 31 == 1, jnp.uint32(0x80000000), jnp.uint32(0xFFFFFFFF))
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _least_key_below(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """Each row's least key c with sum(weights[keys > c]) < target (its least key when every
+    key qualifies), by bisection over the 32-bit key range: 32 masked sums over [R, V].
+    keys uint32 [R, V]; weights [R, V] (or broadcastable); target [R]."""
+    # Invariant: W(> lo) >= target (lo below every key: the whole row) and W(> hi) < target.
+    lo = jnp.min(keys, axis=-1) - 1
+    hi = jnp.max(keys, axis=-1)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        above = jnp.sum(jnp.where(keys > mid[:, None], weights, 0), axis=-1)
+        ok = above < target
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
+def keep_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Each row's least kept value under its top-k, top-p and min-p filters (vLLM's): the
+    entries >= it are kept; -inf keeps every entry. scaled f32 [R, V] (logits / temperature);
+    top_k i32 [R] (<= 0 or >= V: off); top_p f32 [R] (>= 1: off); min_p f32 [R] (<= 0: off).
+
+    Each filter keeps an upper set of the row's values, so their intersection is the upper set
+    of the largest threshold. Top-k: the k-th largest value (ties kept). Top-p: the least value
+    whose strictly larger entries hold less than top_p of the mass (the smallest set of largest
+    entries reaching top_p, its last entry's ties kept). Min-p: max + log(min_p). No sort: the
+    twin of `cpu_sampling.keep_thresholds`, and what the TPU programs run."""
+    v = scaled.shape[-1]
+    m = jnp.max(scaled, axis=-1)
+    keys = _order_keys(scaled)
+    no = jnp.full(m.shape, -jnp.inf, scaled.dtype)
+    k_on, p_on = (top_k > 0) & (top_k < v), top_p < 1.0
+    t_min_p = jnp.where(min_p > 0, m + jnp.log(jnp.where(min_p > 0, min_p, 1.0)), no)
+    t_top_k = jax.lax.cond(
+        jnp.any(k_on),
+        lambda: jnp.where(k_on, _from_keys(_least_key_below(keys, jnp.int32(1), top_k)), no),
+        lambda: no,
+    )
+
+    def top_p_threshold():
+        e = jnp.exp(scaled - m[:, None])  # [R, V]
+        target = top_p * jnp.sum(e, axis=-1)
+        # A target that is not positive (top_p <= 0) keeps the max and its ties.
+        target = jnp.where(target > 0, target, jnp.finfo(jnp.float32).tiny)
+        return jnp.where(p_on, _from_keys(_least_key_below(keys, e, target)), no)
+
+    t_top_p = jax.lax.cond(jnp.any(p_on), top_p_threshold, lambda: no)
+    t = jnp.maximum(jnp.maximum(t_min_p, t_top_k), t_top_p)
+    return jnp.where(m == -jnp.inf, no, t)  # an all -inf row: nothing to filter

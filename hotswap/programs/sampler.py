@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.kernels.reference import argmax, argmax_logsumexp  # the jnp twins of the CPU kernel
+# The jnp twins of the CPU kernels (`sample`'s defaults; the engine passes its Backend's).
+from hotswap.kernels.reference import argmax, argmax_logsumexp
+from hotswap.kernels.reference import keep_thresholds as reference_keep_thresholds
 
 TOP_LOGPROBS = 20  # the most top-logprobs a request may ask for (as in vLLM/OpenAI)
 
@@ -103,35 +105,25 @@ def _scaled(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
 
 
 def _filters(sa: SamplingArrays) -> jax.Array:
-    """Rows that ask for top-k, top-p or min-p [R]: only they need the sorted distribution."""
+    """Rows that ask for top-k, top-p or min-p [R]: only they need a keep threshold."""
     return (sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)
 
 
-def _softmax(x: jax.Array) -> jax.Array:
-    return jax.nn.softmax(x, axis=-1)
-
-
-def _filtered_sample(logits: jax.Array, sa: SamplingArrays, softmax=_softmax) -> jax.Array:
-    """Temperature + top-k + top-p + min-p, then a categorical draw per row. A row that sets
-    no filter keeps every entry exactly, so it draws what `_draw` draws on its scaled logits
-    (the unsorted path `sample` takes when no row filters): the batch never changes a token."""
-    v = logits.shape[-1]
+def _filtered_sample(logits: jax.Array, sa: SamplingArrays, keep_thresholds) -> jax.Array:
+    """Temperature + top-k + top-p + min-p, then a categorical draw per row. Each row keeps the
+    scaled logits >= its threshold (`keep_thresholds`: the Backend's, a radix select or a
+    bisection, never a [R, V] sort). A row that sets no filter gets -inf and keeps every entry
+    exactly, so it draws what `_draw` draws on its scaled logits (the path `sample` takes when
+    no row filters): the batch never changes a token."""
     scaled = _scaled(logits, sa)
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [R, V]
-    k = jnp.where(sa.top_k > 0, jnp.minimum(sa.top_k, v), v)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    keep = scaled >= kth
-    probs_sorted = softmax(sorted_desc)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
-    # Smallest set whose mass reaches top_p: keep sorted entries whose preceding mass < top_p.
-    n_keep = jnp.sum((cum - probs_sorted) < sa.top_p[:, None], axis=-1)
-    p_thresh = jnp.take_along_axis(sorted_desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
-    # top_p = 1 keeps everything, exactly (the cumulative sum may round a tail entry's
-    # preceding mass up to 1).
-    keep &= (sa.top_p[:, None] >= 1.0) | (scaled >= p_thresh)
-    probs = softmax(scaled)
-    keep &= probs >= sa.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    return _draw(jnp.where(keep, scaled, -jnp.inf), sa)
+    on = sa.temperature > 0  # a greedy row's filters are not worth a search
+    t = keep_thresholds(
+        scaled,
+        jnp.where(on, sa.top_k, 0),
+        jnp.where(on, sa.top_p, 1.0),
+        jnp.where(on, sa.min_p, 0.0),
+    )  # [R]
+    return _draw(jnp.where(scaled >= t[:, None], scaled, -jnp.inf), sa)
 
 
 def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -140,10 +132,10 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arr
     return top - lse[:, None], ids
 
 
-def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, softmax=_softmax) -> jax.Array:
+def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, keep_thresholds) -> jax.Array:
     """Each row's token: `greedy` (its argmax) or a draw. No draw when every row is greedy; no
-    [R, V] sort unless a sampling row filters (plain temperature sampling is a Gumbel-max over
-    the scaled logits)."""
+    threshold search unless a sampling row filters (plain temperature sampling is a Gumbel-max
+    over the scaled logits)."""
     sampling = sa.temperature > 0
     return jax.lax.cond(
         jnp.any(sampling),
@@ -151,7 +143,7 @@ def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, softmax=_sof
             sampling,
             jax.lax.cond(
                 jnp.any(sampling & _filters(sa)),
-                lambda: _filtered_sample(logits, sa, softmax),
+                lambda: _filtered_sample(logits, sa, keep_thresholds),
                 lambda: _draw(_scaled(logits, sa), sa),
             ).astype(jnp.int32),
             greedy,
@@ -161,11 +153,15 @@ def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, softmax=_sof
 
 
 def sample(
-    logits: jax.Array, sa: SamplingArrays, row_stats=argmax_logsumexp, softmax=_softmax
+    logits: jax.Array,
+    sa: SamplingArrays,
+    row_stats=argmax_logsumexp,
+    *,
+    keep_thresholds=reference_keep_thresholds,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
-    `row_stats`: the Backend's (`argmax_logsumexp` or the C++ kernel, `cpu_sampling`);
-    `softmax`: the filters' row softmax, the Backend's (`Backend.softmax`)."""
+    `row_stats`, `keep_thresholds`: the Backend's (the jnp twins, or the C++ kernels of
+    `cpu_sampling`; each row's on its own, so a row's token never depends on its batch)."""
     # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
     # and re-reading a vocabulary-wide array per row is memory traffic the step does not need).
     greedy, lse = row_stats(logits)
@@ -173,8 +169,8 @@ def sample(
     # The log-probs stay those of the raw distribution (vLLM's default, what `score` returns).
     tokens = jax.lax.cond(
         jnp.any(sa.constrained),
-        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked), softmax),
-        lambda: _pick(logits, sa, greedy, softmax),
+        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked), keep_thresholds),
+        lambda: _pick(logits, sa, greedy, keep_thresholds),
     )
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     # Only when some row asked: under tensor parallelism top_k gathers the whole [R, V] row.

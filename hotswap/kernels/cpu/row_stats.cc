@@ -80,29 +80,6 @@ float SumExp(const float* x, int64_t V, float m) {
 }
 #endif
 
-// y = softmax(x) over one row, in one order whatever the row count (deterministic mode's
-// sampler filters): the max, exp(x - max) 16 lanes at a time summed lane-wise in index order
-// then across lanes, and each value divided by the sum. XLA's softmax sums a row in an order
-// that depends on the row count, and its exp of a fused `x - max` changed by an ulp with it.
-void SoftmaxRow(const float* x, float* y, int64_t V) {
-  const float m = MaxIndex(x, V).max;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 mv = _mm512_set1_ps(m);
-  for (int64_t j = 0; j < V; j += 16) {
-    const __mmask16 live = V - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (V - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + j), mv)));
-    _mm512_mask_storeu_ps(y + j, live, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  const float sum = _mm512_reduce_add_ps(acc);
-#else
-  float sum = 0.0f;
-  for (int64_t j = 0; j < V; ++j) sum += (y[j] = ExpNonPositive(x[j] - m));
-#endif
-  for (int64_t j = 0; j < V; ++j) y[j] /= sum;
-}
-
 // mean(x * x) over one row of D values, in one order whatever the row count (deterministic
 // mode's RMS norms): squares summed 16 lanes at a time lane-wise in index order, then across
 // lanes. XLA's row reduction orders a row's sum by the row count.
@@ -148,18 +125,6 @@ ffi::Error RowStats(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Res
   return ffi::Error::Success();
 }
 
-ffi::Error RowSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::F32> probs) {
-  auto d = logits.dimensions();
-  if (d.size() != 2 || d[1] < 1) {
-    return ffi::Error::InvalidArgument("hotswap row softmax: need logits [R, V] with V >= 1");
-  }
-  const int64_t V = d[1];
-  const float* x = logits.typed_data();
-  float* y = probs->typed_data();
-  hotswap::ParallelFor(pool, d[0], [&](int64_t r) { SoftmaxRow(x + r * V, y + r * V, V); });
-  return ffi::Error::Success();
-}
-
 ffi::Error RowMeanSquare(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> ms) {
   auto d = x.dimensions();
   if (d.size() != 2 || d[1] < 1) return ffi::Error::InvalidArgument("hotswap row mean square: need x [R, D], D >= 1");
@@ -182,12 +147,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapRowMeanSquare, RowMeanSquare,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // x
                                   .Ret<ffi::Buffer<ffi::F32>>());  // mean of squares
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapRowSoftmax, RowSoftmax,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // logits
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // probs
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapRowStats, RowStats,
                               ffi::Ffi::Bind()
