@@ -71,11 +71,20 @@ class StructuredOutputs:
                 f"set exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}",
             )
         if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise RequestError.of_field(
                 "structured_outputs.choice", "expected a non-empty list of non-empty strings"
             )
+        if not isinstance(self.json_object, bool):
+            raise RequestError.of_field("structured_outputs.json_object", "expected true or false")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError.of_field(f"structured_outputs.{name}", "expected true or false")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise RequestError.of_field("structured_outputs.whitespace_pattern", "expected a regex string")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -139,6 +148,8 @@ def _structural_tag(value: dict | str) -> str:
     triggers = spec.get("triggers") or []
     tags = []
     for s in spec["structures"]:
+        if not isinstance(s, dict):
+            raise ValueError(f"each structure is an object, got {type(s).__name__}")
         begin = s.get("begin")
         if not isinstance(begin, str) or not begin:
             raise ValueError("each structure needs a non-empty 'begin'")
@@ -158,11 +169,9 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]):
         # The model's vocabulary (embedding rows) may exceed the tokenizer's: the mask covers
         # every row, and ids with no token are never allowed.
-        self.vocab_size = vocab_size
-        self.words = -(-vocab_size // 32)  # int32 words of one row's packed mask
         eos = list(eos_ids) or None
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json_str(), n_vocab=vocab_size, eos_token=eos)
-        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
         # Requests arrive on several threads; compiling under this lock (not the engine's)
         # never holds up a step.
         self._lock = threading.Lock()
