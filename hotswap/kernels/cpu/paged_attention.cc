@@ -259,6 +259,44 @@ std::vector<QueryRun> Runs(const Shape& s, const int32_t* block_tables, const in
   return runs;
 }
 
+// A padding run's output rows (its q heads of kv heads [h0, h1)): zeros.
+template <typename A>
+void ZeroRun(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, A* out) {
+  const int64_t g_n = s.hq / s.hkv, hd = s.hd;
+  const std::vector<float> row(hd, 0.0f);
+  for (int64_t h = 0; h < (h1 - h0) * g_n; ++h) store(out + (r.i0 * s.hq + h0 * g_n + h) * hd, row.data(), hd);
+}
+
+// The run's queries (its q heads of kv heads [h0, h1)) scaled, as f32 [query][head][hd].
+template <typename A>
+std::vector<float> ScaledQueries(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q) {
+  const int64_t g_n = s.hq / s.hkv, hd = s.hd, nh = (h1 - h0) * g_n;
+  std::vector<float> qv(r.n * nh * hd), tmp(hd);
+  for (int64_t j = 0; j < r.n; ++j) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* src = as_f32(q + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, tmp.data(), hd);
+      for (int64_t d = 0; d < hd; ++d) qv[(j * nh + h) * hd + d] = src[d] * s.scale;
+    }
+  }
+  return qv;
+}
+
+// Each query head's output: its accumulated values over its softmax sum, in the output's dtype.
+template <typename A>
+void StoreRun(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const std::vector<float>& acc,
+              const std::vector<float>& l, A* out) {
+  const int64_t g_n = s.hq / s.hkv, hd = s.hd, nh = (h1 - h0) * g_n;
+  std::vector<float> row(hd);
+  for (int64_t j = 0; j < r.n; ++j) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t i = j * nh + h;
+      const float inv = 1.0f / std::max(l[i], 1e-30f);
+      for (int64_t d = 0; d < hd; ++d) row[d] = acc[i * hd + d] * inv;
+      store(out + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, row.data(), hd);
+    }
+  }
+}
+
 // One work item: the queries of run r, for kv heads [h0, h1) and their G q heads each. Keys
 // go a page at a time (then the chunk's own keys, up to ps at a time), and within a block
 // every kv head of the item in turn, and within a head every query of the run: a slot's K/V
@@ -270,20 +308,14 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
               const int32_t* kv_lens, A* out) {
   const int64_t g_n = s.hq / s.hkv, hd = s.hd, ps = s.ps, nh = (h1 - h0) * g_n, nq = r.n;
   const int64_t b = r.i0 / s.c, start = chunk_starts[b];
-  std::vector<float> row(hd, 0.0f), tmp(hd);
   if (!r.real) {
-    for (int64_t h = 0; h < nh; ++h) store(out + (r.i0 * s.hq + h0 * g_n + h) * hd, row.data(), hd);
+    ZeroRun(s, r, h0, h1, out);
     return positions[r.i0] >= kv_lens[b];  // padding, or a real query whose chunk does not fit
   }
-  std::vector<float> qv(nq * nh * hd), acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(ps);
+  std::vector<float> acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(ps);
   std::vector<float> kt(ps * hd), vt(ps * hd);
   std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < nq; ++j) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* src = as_f32(q + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, tmp.data(), hd);
-      for (int64_t d = 0; d < hd; ++d) qv[(j * nh + h) * hd + d] = src[d] * s.scale;
-    }
-  }
+  const std::vector<float> qv = ScaledQueries(s, r, h0, h1, q);
   // Fold n keys of kv head `kvh` (rows kstride apart, in f32 or not) into its q heads of the
   // run's queries, query j taking the first n_of(j) of them.
   auto fold = [&](int64_t kvh, int64_t n, const auto* kb, const auto* vb, int64_t kstride, auto n_of) {
@@ -337,14 +369,7 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
            [&](int64_t j) { return std::min(n, r.i0 + j - j0 + 1); });
     }
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t i = j * nh + h;
-      const float inv = 1.0f / std::max(l[i], 1e-30f);
-      for (int64_t d = 0; d < hd; ++d) row[d] = acc[i * hd + d] * inv;
-      store(out + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, row.data(), hd);
-    }
-  }
+  StoreRun(s, r, h0, h1, acc, l, out);
   return true;
 }
 
@@ -366,20 +391,14 @@ bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, co
                    const int32_t* chunk_starts, const int32_t* kv_lens, A* out) {
   const int64_t g_n = s.hq / s.hkv, hd = s.hd, ps = s.ps, nh = (h1 - h0) * g_n, nq = r.n;
   const int64_t b = r.i0 / s.c, start = chunk_starts[b];
-  std::vector<float> row(hd, 0.0f), tmp(hd);
   if (!r.real) {
-    for (int64_t h = 0; h < nh; ++h) store(out + (r.i0 * s.hq + h0 * g_n + h) * hd, row.data(), hd);
+    ZeroRun(s, r, h0, h1, out);
     return positions[r.i0] >= kv_lens[b];  // padding, or a real query whose chunk does not fit
   }
-  std::vector<float> qv(nq * nh * hd), acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(kKeyBlock);
+  std::vector<float> acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(kKeyBlock);
   std::vector<float> kt(kKeyBlock * hd), vt(kKeyBlock * hd);
   std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < nq; ++j) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* src = as_f32(q + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, tmp.data(), hd);
-      for (int64_t d = 0; d < hd; ++d) qv[(j * nh + h) * hd + d] = src[d] * s.scale;
-    }
-  }
+  const std::vector<float> qv = ScaledQueries(s, r, h0, h1, q);
   const int32_t* table = block_tables + b * s.p;
   const int64_t slot = 2 * s.hkv * hd, own = s.hkv * hd;  // strides of a cached and an own key
   const int64_t pos0 = positions[r.i0], end = positions[r.i0 + nq - 1] + 1;  // keys [0, end)
@@ -432,14 +451,7 @@ bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, co
       }
     }
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t i = j * nh + h;
-      const float inv = 1.0f / std::max(l[i], 1e-30f);
-      for (int64_t d = 0; d < hd; ++d) row[d] = acc[i * hd + d] * inv;
-      store(out + ((r.i0 + j) * s.hq + h0 * g_n + h) * hd, row.data(), hd);
-    }
-  }
+  StoreRun(s, r, h0, h1, acc, l, out);
   return true;
 }
 
