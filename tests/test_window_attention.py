@@ -372,3 +372,48 @@ def test_cpu_fixed_order_is_the_same_bits_in_any_chunking():
         window=window, softcap=softcap,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(dense[0]), full)
+
+
+# ---- TPU (compiled here, on CPU, with libtpu) ----------------------------------------------
+
+
+@pytest.mark.parametrize("c,p", [(1, 128), (256, 64)])
+def test_pallas_lowers_for_tpu_with_window_softcap_and_head_dim_256(c, p):
+    """Mosaic lowering enforces the (8, 128) block rule that interpret mode skips: head_dim 256
+    (K and V lane-aligned slices) with a window and a softcap, a decode batch and a prefill row."""
+    from functools import partial
+
+    b, hq, hkv, hd = (8, 16, 8, 256) if c == 1 else (1, 16, 8, 256)
+    sds = jax.ShapeDtypeStruct
+    avals = (
+        sds((b, c, hq, hd), jnp.bfloat16),
+        sds((b * p + 1, PS, 2 * hkv * hd), jnp.bfloat16),
+        sds((b, p), jnp.int32),
+        sds((b, c), jnp.int32),
+        sds((b,), jnp.int32),
+    )
+    kernel = partial(
+        ragged_paged_attention.paged_attention, scale=SCALE, interpret=False, window=512, softcap=50.0
+    )
+    assert "tpu_custom_call" in jax.jit(kernel).trace(*avals).lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.slow
+def test_aot_compiles_head_dim_256_in_place(tmp_path):
+    """`hotswap aot` for a head_dim-256 model (Gemma's head size; 8 kv heads, two layers) on one
+    v5e chip: one Pallas call per layer reading the bf16 pages in place (no copy of the pool)."""
+    import json
+
+    from hotswap.checkpoint.create import load_preset
+    from hotswap.programs import aot
+
+    cfg = {**load_preset("llama-3.2-1b"), "num_hidden_layers": 2, "head_dim": 256, "num_attention_heads": 16}
+    cfg.update(vocab_size=4096, hidden_size=1024, intermediate_size=2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    acfg = aot.AotConfig(topology="v5e:1x1", max_model_len=2048, max_num_seqs=16, buckets="decode")
+    report = aot.compile_for(str(tmp_path), acfg)
+    (step,) = [s for s in report["steps"] if s["name"].startswith("decode")]
+    kv = report["kv_cache_bytes_per_chip"]
+    assert report["attention"] == "pallas" and report["fits"], report
+    assert step["pallas_calls"] == 2 and step["alias_bytes"] >= kv, step
+    assert step["temp_bytes"] < 0.05 * kv, (step["temp_bytes"] / kv, step)
