@@ -114,9 +114,7 @@ class ModelConfig:
                 )
             unknown = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
             if unknown:
-                raise ConfigError(
-                    f"layer_types holds {unknown}: each entry must be {SLIDING!r} or {FULL!r}"
-                )
+                raise ConfigError(f"layer_types holds {unknown}: each entry must be {SLIDING!r} or {FULL!r}")
             if SLIDING in self.layer_types and not self.sliding_window:
                 raise ConfigError("layer_types has sliding layers but sliding_window is not set")
         if self.sliding_window is not None and int(self.sliding_window) <= 0:
@@ -203,7 +201,10 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if arch == "mistral" and window is not None and int(window) < max_pos:
             # Mistral slides on every layer; a window of the whole context is no window.
-            extra = {"sliding_window": int(window), "layer_types": (SLIDING,) * int(need("num_hidden_layers"))}
+            extra = {
+                "sliding_window": int(window),
+                "layer_types": (SLIDING,) * int(need("num_hidden_layers")),
+            }
         elif arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window is not None:
             if int(window) < max_pos:
                 raise ConfigError(
