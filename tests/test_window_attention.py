@@ -215,44 +215,62 @@ def test_bad_window_or_softcap_is_refused():
 # ---- the Pallas kernel (interpreted) -------------------------------------------------------
 
 
+def _pallas_case(rng, lens, starts, c, hd, window):
+    """Random pages, permuted tables, NaN in every slot past a row's kv_len and in every page
+    wholly before all of its row's windows (a page fetched and used would poison the output)."""
+    p = -(-max(lens) // PS) + 1
+    b = len(lens)
+    num_pages = b * p + 3
+    pages = rng.standard_normal((num_pages, PS, 2 * HKV, hd)).astype(np.float32)
+    tables = rng.permutation(np.arange(1, num_pages))[: b * p].reshape(b, p).astype(np.int32)
+    for i, (n, s0) in enumerate(zip(lens, starts, strict=True)):
+        first = 0 if window is None else max(0, s0 - window + 1)
+        pages[tables[i, : first // PS]] = np.nan
+        if n % PS:
+            pages[tables[i, n // PS], n % PS :] = np.nan
+        tables[i, -(-n // PS) :] = 0
+    q = rng.standard_normal((b, c, HKV * G, hd)).astype(np.float32)
+    pos = np.stack([np.arange(s, s + c) for s in starts]).astype(np.int32)
+    return q, pages, tables, pos, np.asarray(lens, np.int32)
+
+
+def _check_pallas(args, window, softcap, **kw):
+    q, pages, *rest = args
+    ref = reference.paged_attention(*args, scale=SCALE, window=window, softcap=softcap)
+    out = ragged_paged_attention.paged_attention(
+        q, reference.fold_pages(jnp.asarray(pages)), *rest, scale=SCALE, window=window, softcap=softcap, **kw
+    )
+    assert bool(jnp.isfinite(out).all()), "NaN leaked from a page before the window"
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     "window,softcap,hd,kw",
     [
         (5, None, 64, dict(pages_per_block=1)),  # a window under a page: only the last page or two
-        (23, 30.0, 128, dict(pages_per_block=2, rows_per_block=16)),  # spans pages and kv blocks
-        (None, 4.0, 64, {}),
-        (40, 50.0, 256, dict(pages_per_block=1)),  # head_dim 256: split K/V lane slices
+        (None, 4.0, 128, dict(pages_per_block=2, rows_per_block=16)),  # softcap alone
+        (40, 50.0, 256, dict(pages_per_block=1)),  # head_dim 256; the window spans pages and kv blocks
     ],
 )
 def test_pallas_matches_the_reference(window, softcap, hd, kw):
-    """A decode batch (lengths 0, 1, ps-1, ps, ps+1, 70) and a prefill chunk over a cached prefix,
-    pages before every query's window NaN (so a fetched-and-used one would poison the output)."""
+    """A decode batch (lengths 0, 1, ps+1, 70) and a prefill chunk over a cached prefix."""
     rng = np.random.default_rng(3)
-    for lens, starts, c in [
-        ([0, 1, PS - 1, PS, PS + 1, 70], [0, 0, PS - 2, PS - 1, PS, 69], 1),
-        ([61], [37], 24),
-    ]:
-        p = -(-max(lens) // PS) + 1
-        b = len(lens)
-        num_pages = b * p + 3
-        pages = rng.standard_normal((num_pages, PS, 2 * HKV, hd)).astype(np.float32)
-        tables = rng.permutation(np.arange(1, num_pages))[: b * p].reshape(b, p).astype(np.int32)
-        for i, (n, s0) in enumerate(zip(lens, starts, strict=True)):
-            first = 0 if window is None else max(0, s0 - window + 1)
-            pages[tables[i, : first // PS]] = np.nan  # wholly before every window of the row
-            if n % PS:
-                pages[tables[i, n // PS], n % PS :] = np.nan
-            tables[i, -(-n // PS) :] = 0
-        q = rng.standard_normal((b, c, HKV * G, hd)).astype(np.float32)
-        pos = np.stack([np.arange(s, s + c) for s in starts]).astype(np.int32)
-        args = (q, pages, tables, pos, np.asarray(lens, np.int32))
-        ref = reference.paged_attention(*args, scale=SCALE, window=window, softcap=softcap)
-        out = ragged_paged_attention.paged_attention(
-            q, reference.fold_pages(jnp.asarray(pages)), *args[2:], scale=SCALE, window=window,
-            softcap=softcap, **kw,
-        )  # fmt: skip
-        assert bool(jnp.isfinite(out).all()), "NaN leaked from a page before the window"
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-5, rtol=0)
+    _check_pallas(_pallas_case(rng, [0, 1, PS + 1, 70], [0, 0, PS, 69], 1, hd, window), window, softcap, **kw)
+    _check_pallas(_pallas_case(rng, [61], [37], 24, hd, window), window, softcap, **kw)
+
+
+def test_pallas_window_dma_protocol_under_tpu_interpreter():
+    """TPU interpret mode lands a DMA's data only at its wait, fills scratch with NaN, raises on
+    out-of-bounds reads and checks races: the window's first block starting in either buffer slot,
+    and its first pages left unfetched, show up here if the start/wait ranges disagree."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+    from jax.experimental.pallas import tpu as pltpu
+
+    rng = np.random.default_rng(6)
+    args = _pallas_case(rng, [70, 0, 17, 50], [69, 0, 16, 49], 1, 64, 21)
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    _check_pallas(args, 21, None, pages_per_block=2, interpret=params)
+    assert not tpu_interpret.races.races_found
 
 
 # ---- the C++ kernel -----------------------------------------------------------------------
