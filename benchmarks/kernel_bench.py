@@ -170,8 +170,9 @@ def main() -> None:
             )
     ratios = window_ratios(rows)
     for name, r in ratios.items():
+        b, ctx, w = WINDOW
         print(
-            f"window {WINDOW[2]} vs none at B={WINDOW[0]} ctx={WINDOW[1]}, {name}: {r['speedup']:.2f}x faster, "
+            f"window {w} vs none at B={b} ctx={ctx}, {name}: {r['speedup']:.2f}x faster, "
             f"{r['bytes_ratio']:.2f}x fewer KV bytes"
         )
     summary = dict(
