@@ -275,16 +275,13 @@ def test_gemma_presets_have_the_published_shapes(name, want):
         assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 8.0
 
 
-# gemma-2-9b (window and softcap in the kernel, head_dim 256) runs with the slow tests; the two
-# Gemma 3 presets (48 and 62 layers, 32k context: several minutes each) with HOTSWAP_SOAK=1.
+# gemma-2-9b (window and softcap in the kernel, head_dim 256) runs with the slow tests; Gemma 3
+# 12B (48 layers at 32k context: several minutes) with HOTSWAP_SOAK=1. (gemma-3-27b's pool on
+# v5e-8 or v6e-4 holds about 18k tokens: docs/en/tpu_pods.md.)
 GEMMA_AOT = [
     ("gemma-2-9b", "v5e:2x4", 8, 8192, 42),
     pytest.param(
         "gemma-3-12b", "v6e:2x2", 4, 32768, 48,
-        marks=pytest.mark.skipif(os.environ.get("HOTSWAP_SOAK") != "1", reason="HOTSWAP_SOAK=1"),
-    ),
-    pytest.param(
-        "gemma-3-27b", "v5e:2x4", 8, 32768, 62,
         marks=pytest.mark.skipif(os.environ.get("HOTSWAP_SOAK") != "1", reason="HOTSWAP_SOAK=1"),
     ),
 ]  # fmt: skip
