@@ -107,13 +107,16 @@ def test_generate_and_score_match_transformers(tmp_path, name):
         assert list(out.token_ids) == ref.argmax(-1).tolist(), f"{name}: greedy differs from HF"
         worst = max(worst, float(np.abs(np.asarray(out.logprobs) - ref.max(-1)).max()))
         tokens += len(out.token_ids)
-    assert worst <= 1e-4, f"{name} generate: max |dlogprob| {worst:.2e} over {tokens} tokens"
+    report = f"{name} [{llm.engine.ecfg.attention}] generate: max |dlogprob| {worst:.2e} over {tokens} tokens"
+    print(report)
+    assert worst <= 1e-4, report
 
     scored = llm.score([(s[:1], s[1:]) for s in seqs])  # every position after the first
     worst = 0.0
     for s, lp in zip(seqs, scored, strict=True):
         ref = _hf_logprobs(hf, s)[np.arange(len(s) - 1), s[1:]]
         worst = max(worst, float(np.abs(lp - ref).max()))
+    print(f"{name} score: max |dlogprob| {worst:.2e}")
     assert worst <= 1e-4, f"{name} score: max |dlogprob| {worst:.2e}"
 
 
