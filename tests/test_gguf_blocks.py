@@ -14,7 +14,7 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
-from gguf_files import gguf_name, permute, quantized, write_gguf
+from gguf_files import gguf_name, permute, write_gguf
 
 from hotswap.checkpoint import gguf_io, hf
 from hotswap.checkpoint.create import create_checkpoint
@@ -109,7 +109,12 @@ def wide(tmp_path_factory):
     """A seeded Llama checkpoint whose rows are whole 256-wide super-blocks (K-quants, IQ*)."""
     return create_checkpoint(
         tmp_path_factory.mktemp("wide") / "m",
-        overrides={"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2},
+        overrides={
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
     )
 
 
