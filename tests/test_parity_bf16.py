@@ -67,6 +67,12 @@ def test_bf16_matches_transformers_bf16(tmp_path, name):
     arch, overrides = CASES[name]
     model_dir = create_checkpoint(tmp_path / name, preset="tiny", arch=arch, seed=11, overrides=overrides)
     _confident(model_dir)
+    check_bf16(model_dir, name)
+
+
+def check_bf16(model_dir, name: str, attn_implementation: str | None = None) -> None:
+    """The bars above on `model_dir` (made confident by the caller): generate and score.
+    `attn_implementation`: HF's, when its default is not the oracle (Gemma's softcap: "eager")."""
     # One packed prefill for all four prompts, decode batches of four: few shapes to compile.
     llm = LLM(
         model_dir,
@@ -78,7 +84,12 @@ def test_bf16_matches_transformers_bf16(tmp_path, name):
     )
     bf16 = np.dtype("bfloat16")
     assert all(x.dtype == bf16 for x in [*jax.tree.leaves(llm.params), *llm.state.kv.pages])
-    hf = {dt: transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt).eval() for dt in DTYPES}
+    hf = {
+        dt: transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dt, attn_implementation=attn_implementation
+        ).eval()
+        for dt in DTYPES
+    }
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, llm.config.vocab_size, n).tolist() for n in LENGTHS]
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from hotswap.checkpoint.hf import params_from_hf, save_hf_dir
 from hotswap.errors import ConfigError
-from hotswap.model.config import ModelConfig
+from hotswap.model.config import FULL, SLIDING, ModelConfig
 from hotswap.model.spec import hf_specs
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]  # ids 0..3
@@ -45,7 +45,34 @@ _ARCHS = {
         "Qwen3ForCausalLM",
         {"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
     ),
+    # Tiny-model Gemma defaults: a window (16) shorter than test prompts, an attention scale that
+    # is not head_dim's, and for Gemma 3 every second layer full, so the 2-layer preset has both.
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attention_bias": False,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attention_bias": False,
+            "sliding_window": 16,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 24,
+            "rope_local_base_freq": 10000.0,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+        },
+    ),
 }
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json model_type where it is not the family name
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A small language model learns which word tends to follow
@@ -117,7 +144,7 @@ def hf_config_for(
     head_dim = merged.pop("head_dim", None) or merged["hidden_size"] // merged["num_attention_heads"]
     hf = {
         "architectures": [cls],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "bos_token_id": BOS_ID,
@@ -130,7 +157,14 @@ def hf_config_for(
         "head_dim": int(head_dim),
         "rope_parameters": rope,
     }
-    ModelConfig.from_hf(hf)  # fail here, naming the field, rather than in a later load
+    cfg = ModelConfig.from_hf(hf)  # fail here, naming the field, rather than in a later load
+    if cfg.is_gemma:  # written out, as transformers 5 writes them: HF and hotswap read the same layers
+        hf.pop("sliding_window_pattern", None)
+        hf["layer_types"] = list(cfg.layer_types)
+        hf.pop("hidden_act")
+    if cfg.rope_local_base_freq is not None:  # Gemma 3: one rope per layer type
+        local = {"rope_type": "default", "rope_theta": float(hf.pop("rope_local_base_freq"))}
+        hf["rope_parameters"] = {FULL: rope, SLIDING: local}
     return hf
 
 
@@ -138,10 +172,11 @@ def _random_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """HF-layout float32 weights; norms near 1 and nonzero biases so neither is a no-op in tests."""
     rng = np.random.default_rng(seed)
     out = {}
+    norm_center = np.float32(0.0 if cfg.is_gemma else 1.0)  # Gemma's norms scale by (1 + w)
     for name, spec in hf_specs(cfg).items():
         noise = rng.standard_normal(spec.hf_shape, dtype=np.float32)
         if name.endswith("norm.weight"):
-            out[name] = 1.0 + np.float32(0.1) * noise
+            out[name] = norm_center + np.float32(0.1) * noise
         elif name.endswith(".bias"):
             out[name] = np.float32(0.1) * noise
         else:

@@ -29,7 +29,7 @@ import numpy as np
 from hotswap.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
 from hotswap.model import validate
-from hotswap.model.config import ModelConfig
+from hotswap.model.config import FULL, SLIDING, ModelConfig, RopeScaling
 from hotswap.model.spec import EMBED, Params, ParamSpec, hf_specs, param_specs
 
 SINGLE_FILE = "model.safetensors"
@@ -40,7 +40,10 @@ _ARCH_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json model_type, where it is not the family name
 
 
 def np_dtype(name: str | np.dtype) -> np.dtype:
@@ -133,11 +136,11 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """A transformers-5-style config.json for `cfg` (rope settings under `rope_parameters`)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
-        rope.update(rope_type="llama3", **dataclasses.asdict(cfg.rope_scaling))
+        rope.update(_rope_scaling_dict(cfg.rope_scaling))
     eos = list(cfg.eos_token_ids)
     hf: dict[str, Any] = {
         "architectures": [_ARCH_CLASSES[cfg.arch]],
-        "model_type": cfg.arch,
+        "model_type": _MODEL_TYPES.get(cfg.arch, cfg.arch),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -155,10 +158,31 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "dtype": cfg.dtype,
     }
     if cfg.arch == "mistral":
-        hf["sliding_window"] = None
+        hf["sliding_window"] = cfg.sliding_window
     if cfg.arch in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = False
+    if cfg.is_gemma:
+        hf.update(
+            hidden_act=cfg.hidden_act,
+            hidden_activation=cfg.hidden_act,
+            sliding_window=cfg.sliding_window,
+            layer_types=None if cfg.layer_types is None else list(cfg.layer_types),
+            attn_logit_softcapping=cfg.attn_logit_softcapping,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+        )
+    if cfg.rope_local_base_freq is not None:  # Gemma 3: one rope per layer type
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
+        hf["rope_parameters"] = {FULL: rope, SLIDING: local}
     return hf
+
+
+def _rope_scaling_dict(rs: RopeScaling) -> dict[str, Any]:
+    if rs.rope_type == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    fields = dataclasses.asdict(rs)
+    fields.pop("rope_type")
+    return {"rope_type": "llama3", **fields}
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

@@ -185,18 +185,32 @@ class Backend:
         """The cache-free forward's matmuls: XLA's dot, or in deterministic mode the step's."""
         return self.matmuls if self.deterministic else jnp_matmuls
 
-    def causal_attention(self, q, k, v, lengths, scale: float):
+    def causal_attention(self, q, k, v, lengths, scale: float, *, window: int | None = None, softcap=None):
         """Causal self-attention of [B, L] sequences of `lengths` (q [B, L, Hq, hd], k/v [B, L,
-        Hkv, hd]) for the cache-free forward. In deterministic mode the step's kernel, every
-        key the chunk's own, so each query sums exactly what a step computes for it."""
+        Hkv, hd]) for the cache-free forward; `window` / `softcap` static, as in `reference`. In
+        deterministic mode the step's kernel, every key the chunk's own, so each query sums
+        exactly what a step computes for it."""
         if not self.deterministic:
-            return reference.dense_causal_attention(q, k, v, lengths, scale=scale)
+            return reference.dense_causal_attention(
+                q, k, v, lengths, scale=scale, window=window, softcap=softcap
+            )
         b, n, hkv, hd = k.shape
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
         no_pages = jnp.zeros((1, 1, 2 * hkv, hd), q.dtype)  # nothing cached: never read
         zeros = jnp.zeros((b,), jnp.int32)
         return cpu_attention.paged_attention(
-            q, no_pages, k, v, zeros[:, None], positions, zeros, lengths, scale=scale, fixed=True
+            q,
+            no_pages,
+            k,
+            v,
+            zeros[:, None],
+            positions,
+            zeros,
+            lengths,
+            scale=scale,
+            fixed=True,
+            window=window,
+            softcap=softcap,
         )
 
     def token_logprobs(self, logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -234,9 +248,10 @@ class Backend:
         """A layer's K/V into its pages, for `read_then_write` (run as its own donated program)."""
         return reference.write_kv(pages, k, v, slots)
 
-    def attend(self, q, k, v, pages, batch, scale: float):
+    def attend(self, q, k, v, pages, batch, scale: float, *, window: int | None = None, softcap=None):
         """One layer's attention for the step: (output [B, C, Hq, hd], the layer's pages after
-        the step). `batch` is the step's `Batch`. The jnp reference leaves the pages as they were
+        the step). `batch` is the step's `Batch`; `window` / `softcap` are the layer's static
+        sliding window and logit softcap (`reference` module doc; None: none). The jnp reference leaves the pages as they were
         (the engine writes k/v after the step, `write`); the C++ kernel reads, then writes k/v
         into its aliased page buffer; Pallas writes first and reads the written pages."""
         if self.attention == "cpu":
@@ -252,6 +267,8 @@ class Backend:
                 scale=scale,
                 slots=batch.slots,
                 fixed=self.deterministic,
+                window=window,
+                softcap=softcap,
             )
         if self.attention == "reference" and q.shape[1] == 1:
             o = reference.decode_attention(
@@ -264,6 +281,8 @@ class Backend:
                 batch.page_cols,
                 batch.chunk_starts,
                 scale=scale,
+                window=window,
+                softcap=softcap,
             )
             return o, pages
         if self.attention == "reference":
@@ -280,17 +299,27 @@ class Backend:
                 batch.chunk_starts,
                 batch.segments,
                 scale=scale,
+                window=window,
+                softcap=softcap,
             )
             return o, pages
-        return self._pallas(q, k, v, pages, batch, scale)
+        return self._pallas(q, k, v, pages, batch, scale, window, softcap)
 
-    def _pallas(self, q, k, v, pages, batch, scale: float):
+    def _pallas(self, q, k, v, pages, batch, scale: float, window: int | None, softcap: float | None):
         from hotswap.kernels import ragged_paged_attention
 
         def local(q, k, v, pages, block_tables, positions, kv_lens, slots):
             written = reference.write_kv(pages, k, v, slots)
             o = ragged_paged_attention.paged_attention(
-                q, written, block_tables, positions, kv_lens, scale=scale, interpret=self.interpret
+                q,
+                written,
+                block_tables,
+                positions,
+                kv_lens,
+                scale=scale,
+                interpret=self.interpret,
+                window=window,
+                softcap=softcap,
             )
             return o, written
 

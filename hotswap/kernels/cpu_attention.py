@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.kernels import cpu_build
+from hotswap.kernels import cpu_build, reference
 
 
 def paged_attention(
@@ -36,6 +36,8 @@ def paged_attention(
     scale: float,
     slots: jax.Array | None = None,
     fixed: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ):
     """Attention of a [B, C] step over the cache before the step plus the step's own K/V.
 
@@ -54,15 +56,26 @@ def paged_attention(
     `fixed` (deterministic mode): every query folds its keys in 16-key blocks at fixed absolute
     positions, so its output is the same bits whichever chunk, step or prefix hit it came in
     (`RunHeadsFixed` in the kernel); else blocks follow pages and chunk starts.
+
+    `window`, `softcap`: the layer's static sliding window and logit softcap (`reference`
+    module doc). A query reads no page wholly before its window: a decode at 2,048 tokens with
+    window 512 reads 512 to 512 + page_size keys.
     """
+    reference.check_window(window, softcap)
+    attrs = dict(
+        scale=np.float32(scale),
+        fixed=bool(fixed),
+        window=np.int64(window or 0),  # 0: none
+        softcap=np.float32(softcap or 0.0),
+    )
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     args = [q, pages, k_new.astype(q.dtype), v_new.astype(q.dtype)]
     args += [i32(block_tables), i32(q_positions), i32(chunk_starts), i32(kv_lens)]
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if slots is None:
         target = cpu_build.register("paged_attention", "HotswapPagedAttention")
-        return jax.ffi.ffi_call(target, out)(*args, scale=np.float32(scale), fixed=bool(fixed))
+        return jax.ffi.ffi_call(target, out)(*args, **attrs)
     target = cpu_build.register("paged_attention", "HotswapPagedAttentionWrite")
     pages_out = jax.ShapeDtypeStruct(pages.shape, pages.dtype)
     call = jax.ffi.ffi_call(target, (out, pages_out), input_output_aliases={1: 1})
-    return call(*args, i32(slots), scale=np.float32(scale), fixed=bool(fixed))
+    return call(*args, i32(slots), **attrs)

@@ -30,6 +30,11 @@ length in every row of a bucketed batch.
   a 128-lane group: it takes the head's whole `[T, 2*hd]` (K|V) pair, q comes with a zero V half
   (w = 2*hd), so `q . pair` is `q . K`, and `p @ pair` holds `p @ V` in its V half, which the
   wrapper keeps. On the MXU a 64-deep contraction or a 64-wide output costs what 128 does.
+- **Sliding window, softcap** (static, per layer; `reference` module doc). With a window, key j
+  must also satisfy `p - j < window`; `lo[b, qi]` (scalar prefetch) is the first key any row of
+  the query block can see, and the loop starts at its kv block and fetches no page wholly
+  before it: a decode at 2,048 tokens with window 512 reads ~512 keys. Softcap is
+  `softcap * tanh(s / softcap)` on the scaled scores before masking.
 - **Masking.** key j is visible to row p iff `j <= p` and `j < kv_len`. Scores are masked with
   -inf (not a finite "mask value", which would average garbage into fully-masked rows) and V rows
   with `j >= need` are zeroed with `where`, so NaN in unused pages (or stale buffer slots)
@@ -60,6 +65,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from hotswap.kernels import reference
+
 LANES = 128
 MAX_ROWS = 256  # query rows (C*G) per block: bounds the q/acc/m/l blocks and [tq, T] tile in VMEM
 KEYS_PER_STEP = 256  # target T = ppb * page_size keys per reduction step
@@ -84,6 +91,7 @@ def _heads_per_block(hkv: int, hd: int) -> int:
 def _kernel(
     bt_ref,  # SMEM int32[B*P]: flattened block tables (clipped to valid page ids)
     need_ref,  # SMEM int32[B*nq]: keys each (row, query block) can see: min(kv_len, max pos + 1)
+    lo_ref,  # SMEM int32[B*nq]: the first key any row of the block sees (0 without a window)
     q_ref,  # [hpb, tq, w]: w = hd (split) or 2*hd (q in the K half, zeros in the V half)
     pos_ref,  # [tq, 1] int32 absolute position per query row (-1 for padding rows)
     pages_hbm,  # [num_pages, ps, 2*Hkv*hd], left in HBM (pl.ANY)
@@ -98,6 +106,8 @@ def _kernel(
     nq: int,
     hd: int,
     scale: float,
+    window: int | None,
+    softcap: float | None,
 ):
     b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     hpb, tq, _ = q_ref.shape
@@ -109,10 +119,16 @@ def _kernel(
     # which Mosaic lowers only with a TPU attached.
     steps = lax.div(need + t - 1, t)  # kv blocks to visit; 0 for padding rows
     n_pages = lax.div(need + ps - 1, ps)
+    if window is None:
+        lo, first, first_page = None, 0, 0
+    else:  # kv blocks and pages wholly before the window are skipped
+        lo = lo_ref[b * nq + qi]
+        first, first_page = lax.div(lo, t), lax.div(lo, ps)
 
     def for_each_page(kb, slot, action):
         """Start or wait the DMA of every needed page of kv block `kb`. The same trip count both
-        ways, so each started copy is waited exactly once; pages past `need` are never fetched."""
+        ways, so each started copy is waited exactly once; pages past `need` (or wholly before
+        the window) are never fetched."""
 
         def body(j, carry):
             page = bt_ref[b * p_cols + kb * ppb + j]
@@ -120,15 +136,16 @@ def _kernel(
             action(pltpu.make_async_copy(src, buf.at[slot, j], sem.at[slot]))
             return carry
 
-        lax.fori_loop(0, jnp.minimum(ppb, n_pages - kb * ppb), body, 0)
+        j0 = 0 if window is None else jnp.maximum(first_page - kb * ppb, 0)
+        lax.fori_loop(j0, jnp.minimum(ppb, n_pages - kb * ppb), body, 0)
 
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(steps > 0)
+    @pl.when(steps > first)
     def _():
-        for_each_page(0, 0, lambda c: c.start())
+        for_each_page(first, 0 if window is None else lax.rem(first, 2), lambda c: c.start())
 
     def kv_block(ki, carry):
         slot = lax.rem(ki, 2)
@@ -142,7 +159,11 @@ def _kernel(
         # key < need is key < kv_len for every row of the block (need <= kv_len, and a visible
         # key is <= the row's position <= the block's max). It is also exactly the fetched range.
         visible = (key_pos <= pos_ref[...]) & (key_pos < need)  # [tq, T]
-        v_ok = ki * t + lax.broadcasted_iota(jnp.int32, (t, 1), 0) < need  # [T, 1]
+        v_pos = ki * t + lax.broadcasted_iota(jnp.int32, (t, 1), 0)  # [T, 1]
+        v_ok = v_pos < need
+        if window is not None:  # unfetched slots before the window may hold anything
+            visible = visible & (pos_ref[...] - key_pos < window)
+            v_ok = v_ok & (v_pos >= lo)
         for j in range(hpb):  # static: each kv head of the block, its G q heads together
             if split:  # [T, hd] each, lane-aligned
                 k = buf[slot, :, :, pl.ds(2 * j * hd, hd)].reshape(t, hd).astype(jnp.float32)
@@ -152,7 +173,10 @@ def _kernel(
             v = jnp.where(v_ok, v, 0.0)  # unused pages / unfetched slots may hold NaN; 0 * NaN = NaN
             q = q_ref[j].astype(jnp.float32)  # [tq, w]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            s = jnp.where(visible, s * scale, -jnp.inf)  # [tq, T]
+            s = s * scale
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
+            s = jnp.where(visible, s, -jnp.inf)  # [tq, T]
             m_prev = m_ref[j][:, :1]  # [tq, 1]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows that have seen nothing yet
@@ -166,12 +190,15 @@ def _kernel(
         return carry
 
     # A dynamic trip count: no grid steps (or copies) at all for blocks past `need`.
-    lax.fori_loop(0, steps, kv_block, 0)
+    lax.fori_loop(first, steps, kv_block, 0)
     l = l_ref[...][:, :, :1]  # [hpb, tq, 1]
     o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)  # 0 for padding
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "pages_per_block", "rows_per_block"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "interpret", "pages_per_block", "rows_per_block", "window", "softcap"),
+)
 def paged_attention(
     q: jax.Array,
     pages: jax.Array,
@@ -183,8 +210,11 @@ def paged_attention(
     interpret: bool | None = None,
     pages_per_block: int | None = None,
     rows_per_block: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """Causal attention of a [B, C] block of queries over each row's pages (see module doc).
+    """Causal attention of a [B, C] block of queries over each row's pages (see module doc),
+    with `reference.paged_attention`'s static `window` and `softcap`.
 
     q: [B, C, Hq, hd]; pages: [num_pages, ps, 2*Hkv*hd] (lanes ordered (kv head, K|V, hd));
     block_tables: int32[B, P]; q_positions: int32[B, C]; kv_lens: int32[B].
@@ -194,6 +224,7 @@ def paged_attention(
     """
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
+    reference.check_window(window, softcap)
     b, c, hq, hd = q.shape
     num_pages, ps, lanes = pages.shape
     hkv = lanes // (2 * hd)
@@ -224,11 +255,16 @@ def paged_attention(
     lens = jnp.clip(kv_lens.astype(jnp.int32), 0, p_cols * ps)  # keys past P pages do not exist
     need = jnp.minimum(lens[:, None], row_pos.reshape(b, nq, tq).max(axis=2) + 1)  # [B, nq]
     need = jnp.maximum(need, 0).reshape(-1)
+    if window is None:
+        lo = jnp.zeros_like(need)
+    else:  # the least window start of the block's real rows (padding rows, position -1, see nothing)
+        starts = jnp.where(row_pos >= 0, row_pos - window + 1, jnp.iinfo(jnp.int32).max)
+        lo = jnp.clip(starts.reshape(b, nq, tq).min(axis=2).reshape(-1), 0, need)
     tables = jnp.clip(block_tables.astype(jnp.int32), 0, num_pages - 1).reshape(-1)  # [B*P]
 
     q_spec = pl.BlockSpec((None, hpb, tq, w), lambda bi, hi, qi, *_: (bi, hi, qi, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(b, hkv // hpb, nq),
         in_specs=[
             q_spec,
@@ -244,19 +280,20 @@ def paged_attention(
             pltpu.VMEM((hpb, tq, w), jnp.float32),
         ],
     )
-    kv_bytes = b * nq * p_cols * ps * lanes * pages.dtype.itemsize  # upper bound (P bucket)
+    keys = p_cols * ps if window is None else min(p_cols * ps, (_cdiv(window + c, ps) + 1) * ps)
+    kv_bytes = b * nq * keys * lanes * pages.dtype.itemsize  # upper bound (P bucket, or the window)
     out = pl.pallas_call(
-        functools.partial(_kernel, p_cols=p_cols, nq=nq, hd=hd, scale=scale),
+        functools.partial(_kernel, p_cols=p_cols, nq=nq, hd=hd, scale=scale, window=window, softcap=softcap),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         cost_estimate=pl.CostEstimate(
-            flops=4 * b * hkv * r_pad * p_cols * ps * w,
-            transcendentals=b * hkv * r_pad * p_cols * ps,
+            flops=4 * b * hkv * r_pad * keys * w,
+            transcendentals=b * hkv * r_pad * keys,
             bytes_accessed=kv_bytes + 2 * qr.size * q.dtype.itemsize,
         ),
         interpret=interpret,
         name="hotswap_paged_attention",
-    )(tables, need, qr, row_pos[:, :, None], pages)
+    )(tables, need, lo, qr, row_pos[:, :, None], pages)
     out = out[:, :, :r, w - hd :].reshape(b, hkv, c, g, hd).transpose(0, 2, 1, 3, 4)  # V half
     return out.reshape(b, c, hq, hd)

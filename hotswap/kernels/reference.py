@@ -5,6 +5,11 @@ with K and V interleaved on axis 2 (K of head h at 2h, V at 2h+1). The Pallas ke
 layout folds the last two axes into one (`fold_pages`, the same bytes). Page 0 is the null page: padding slots point
 there and its contents are never trusted (masked with `where`, so even NaN
 there cannot leak into a result).
+
+Every attention takes two static (per layer) keywords, HF's semantics: `window` (a query at
+position i sees key j iff j <= i and i - j < window; the window counts the query itself) and
+`softcap` (scores s = q.k * scale become softcap * tanh(s / softcap) before masking and softmax).
+None is no window / no softcap, and then the computation is the one without them, op for op.
 """
 
 from __future__ import annotations
@@ -38,6 +43,28 @@ def fold_pages(pages: jax.Array) -> jax.Array:
     return pages.reshape(*pages.shape[:2], -1)
 
 
+def in_window(mask: jax.Array, key_pos: jax.Array, q_pos: jax.Array, window: int | None) -> jax.Array:
+    """`mask` and (broadcasting) key_pos inside the window of a query at q_pos; `mask` itself for None."""
+    if window is None:
+        return mask
+    return mask & (q_pos - key_pos < window)
+
+
+def cap(s: jax.Array, softcap: float | None) -> jax.Array:
+    """Attention-logit softcapping of scaled scores (f32): softcap * tanh(s / softcap)."""
+    if softcap is None:
+        return s
+    return softcap * jnp.tanh(s / softcap)
+
+
+def check_window(window: int | None, softcap: float | None) -> None:
+    """The static window / softcap a kernel is given: a positive int / a positive float, or None."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention window must be a positive int or None, not {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention softcap must be positive or None, not {softcap!r}")
+
+
 def gather_kv(pages: jax.Array, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[B, P] page ids -> K, V of shape [B, P*page_size, Hkv, hd]."""
     b, p = block_tables.shape
@@ -54,31 +81,40 @@ def paged_attention(
     kv_lens: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal attention of a [B, C] block of queries over each row's pages.
 
     q: [B, C, Hq, hd] (decode: C == 1; a prefill chunk: B == 1);
     block_tables: int32[B, P]; q_positions: int32[B, C] absolute positions;
     kv_lens: int32[B] tokens in the cache for the row, *including* this chunk.
-    Key j is visible to a query at position p iff j <= p and j < kv_len.
+    Key j is visible to a query at position p iff j <= p and j < kv_len (and p - j < window).
     Returns [B, C, Hq, hd] in q's dtype.
     """
+    check_window(window, softcap)
     b, c, hq, hd = q.shape
     k, v = gather_kv(pages, block_tables)  # [B, L, Hkv, hd]
     hkv = k.shape[2]
     qg = q.reshape(b, c, hkv, hq // hkv, hd).astype(jnp.float32)
     s = jnp.einsum("bckgd,blkd->bkgcl", qg, k.astype(jnp.float32)) * scale  # [B,Hkv,G,C,L]
+    s = cap(s, softcap)
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
     valid = (key_pos[None, None, :] <= q_positions[:, :, None]) & (
         key_pos[None, None, :] < kv_lens[:, None, None]
     )
+    valid = in_window(valid, key_pos[None, None, :], q_positions[:, :, None], window)
     s = jnp.where(valid[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked (padding) rows
     p = jnp.exp(s - m)
     denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    # Unused pages may hold anything (NaN included): zero them before p @ V.
+    # Unused pages may hold anything (NaN included): zero them before p @ V. So may pages
+    # before every query's window (a local layer's pages may be gone).
     key_ok = key_pos[None, :] < kv_lens[:, None]  # [B, L]
+    if window is not None:
+        first = jnp.min(q_positions, axis=1, keepdims=True) - window + 1  # [B, 1]
+        key_ok = key_ok & (key_pos[None, :] >= first)
     v = jnp.where(key_ok[:, :, None, None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("bkgcl,blkd->bckgd", p / denom, v)
     return o.reshape(b, c, hq, hd).astype(q.dtype)
@@ -98,6 +134,8 @@ def prefill_attention(
     segments: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """A packed prefill: the same result as writing k_new/v_new into `pages` and calling
     `paged_attention` for each sequence, reading only the cache as it was before the write.
@@ -114,6 +152,7 @@ def prefill_attention(
     only the cache as it was keeps XLA:CPU from fusing the page write into the page read
     (which forced a full copy of every layer's buffer per step); the write comes after.
     """
+    check_window(window, softcap)
     b, c, hq, hd = q.shape
     n, ps = page_ids.shape[0], pages.shape[1]
     hkv = k_new.shape[2]
@@ -128,8 +167,11 @@ def prefill_attention(
     key_pos = (page_cols[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]).reshape(-1)
     old_ok = (key_seg[None, :] == t_seg[:, None]) & (key_pos[None, :] < t_start[:, None])  # [T, N*ps]
     new_ok = (t_seg[None, :] == t_seg[:, None]) & (t_pos[None, :] <= t_pos[:, None]) & t_real[None, :]
+    old_ok = in_window(old_ok, key_pos[None, :], t_pos[:, None], window)
+    new_ok = in_window(new_ok, t_pos[None, :], t_pos[:, None], window)
     s_old = jnp.einsum("tkgd,jkd->kgtj", qf, kv[:, :, 0]) * scale  # [Hkv, G, T, N*ps]
     s_new = jnp.einsum("tkgd,jkd->kgtj", qf, k_new.reshape(t, hkv, hd).astype(jnp.float32)) * scale
+    s_old, s_new = cap(s_old, softcap), cap(s_new, softcap)
     s = jnp.concatenate([jnp.where(old_ok, s_old, -jnp.inf), jnp.where(new_ok, s_new, -jnp.inf)], axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked (padding) rows
@@ -154,6 +196,8 @@ def decode_attention(
     chunk_starts: jax.Array,
     *,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Decode rows (C == 1) over the cache as it was before the step plus each row's new K/V.
 
@@ -169,6 +213,7 @@ def decode_attention(
     collective (scoring every q head against every K/V row of a page, in the stored layout,
     saved a transpose copy on one device but all-gathered the pages across devices).
     """
+    check_window(window, softcap)
     b, _, hq, hd = q.shape
     n, ps = page_ids.shape[0], pages.shape[1]
     hkv = k_new.shape[2]
@@ -176,12 +221,15 @@ def decode_attention(
     row = jnp.minimum(page_rows, b - 1)
     key_pos = page_cols[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]
     ok = (key_pos < chunk_starts[row][:, None]) & (page_rows < b)[:, None]  # [N, ps]
+    # The row's query sits at chunk_starts (a decode row is a chunk of one); its own key is always in.
+    ok = in_window(ok, key_pos, chunk_starts[row][:, None], window)
     # Unused slots may hold anything, NaN included: zero them as they are gathered.
     kv = jnp.where(ok[:, :, None, None], pages[page_ids].astype(jnp.float32), 0.0)
     kv = kv.reshape(n, ps, hkv, 2, hd)
     s = jnp.einsum("nkgd,nlkd->nkgl", qg[row], kv[..., 0, :]) * scale  # [N, Hkv, G, ps]
-    s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
+    s = jnp.where(ok[:, None, None, :], cap(s, softcap), -jnp.inf)
     s_new = jnp.sum(qg * k_new.reshape(b, hkv, 1, hd).astype(jnp.float32), axis=-1) * scale  # [B, Hkv, G]
+    s_new = cap(s_new, softcap)
     mine = page_rows[None, :] == jnp.arange(b, dtype=page_rows.dtype)[:, None]  # [B, N]
     m_old = jnp.max(jnp.where(mine[:, :, None, None], jnp.max(s, axis=-1)[None], -jnp.inf), axis=1)
     m = jnp.maximum(m_old, s_new)
@@ -195,14 +243,25 @@ def decode_attention(
     return (o / denom[..., None]).reshape(b, 1, hq, hd).astype(q.dtype)
 
 
-def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float):
+def dense_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+):
     """Plain causal attention for scoring/training. q: [B, L, Hq, hd]; k, v: [B, L, Hkv, hd]."""
+    check_window(window, softcap)
     b, l_, hq, hd = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, l_, hkv, hq // hkv, hd).astype(jnp.float32)
-    s = jnp.einsum("bckgd,blkd->bkgcl", qg, k.astype(jnp.float32)) * scale
+    s = cap(jnp.einsum("bckgd,blkd->bkgcl", qg, k.astype(jnp.float32)) * scale, softcap)
     pos = jnp.arange(l_)
-    valid = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    causal = in_window(pos[None, :] <= pos[:, None], pos[None, :], pos[:, None], window)
+    valid = causal[None] & (pos[None, None, :] < lengths[:, None, None])
     s = jnp.where(valid[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)

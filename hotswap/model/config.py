@@ -1,5 +1,10 @@
 """The model's configuration: one frozen value from an HF config.json (GGUF metadata and NNX
-configs are read into the same dict form), with the family differences as plain fields."""
+configs are read into the same dict form), with the family differences as plain fields.
+
+Sliding-window attention is per layer (`layer_types`, HF's names): Gemma 2 alternates
+sliding and full layers, Gemma 3 has five sliding layers to one full, Mistral with a
+`sliding_window` slides on every layer. A window counts the query itself: position i
+sees positions j with i - window < j <= i."""
 
 from __future__ import annotations
 
@@ -16,24 +21,40 @@ _ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# config.json `model_type` -> our family name (used when `architectures` is absent).
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+GEMMA = ("gemma2", "gemma3")
+SLIDING, FULL = "sliding_attention", "full_attention"
+_ACTS = {"silu", "gelu_pytorch_tanh"}
 _DTYPES = {"float32", "bfloat16", "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """llama3-style frequency scaling (the only rope scaling supported)."""
+    """Rope frequency scaling, as HF computes it: "llama3" (long wavelengths divided by
+    `factor`, a smooth blend between) or "linear" (every frequency divided by `factor`:
+    Gemma 3's global layers). The llama3 fields are unused by "linear"."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,6 +72,18 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding windows: `layer_types[i]` is SLIDING or FULL; a SLIDING layer attends to the
+    # last `sliding_window` positions (itself included). None: every layer is full.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # Gemma: s = cap * tanh(s / cap) on the scaled attention scores (per layer) and on the
+    # final logits; the attention scale query_pre_attn_scalar**-0.5 instead of head_dim**-0.5;
+    # Gemma 3's sliding layers' rope base (its full layers use rope_theta and rope_scaling).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_pytorch_tanh" (Gemma's GeGLU)
 
     def __post_init__(self):
         for name in (
@@ -71,6 +104,36 @@ class ModelConfig:
             )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"torch_dtype {self.dtype!r} unsupported; use one of {sorted(_DTYPES)}")
+        if self.hidden_act not in _ACTS:
+            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported; supported: {sorted(_ACTS)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(
+                    f"layer_types has {len(self.layer_types)} entries but num_hidden_layers="
+                    f"{self.num_layers}: it needs one per layer"
+                )
+            unknown = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+            if unknown:
+                raise ConfigError(f"layer_types holds {unknown}: each entry must be {SLIDING!r} or {FULL!r}")
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ConfigError("layer_types has sliding layers but sliding_window is not set")
+        if self.sliding_window is not None and int(self.sliding_window) <= 0:
+            raise ConfigError(f"sliding_window must be > 0, got {self.sliding_window}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not float(value) > 0:
+                raise ConfigError(f"config field {name} must be > 0 (or null), got {value}")
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's layer: (1 + w) norms, a norm after attention and after the MLP, scaled embeddings."""
+        return self.arch in GEMMA
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's attention window (positions it sees, itself included); None: all before it."""
+        if self.layer_types is None or self.layer_types[i] != SLIDING:
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -86,13 +149,19 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         if archs:
+            if archs[0] == "Gemma3ForConditionalGeneration":
+                raise ConfigError(
+                    "architectures[0]='Gemma3ForConditionalGeneration' (Gemma 3 with its vision tower) "
+                    "is not supported: serve the text model, a Gemma3ForCausalLM checkpoint "
+                    "(model_type 'gemma3_text', tensors named model.layers.*)"
+                )
             if archs[0] not in _ARCHS:
                 raise ConfigError(
                     f"architectures[0]={archs[0]!r} is not supported; supported: {sorted(_ARCHS)}"
                 )
             arch = _ARCHS[archs[0]]
         elif model_type in _MODEL_TYPES:
-            arch = model_type
+            arch = _MODEL_TYPES[model_type]
         else:
             raise ConfigError(
                 f"model_type={model_type!r} is not supported; supported: {sorted(_MODEL_TYPES)}"
@@ -103,43 +172,44 @@ class ModelConfig:
                 raise ConfigError(f"config.json is missing required field {key!r}")
             return cfg[key]
 
+        # The fields beyond the Llama family's: Gemma's, or a Mistral window.
+        extra = _gemma_fields(cfg, arch) if arch in GEMMA else {}
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = cfg.get("head_dim") or hidden // heads
+        head_dim = cfg.get("head_dim") or (_GEMMA_DEFAULTS["head_dim"] if arch in GEMMA else hidden // heads)
 
         # transformers 5 moved rope settings into `rope_parameters`; 4.x used
-        # top-level `rope_theta` + `rope_scaling`. Accept both.
+        # top-level `rope_theta` + `rope_scaling`. Accept both. Gemma 3 in transformers 5
+        # keeps one entry per layer type: the full layers' is the model's rope.
         rope = dict(cfg.get("rope_parameters") or {})
+        rope = dict(rope.get(FULL) or {}) if FULL in rope or SLIDING in rope else rope
         scaling = cfg.get("rope_scaling") or (
             rope if rope.get("rope_type") not in (None, "default") else None
         )
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_scaling = None
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "llama3":
-                rope_scaling = RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                )
-            elif kind not in (None, "default"):
-                raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", extra.pop("rope_theta", 10000.0))))
+        rope_scaling = _rope_scaling(scaling) if scaling else None
 
-        if cfg.get("attention_bias") and arch in ("llama", "mistral", "qwen3"):
+        if cfg.get("attention_bias") and arch in ("llama", "mistral", "qwen3", *GEMMA):
             raise ConfigError(f"attention_bias=true is not supported for {arch}")
         if cfg.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported")
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu')")
-        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        if arch not in GEMMA and act != "silu":
+            raise ConfigError(f"hidden_act={act!r} is not supported for {arch} (only 'silu')")
+        max_pos = int(cfg.get("max_position_embeddings", extra.pop("max_position_embeddings", 4096)))
         window = cfg.get("sliding_window")
-        uses_window = cfg.get("use_sliding_window", arch == "mistral")
-        if uses_window and window is not None and int(window) < max_pos:
-            raise ConfigError(f"sliding_window={window} < max_position_embeddings={max_pos} is not supported")
+        if arch == "mistral" and window is not None and int(window) < max_pos:
+            # Mistral slides on every layer; a window of the whole context is no window.
+            extra = {
+                "sliding_window": int(window),
+                "layer_types": (SLIDING,) * int(need("num_hidden_layers")),
+            }
+        elif arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window is not None:
+            if int(window) < max_pos:
+                raise ConfigError(
+                    f"sliding_window={window} < max_position_embeddings={max_pos} is not supported for {arch}"
+                )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         src_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -155,13 +225,14 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             max_position_embeddings=max_pos,
             dtype=dtype or str(src_dtype),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **extra,
         )
 
     @classmethod
@@ -174,3 +245,95 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_hf(data, dtype=dtype)
+
+
+def _rope_scaling(scaling: dict) -> RopeScaling | None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        return RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    if kind not in (None, "default"):
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'llama3' and 'linear')")
+    return None
+
+
+# transformers' defaults for fields a Gemma config.json may leave out (Gemma2Config,
+# Gemma3TextConfig), so a sparse config means what it means to HF.
+_GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096}
+_GEMMA_FAMILY_DEFAULTS = {
+    "gemma2": {
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+    },
+    "gemma3": {
+        "final_logit_softcapping": None,
+        "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 131072,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window_pattern": 6,
+    },
+}
+
+
+def _gemma_fields(cfg: dict, arch: str) -> dict:
+    """The Gemma fields of ModelConfig from an HF Gemma 2 / Gemma 3 config (HF's defaults for
+    absent ones). `rope_theta` and `max_position_embeddings` come back as defaults for the caller.
+    Without `layer_types`, HF derives them: Gemma 2 alternates (layer 0 sliding), Gemma 3 has
+    every `sliding_window_pattern`-th layer full."""
+    defaults = {**_GEMMA_DEFAULTS, **_GEMMA_FAMILY_DEFAULTS[arch]}
+
+    def get(key):
+        return cfg.get(key, defaults.get(key))
+
+    def opt_float(key):
+        value = get(key)
+        return None if value is None else float(value)
+
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention=true (an embedding model) is not supported")
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"  # HF's Gemma MLP reads only this one
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"hidden_activation={act!r} is not supported for {arch} (only 'gelu_pytorch_tanh')")
+    n = cfg.get("num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None and isinstance(n, int):
+        every = 2 if arch == "gemma2" else int(get("sliding_window_pattern"))
+        types = [SLIDING if (i + 1) % every else FULL for i in range(n)]
+    if types is not None and not isinstance(types, (list, tuple)):
+        raise ConfigError(f"layer_types must be a list, got {types!r}")
+    window = get("sliding_window")
+    out = {
+        "sliding_window": None if window is None else int(window),
+        "layer_types": None if types is None else tuple(types),
+        # HF's Gemma 3 attention never applies the field (its config still carries it).
+        "attn_logit_softcapping": opt_float("attn_logit_softcapping") if arch == "gemma2" else None,
+        "final_logit_softcapping": opt_float("final_logit_softcapping"),
+        "query_pre_attn_scalar": opt_float("query_pre_attn_scalar"),
+        "hidden_act": act,
+        "rope_theta": defaults["rope_theta"],
+        "max_position_embeddings": defaults["max_position_embeddings"],
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = _local_rope_base(cfg, defaults["rope_local_base_freq"])
+    return out
+
+
+def _local_rope_base(cfg: dict, default: float) -> float:
+    """Gemma 3's sliding layers' rope base: transformers 5's `rope_parameters.sliding_attention`
+    or 4.x's `rope_local_base_freq`. Unscaled (HF scales only the full layers' rope)."""
+    local = (cfg.get("rope_parameters") or {}).get(SLIDING)
+    if local is None:
+        return float(cfg.get("rope_local_base_freq", default))
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"rope_parameters.{SLIDING}.rope_type={local.get('rope_type')!r} is not supported (only 'default')"
+        )
+    return float(local.get("rope_theta", default))

@@ -1,4 +1,5 @@
-"""Llama-family forward pass (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions.
+"""Llama-family forward pass (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions; Gemma's
+layer is its own module (`gemma.py`), entered from here.
 
 Params are always an argument (layout in `params.py`), never closed over, so a
 weight swap with the same shapes reuses every compiled step. Layers are a
@@ -14,31 +15,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
+from hotswap.model import gemma
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [hd/2], with llama3 scaling when configured (as HF computes it)."""
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
-    inv = inv.astype(np.float32)
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv
-    old = rs.original_max_position_embeddings
-    low_wl, high_wl = old / rs.low_freq_factor, old / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
-    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
+from hotswap.model.rope import apply_rope, rope_inv_freq, rope_tables
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, mean_square=jnp_mean_square) -> jax.Array:
@@ -46,24 +30,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, mean_square=jnp_mean_square
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(mean_square(xf) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [..., 1, hd] for positions [...]: computed once per step, shared by every layer."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., 1, hd]
-    # The barrier keeps the tables one array each: otherwise XLA fuses cos and sin into every
-    # layer's q and k rotation and evaluates them per head and per layer: transcendental work
-    # that grows with the model's depth instead of once per step.
-    return jax.lax.optimization_barrier((jnp.cos(emb), jnp.sin(emb)))
-
-
-def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """x: [..., H, hd]; rope from `rope_tables`. HF's rotate-half convention."""
-    cos, sin = rope
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
 def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp_mean_square):
@@ -103,19 +69,22 @@ def forward_paged(
     updated pages (both custom calls, so nothing fuses across them). Both return the
     updated `pages`.
     """
+    if cfg.is_gemma:
+        return gemma.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
-    for lp, layer_pages in zip(params["layers"], pages, strict=True):
-        x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, cfg=cfg, backend=backend)
+    for i, (lp, layer_pages) in enumerate(zip(params["layers"], pages, strict=True)):
+        window = cfg.layer_window(i)  # Mistral's sliding window, else None
+        x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, window=window, cfg=cfg, backend=backend)
         new_kv.append(kv)
         new_pages.append(layer_pages)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend.mean_square)
     return h, tuple(new_kv), tuple(new_pages)
 
 
-@partial(jax.jit, static_argnames=("cfg", "backend"))
-def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, backend: Backend):
+@partial(jax.jit, static_argnames=("window", "cfg", "backend"))
+def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, window, cfg: ModelConfig, backend: Backend):
     """One decoder layer of `forward_paged`: (x, (k, v), the layer's pages after the step).
 
     A jit of its own inside the step: every layer has the same shapes, so JAX traces and
@@ -127,7 +96,8 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, ba
     with jax.named_scope("layer"):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ms)
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
-        o, layer_pages = backend.attend(q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        o, layer_pages = backend.attend(q, k, v, layer_pages, batch, scale, window=window)
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
         return _mlp(lp, cfg, x, mms, ms), (k, v), layer_pages
 
@@ -137,15 +107,22 @@ def write_pages(pages, new_kv, slots, *, backend: Backend):
     return tuple(backend.write(p, k, v, slots) for p, (k, v) in zip(pages, new_kv, strict=True))
 
 
-def logits_from_hidden(params: Params, h: jax.Array, mms=jnp_matmuls) -> jax.Array:
+def logits_from_hidden(
+    params: Params, h: jax.Array, mms=jnp_matmuls, softcap: float | None = None
+) -> jax.Array:
     """h [..., D] -> f32 logits [..., V]. `mms` as in `_qkv`: the [D, V] head is a large share of a
     small model's weight bytes, and at a few rows reading it is the cost, which the threaded
     GEMV does closer to memory bandwidth than XLA's dot. A 16-bit head accumulates and emits f32:
-    a bf16 logit keeps 8 bits, so a logit of 20 would be off by up to 0.06 nats."""
+    a bf16 logit keeps 8 bits, so a logit of 20 would be off by up to 0.06 nats.
+    `softcap` (`cfg.final_logit_softcapping`, Gemma 2): logits = softcap * tanh(logits / softcap)."""
     head = params["lm_head"]
     if head.dtype != jnp.float32:
-        return jnp.matmul(h, head, preferred_element_type=jnp.float32)
-    return mms(h, (head,))[0].astype(jnp.float32)
+        logits = jnp.matmul(h, head, preferred_element_type=jnp.float32)
+    else:
+        logits = mms(h, (head,))[0].astype(jnp.float32)
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
+    return logits
 
 
 def forward_dense(
@@ -156,16 +133,19 @@ def forward_dense(
     `causal_attention`: the step's own in deterministic mode); None: XLA's dot and the jnp
     attention, as a trainer differentiates."""
     mms = jnp_matmuls if backend is None else backend.dense_matmuls
+    if cfg.is_gemma:
+        h = gemma.dense_hidden(params, tokens, lengths, cfg=cfg, backend=backend)
+        return logits_from_hidden(params, h, mms, cfg.final_logit_softcapping)
     ms = jnp_mean_square if backend is None else backend.mean_square
     attention = reference.dense_causal_attention if backend is None else backend.causal_attention
     scale = 1.0 / math.sqrt(cfg.head_dim)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     rope = rope_tables(positions, rope_inv_freq(cfg))
     x = params["embed"][tokens]
-    for lp in params["layers"]:
+    for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ms)
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
-        o = attention(q, k, v, lengths, scale=scale)
+        o = attention(q, k, v, lengths, scale=scale, window=cfg.layer_window(i))
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
         x = _mlp(lp, cfg, x, mms, ms)
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ms), mms)

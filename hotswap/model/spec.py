@@ -110,10 +110,10 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         axes: tuple[str, ...],
         hf: str,
         transpose: bool = False,
-        nnx: str = "",
+        nnx: str | None = "",
         matrix: tuple[int, int] | None = None,
     ):
-        hf_name, nnx_name = f"model.layers.{i}.{hf}", f"layers.{i}.{nnx}"
+        hf_name, nnx_name = f"model.layers.{i}.{hf}", None if nnx is None else f"layers.{i}.{nnx}"
         return ParamSpec(("layers", i, key), shape, axes, hf_name, transpose, matrix, nnx_name)
 
     def attn(key: str, heads: int, axis: str, hf: str, nnx: str) -> ParamSpec:
@@ -141,11 +141,22 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
             "w_down", (f, d), ("mlp", "embed"), "mlp.down_proj.weight", True, "mlp.down_proj.kernel"
         ),
     }
+    if cfg.is_gemma:
+        # Gemma norms after attention and after the MLP too; HF's `post_attention_layernorm` is
+        # the post-attention norm there (Llama's pre-MLP norm), `pre_feedforward_layernorm` the
+        # pre-MLP one. (1 + w) scaling, as the model applies it (`gemma.py`).
+        rows["mlp_norm"] = row("mlp_norm", (d,), ("embed",), "pre_feedforward_layernorm.weight", nnx=None)
+        rows["post_attn_norm"] = row(
+            "post_attn_norm", (d,), ("embed",), "post_attention_layernorm.weight", nnx=None
+        )
+        rows["post_mlp_norm"] = row(
+            "post_mlp_norm", (d,), ("embed",), "post_feedforward_layernorm.weight", nnx=None
+        )
     if cfg.qkv_bias:  # qwen2; flat [H*hd] as HF and Tunix store them (the model splits them)
         rows["bq"] = row("bq", (q,), ("heads",), "self_attn.q_proj.bias", nnx="attn.q_bias")
         rows["bk"] = row("bk", (kv,), ("kv_heads",), "self_attn.k_proj.bias", nnx="attn.k_bias")
         rows["bv"] = row("bv", (kv,), ("kv_heads",), "self_attn.v_proj.bias", nnx="attn.v_bias")
-    if cfg.qk_norm:  # qwen3
+    if cfg.qk_norm:  # qwen3, gemma3
         rows["q_norm"] = row("q_norm", (hd,), ("head_dim",), "self_attn.q_norm.weight", nnx="attn.q_norm.w")
         rows["k_norm"] = row("k_norm", (hd,), ("head_dim",), "self_attn.k_norm.weight", nnx="attn.k_norm.w")
     return rows

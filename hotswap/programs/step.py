@@ -126,7 +126,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     h, new_kv, pages = forward.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
-        logits = forward.logits_from_hidden(params, h_last, backend.matmuls)
+        logits = forward.logits_from_hidden(params, h_last, backend.matmuls, cfg.final_logit_softcapping)
         out = sample(logits, sa, backend.row_stats, keep_thresholds=backend.keep_thresholds)
     return (new_kv if backend.read_then_write else pages), out
 

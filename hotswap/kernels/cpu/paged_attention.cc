@@ -20,6 +20,11 @@
 // A query with pos >= kv_lens[b] is padding: its output is zero. Slots no query may read
 // are never touched, so whatever they hold (NaN included) cannot leak into a result.
 //
+// Sliding window and softcap (attributes; 0 = none), as reference.py: a query at `pos` sees
+// only keys p > pos - window, and a work item starts at the page (or key block) holding the
+// first key any of its queries sees: pages wholly before the window are never read, nor their
+// table entries looked at. Scores s (q.k * scale) become softcap * tanh(s / softcap).
+//
 // Shapes: q [B, C, Hq, hd]; pages [NP, ps, 2*Hkv, hd] (K of head h at 2h, V at 2h+1);
 // k_new, v_new [B, C, Hkv, hd]; block_tables int32 [B, P]; positions int32 [B, C];
 // chunk_starts, kv_lens int32 [B]; out [B, C, Hq, hd]. f32 or bf16 activations and pages.
@@ -86,8 +91,8 @@ inline void store(uint16_t* dst, const float* src, int n) {
 // and was bound by the load ports, not the FMAs. A head's 16 scores sit in one vector for
 // max / exp / sum, and its output stays in registers.
 template <int HD, int GH>
-inline void Fold16(const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float* m, float* l,
-                   float* acc) {
+inline void Fold16(const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float cap, float* m,
+                   float* l, float* acc) {
   constexpr int V = HD / 16;
   alignas(64) float s[GH][16];
   __m512 qv[GH][V];
@@ -105,6 +110,10 @@ inline void Fold16(const float* qg, const float* kb, const float* vb, int64_t ks
       }
       s[h][j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     }
+  }
+  if (cap > 0) {
+    for (int h = 0; h < GH; ++h)
+      for (int j = 0; j < n; ++j) s[h][j] = cap * std::tanh(s[h][j] / cap);
   }
   const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
   __m512 o[GH][V];
@@ -139,21 +148,21 @@ constexpr int kMaxGH = HD == 64 ? 4 : 2;
 
 // Fold16 for gh (1..G) heads: the compile-time head count for a run-time one.
 template <int HD, int G>
-inline void FoldGroup(int64_t gh, const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float* m,
-                      float* l, float* acc) {
+inline void FoldGroup(int64_t gh, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
+                      float cap, float* m, float* l, float* acc) {
   if constexpr (G > 1) {
-    if (gh < G) return FoldGroup<HD, G - 1>(gh, qg, kb, vb, kstride, n, m, l, acc);
+    if (gh < G) return FoldGroup<HD, G - 1>(gh, qg, kb, vb, kstride, n, cap, m, l, acc);
   }
-  Fold16<HD, G>(qg, kb, vb, kstride, n, m, l, acc);
+  Fold16<HD, G>(qg, kb, vb, kstride, n, cap, m, l, acc);
 }
 
 // Every q head of a kv head, kMaxGH at a time.
 template <int HD>
 inline void FoldHeads16(int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
-                        float* m, float* l, float* acc) {
+                        float cap, float* m, float* l, float* acc) {
   for (int64_t g = 0; g < g_n; g += kMaxGH<HD>) {
     const int64_t gh = std::min<int64_t>(kMaxGH<HD>, g_n - g);
-    FoldGroup<HD, kMaxGH<HD>>(gh, qg + g * HD, kb, vb, kstride, n, m + g, l + g, acc + g * HD);
+    FoldGroup<HD, kMaxGH<HD>>(gh, qg + g * HD, kb, vb, kstride, n, cap, m + g, l + g, acc + g * HD);
   }
 }
 #endif
@@ -161,21 +170,28 @@ inline void FoldHeads16(int64_t g_n, const float* qg, const float* kb, const flo
 struct Shape {
   int64_t b, c, hq, hkv, hd, num_pages, ps, p;
   float scale;
+  int64_t window;  // sliding window in keys (the query's own included); 0: none
+  float softcap;   // 0: none
 };
+
+// The first key a query at `pos` sees: 0, or the start of its window.
+inline int64_t WindowStart(const Shape& s, int64_t pos) {
+  return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+}
 
 // Online-softmax step over n keys (f32 rows kstride apart) for the g_n q heads of one kv
 // head (q and acc rows hd apart; m, l one per head): the vector path for head_dim 64 / 128,
-// plain loops otherwise. `sc` is scratch of at least n floats.
+// plain loops otherwise. Scores are softcapped when cap > 0. `sc` is scratch of at least n floats.
 inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride,
-                 int64_t n, float* m, float* l, float* acc, float* sc) {
+                 int64_t n, float cap, float* m, float* l, float* acc, float* sc) {
 #if defined(__AVX512F__)
   if (hd == 64 || hd == 128) {
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int nj = static_cast<int>(std::min<int64_t>(16, n - j0));
       if (hd == 64) {
-        FoldHeads16<64>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, m, l, acc);
+        FoldHeads16<64>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m, l, acc);
       } else {
-        FoldHeads16<128>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, m, l, acc);
+        FoldHeads16<128>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m, l, acc);
       }
     }
     return;
@@ -190,6 +206,7 @@ inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, cons
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < hd; ++d) dot += qh[d] * kj[d];
+      if (cap > 0) dot = cap * std::tanh(dot / cap);
       sc[j] = dot;
       mx = std::max(mx, dot);
     }
@@ -317,8 +334,9 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
   std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
   const std::vector<float> qv = ScaledQueries(s, r, h0, h1, q);
   // Fold n keys of kv head `kvh` (rows kstride apart, in f32 or not) into its q heads of the
-  // run's queries, query j taking the first n_of(j) of them.
-  auto fold = [&](int64_t kvh, int64_t n, const auto* kb, const auto* vb, int64_t kstride, auto n_of) {
+  // run's queries, query j taking keys [from_of(j), n_of(j)) of them.
+  auto fold = [&](int64_t kvh, int64_t n, const auto* kb, const auto* vb, int64_t kstride, auto from_of,
+                  auto n_of) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(kb)>>;
     const float *kf, *vf;
     int64_t stride = kstride;
@@ -332,16 +350,22 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
       kf = kt.data(), vf = vt.data(), stride = hd;
     }
     for (int64_t j = 0; j < nq; ++j) {
-      const int64_t nj = n_of(j);
+      const int64_t f = from_of(j), nj = n_of(j) - f;
       if (nj <= 0) continue;
       const int64_t i = j * nh + (kvh - h0) * g_n;  // the kv head's first q head of query j
-      Fold(hd, g_n, qv.data() + i * hd, kf, vf, stride, nj, m.data() + i, l.data() + i, acc.data() + i * hd, sc.data());
+      Fold(hd, g_n, qv.data() + i * hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
+           l.data() + i, acc.data() + i * hd, sc.data());
     }
+  };
+  // Keys before `lo` are in no window of the run's queries (its first query's is the lowest).
+  const int64_t lo = WindowStart(s, positions[r.i0]);
+  auto from = [&](int64_t j, int64_t j0) {  // query j's first key in a block starting at key j0
+    return std::max<int64_t>(0, WindowStart(s, positions[r.i0 + j]) - j0);
   };
   // Cached keys [0, start), a page at a time through the block table: every query sees them all.
   const int32_t* table = block_tables + b * s.p;
   const int64_t slot = 2 * s.hkv * hd;  // one slot's K/V record for every head
-  for (int64_t j0 = 0; j0 < start; j0 += ps) {
+  for (int64_t j0 = lo / ps * ps; j0 < start; j0 += ps) {
     const int64_t page = table[j0 / ps];
     if (page < 0 || page >= s.num_pages) return false;
     const int64_t n = std::min(ps, start - j0);
@@ -357,16 +381,17 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
           for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(nb + j * slot * sizeof(K) + off);
         }
       }
-      fold(kvh, n, base, base + hd, slot, [n](int64_t) { return n; });
+      fold(kvh, n, base, base + hd, slot, [&](int64_t j) { return from(j, j0); }, [n](int64_t) { return n; });
     }
   }
-  // The chunk's own keys: flat indices first .. i0 + j for query j (positions start .. pos).
+  // The chunk's own keys: flat indices first .. i0 + j for query j (positions start .. pos),
+  // from the first one in the run's window.
   const int64_t first = r.i0 - (positions[r.i0] - start), last = r.i0 + nq - 1;
-  for (int64_t j0 = first; j0 <= last; j0 += ps) {
-    const int64_t n = std::min(ps, last - j0 + 1);
+  for (int64_t j0 = first + std::max<int64_t>(0, lo - start); j0 <= last; j0 += ps) {
+    const int64_t n = std::min(ps, last - j0 + 1), p0 = start + (j0 - first);  // p0: key j0's position
     for (int64_t kvh = h0; kvh < h1; ++kvh) {
       fold(kvh, n, k_new + (j0 * s.hkv + kvh) * hd, v_new + (j0 * s.hkv + kvh) * hd, s.hkv * hd,
-           [&](int64_t j) { return std::min(n, r.i0 + j - j0 + 1); });
+           [&](int64_t j) { return from(j, p0); }, [&](int64_t j) { return std::min(n, r.i0 + j - j0 + 1); });
     }
   }
   StoreRun(s, r, h0, h1, acc, l, out);
@@ -410,7 +435,8 @@ bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, co
     return pages + (page * ps + p % ps) * slot + 2 * kvh * hd;
   };
   auto own_at = [&](int64_t p) { return r.i0 + (p - pos0); };
-  for (int64_t a = 0; a < end; a += kKeyBlock) {
+  const int64_t lo = WindowStart(s, pos0);  // keys before it are in no window of the run
+  for (int64_t a = lo / kKeyBlock * kKeyBlock; a < end; a += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - a);
     for (int64_t kvh = h0; kvh < h1; ++kvh) {
       const float *kf = kt.data(), *vf = vt.data();
@@ -431,6 +457,7 @@ bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, co
       }
       for (int64_t j = 0; gather && j < n; ++j) {
         const int64_t p = a + j;
+        if (p < lo) continue;  // seen by no query (its page may be gone)
         if (p < start) {
           const K* base = cached(p, kvh);
           if (base == nullptr) return false;
@@ -443,11 +470,13 @@ bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, co
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
-        const int64_t nj = std::min(n, positions[r.i0 + j] - a + 1);  // the block's keys query j sees
+        // The block's keys query j sees: [f, f + nj), from its window start to its position.
+        const int64_t f = std::max<int64_t>(0, WindowStart(s, positions[r.i0 + j]) - a);
+        const int64_t nj = std::min(n, positions[r.i0 + j] - a + 1) - f;
         if (nj <= 0) continue;
         const int64_t i = j * nh + (kvh - h0) * g_n;
-        Fold(hd, g_n, qv.data() + i * hd, kf, vf, stride, nj, m.data() + i, l.data() + i, acc.data() + i * hd,
-             sc.data());
+        Fold(hd, g_n, qv.data() + i * hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
+             l.data() + i, acc.data() + i * hd, sc.data());
       }
     }
   }
@@ -501,12 +530,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float scale,
-                          bool fixed) {
+                          bool fixed, int64_t window, float softcap) {
   auto qd = q.dimensions(), pd = pages.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 4 || pd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("hotswap paged attention: q and pages must be 4-D, tables 2-D");
   }
-  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], td[1], scale};
+  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], td[1], scale, window, softcap};
+  if (window < 0 || !(softcap >= 0)) {
+    return ffi::Error::InvalidArgument("hotswap paged attention: window and softcap must be >= 0 (0: none)");
+  }
   if (pd[3] != s.hd || s.hkv == 0 || s.hq % s.hkv != 0 || td[0] != s.b) {
     return ffi::Error::InvalidArgument("hotswap paged attention: q, pages and tables disagree on shape");
   }
@@ -558,7 +590,7 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
                                ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> slots,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pages_out, float scale,
-                               bool fixed) {
+                               bool fixed, int64_t window, float softcap) {
   if (pages_out->untyped_data() != pages.untyped_data()) {
     return ffi::Error::InvalidArgument("hotswap paged attention: the page output must alias the page input");
   }
@@ -566,10 +598,11 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   if (qd.size() != 4 || static_cast<int64_t>(slots.element_count()) != qd[0] * qd[1]) {
     return ffi::Error::InvalidArgument("hotswap paged attention: slots must hold one entry per query token");
   }
-  ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out, scale, fixed);
+  ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out,
+                                  scale, fixed, window, softcap);
   if (err.failure()) return err;  // shapes and dtypes are checked there
   auto pd = pages.dimensions();
-  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], block_tables.dimensions()[1], scale};
+  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], block_tables.dimensions()[1], scale, 0, 0.0f};
   const bool ok = *WithDtypes(q.element_type(), pages.element_type(), [&](auto a, auto k) {
     using A = decltype(a);
     using K = decltype(k);
@@ -595,7 +628,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<float>("scale")
-                                  .Attr<bool>("fixed"));  // deterministic mode: RunHeadsFixed
+                                  .Attr<bool>("fixed")       // deterministic mode: RunHeadsFixed
+                                  .Attr<int64_t>("window")   // sliding window; 0: none
+                                  .Attr<float>("softcap"));  // logit softcap; 0: none
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
                               ffi::Ffi::Bind()
@@ -612,4 +647,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::AnyBuffer>()         // pages_out
                                   .Attr<float>("scale")
-                                  .Attr<bool>("fixed"));  // deterministic mode: RunHeadsFixed
+                                  .Attr<bool>("fixed")       // deterministic mode: RunHeadsFixed
+                                  .Attr<int64_t>("window")   // sliding window; 0: none
+                                  .Attr<float>("softcap"));  // logit softcap; 0: none
