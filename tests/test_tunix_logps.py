@@ -19,7 +19,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.models.qwen2 import model as qwen2
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import common
-from tunix_worker import SIZES, tokenizer
+from tunix_worker import SIZES, gemma3_model, tokenizer
 
 from hotswap.integrations.tunix import HotswapRollout
 
@@ -34,6 +34,7 @@ MODELS = {
     "qwen3": lambda: qwen3.Qwen3(
         qwen3.ModelConfig(**SIZES, rope_theta=10000, norm_eps=1e-6), rngs=nnx.Rngs(0)
     ),
+    "gemma3": lambda: gemma3_model(),
 }
 
 

@@ -23,6 +23,7 @@ from flax import nnx
 from grain import python as grain
 from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
+from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import common
@@ -56,6 +57,22 @@ def tokenizer():
 
 def model(seed: int = 0) -> llama3.Llama3:
     return llama3.Llama3(CFG, rngs=nnx.Rngs(seed))
+
+
+def gemma3_model(seed: int = 0) -> gemma3.Gemma3:
+    """A tiny Tunix Gemma 3 in f32: 6 layers (the 6th global, the others sliding over 8 tokens,
+    shorter than the prompts), GQA, local / global rope bases 1e4 / 1e6."""
+    sizes = {k: v for k, v in SIZES.items() if k not in ("vocab_size", "num_layers")}
+    cfg = gemma3.ModelConfig(
+        **sizes,
+        num_layers=6,
+        num_embed=SIZES["vocab_size"],
+        sliding_window_size=8,
+        local_base_frequency=10_000,
+        global_base_frequency=1_000_000,
+        param_dtype=jnp.float32,
+    )
+    return gemma3.Gemma3(cfg, rngs=nnx.Rngs(seed))
 
 
 def grpo(tok) -> dict:

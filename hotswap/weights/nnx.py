@@ -25,13 +25,16 @@ import logging
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from hotswap.errors import ConfigError, WeightsMismatch
 from hotswap.model import validate
-from hotswap.model.config import ModelConfig
+from hotswap.model.config import ModelConfig, RopeScaling
 from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
+
+HEAD = ("lm_head",)
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,13 @@ def model_config(
     model: nnx.Module, *, max_position_embeddings: int = 4096, eos_token_ids: tuple[int, ...] = ()
 ) -> ModelConfig:
     """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 model (dtype from its params)."""
+    if type(model).__name__ == "Gemma3":
+        return _gemma3_config(model, max_position_embeddings, tuple(eos_token_ids))
     family = FAMILIES.get(type(model).__name__)
     if family is None:
         raise ConfigError(
             f"{type(model).__module__}.{type(model).__name__} is not a supported Flax model; "
-            f"supported: Tunix {', '.join(sorted(FAMILIES))}"
+            f"supported: Tunix {', '.join(sorted([*FAMILIES, 'Gemma3']))}"
         )
     c = model.config
     if getattr(c, "num_experts", None):
@@ -97,6 +102,53 @@ def model_config(
         max_position_embeddings=max_position_embeddings,
         dtype=dtype,
         eos_token_ids=tuple(eos_token_ids),
+    )
+
+
+# Tunix's Gemma 3 (`tunix.models.gemma3`): every 6th layer global (GEMMA3_ATTENTION_PATTERN),
+# RMSNorm eps fixed at 1e-6, GeGLU with jax's tanh gelu, a tied head, no softcaps.
+_GEMMA3_PERIOD = 6
+
+
+def _gemma3_config(
+    model: nnx.Module, max_position_embeddings: int, eos_token_ids: tuple[int, ...]
+) -> ModelConfig:
+    c = model.config
+    if getattr(model, "vision_encoder", None) is not None:
+        raise ConfigError("Tunix Gemma3 with a vision encoder is not supported: serve the text model")
+    if float(c.local_scale_factor) != 1.0:
+        raise ConfigError(f"Tunix Gemma3 local_scale_factor={c.local_scale_factor}: only 1.0 is supported")
+    scaling = None
+    if float(c.global_scale_factor) != 1.0:  # positions divided by it on global layers: HF's linear scaling
+        scaling = RopeScaling(factor=float(c.global_scale_factor), rope_type="linear")
+    by_head = c.query_pre_attn_norm.name == "BY_ONE_OVER_SQRT_HEAD_DIM"
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return ModelConfig(
+        arch="gemma3",
+        vocab_size=c.num_embed,
+        hidden_size=c.embed_dim,
+        intermediate_size=c.hidden_dim,
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rope_theta=float(c.global_base_frequency),
+        rope_scaling=scaling,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=True,
+        max_position_embeddings=max_position_embeddings,
+        dtype=np.dtype(leaves[0].dtype).name,
+        eos_token_ids=eos_token_ids,
+        sliding_window=c.sliding_window_size,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % _GEMMA3_PERIOD == 0 else "sliding_attention"
+            for i in range(c.num_layers)
+        ),
+        query_pre_attn_scalar=float(c.head_dim if by_head else c.embed_dim // c.num_heads),
+        rope_local_base_freq=float(c.local_base_frequency),
+        hidden_act="gelu_pytorch_tanh",
     )
 
 
@@ -137,13 +189,18 @@ def params_from_state(
     WeightsMismatch naming the NNX parameter. Finiteness is the engine's placing step's.
     """
     flat = {n: _value(v) for n, v in flat_variables(source).items()}
-    validate.nnx_variables(flat, cfg, abstract)
     specs = param_specs(cfg)
+    unmapped = [
+        s.name for s in jax.tree.leaves(specs, is_leaf=is_spec) if s.nnx_name is None and s.path != HEAD
+    ]
+    if unmapped:
+        raise ConfigError(f"{cfg.arch}: no Tunix NNX layout is known for params {unmapped[0]}")
+    validate.nnx_variables(flat, cfg, abstract)
 
     def leaf(s: ParamSpec):
         if s.nnx_name is None:  # tied head: the spec row's transform of the embedding, on its devices
             return s.from_hf(flat[specs["embed"].nnx_name])
-        return flat[s.nnx_name]
+        return s.from_nnx(flat[s.nnx_name])  # the leaf itself, but for Gemma 3's q/k/v (a copy)
 
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
 
@@ -186,11 +243,17 @@ def reshard(params: Params, abstract: Params) -> Params:
 def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.State:
     """Hotswap params -> an NNX Param state shaped like `like` (the model's own state)."""
     specs = param_specs(cfg)
-    by_name = {
-        s.nnx_name: x
-        for s, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True)
-        if s.nnx_name is not None
-    }
+    by_name: dict[str, Any] = {}
+    stacked: dict[str, dict[int, Any]] = {}
+    for s, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True):
+        if s.nnx_name is None:
+            continue
+        if s.nnx_index is None:
+            by_name[s.nnx_name] = s.to_nnx_part(x)
+        else:  # Gemma 3's k/v (or q/k/v): one leaf stacking the rows
+            stacked.setdefault(s.nnx_name, {})[s.nnx_index] = s.to_nnx_part(x)
+    for name, parts in stacked.items():
+        by_name[name] = jnp.stack([parts[k] for k in sorted(parts)])
     out = []
     for path, var in nnx.to_flat_state(like):
         out.append((path, var.replace(by_name[_name(path)])))
