@@ -65,7 +65,14 @@ def test_gemma3_270m_tokenizer_matches_transformers_reading_the_same_file(gemma3
 
 @pytest.fixture(scope="module")
 def gemma3_llm(gemma3_gguf):
-    return LLM(gemma3_gguf, dtype="float32", max_model_len=1024, max_num_seqs=2, max_num_batched_tokens=256)
+    return LLM(
+        gemma3_gguf,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
+        warmup=False,
+    )
 
 
 @pytest.fixture(scope="module")

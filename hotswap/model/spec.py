@@ -19,11 +19,12 @@ tied-embedding checkpoint has no HF tensor for it (`hf_name=None`): it is derive
 from the embedding by its own row's transform (`from_hf` of the `[V, D]` embedding, its
 transpose), wherever it is made (host, device, NNX).
 
-`nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3:
-`weights/nnx.py`). Those models are `[in, out]` with heads split out exactly as
-here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so every row
-maps leaf to leaf with the same shape: a state already on the engine's sharding is
-served from its own buffers.
+`nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3,
+Gemma3: `weights/nnx.py`). Llama3 and the Qwens are `[in, out]` with heads split out
+exactly as here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so
+every row maps leaf to leaf with the same shape: a state already on the engine's
+sharding is served from its own buffers. Gemma3's q/k/v are einsum weights `[N, D, H]`,
+k and v stacked in one leaf: those rows set `nnx_index` / `nnx_perm` (a copy).
 """
 
 from __future__ import annotations

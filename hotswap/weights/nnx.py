@@ -1,11 +1,20 @@
-"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2 and Qwen3 models.
+"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2, Qwen3 and Gemma3 models.
 
 The mapping is the spec table (`model/spec.py`): each row's `nnx_name` is the
-parameter's path in the NNX model. Tunix models use hotswap's params layout
-(`[in, out]`, attention heads split out: `q_proj.w` `[D, N, H]` is `wq`), so every
+parameter's path in the NNX model. Tunix's Llama3 / Qwen models use hotswap's params
+layout (`[in, out]`, attention heads split out: `q_proj.w` `[D, N, H]` is `wq`), so every
 leaf is passed through as the same `jax.Array`, never copied or reshaped; only a
 tied LM head is derived (the embedding's transpose, computed on its devices). A
 state already on the engine's sharding is served from its own buffers.
+
+Tunix's Gemma3 stores q, k and v as einsum weights `[N, D, H]`, k and v stacked in one
+`[2, K, D, H]` leaf (q, k, v in one `[3, N, D, H]` when N == K): those three are taken
+by index and transposed to `[D, N, H]` (`ParamSpec.from_nnx`), a copy of each per
+update (q/k/v are 2 * (N + K) * D * H of a layer's parameters); the embedding, the norms
+(`scale`, applied as 1 + scale, as here), `attn_vec_einsum` `[N, H, D]` and the MLP
+kernels are passed through as they are. Its RMSNorm eps is fixed at 1e-6 and every 6th
+layer is global whatever its config says otherwise, so the config is taken from what
+its modules compute.
 
     cfg = model_config(tunix_model)                       # hotswap ModelConfig
     params = params_from_state(nnx.state(tunix_model, nnx.Param), cfg)
@@ -60,7 +69,7 @@ FAMILIES = {
 def model_config(
     model: nnx.Module, *, max_position_embeddings: int = 4096, eos_token_ids: tuple[int, ...] = ()
 ) -> ModelConfig:
-    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 model (dtype from its params)."""
+    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 / Gemma3 model (dtype from its params)."""
     if type(model).__name__ == "Gemma3":
         return _gemma3_config(model, max_position_embeddings, tuple(eos_token_ids))
     family = FAMILIES.get(type(model).__name__)
