@@ -18,6 +18,7 @@ from gguf_files import write_gemma_gguf
 from hotswap.checkpoint import gguf_io, hf
 from hotswap.checkpoint.create import create_checkpoint
 from hotswap.engine.llm import LLM, SamplingParams
+from hotswap.errors import HotswapError
 from hotswap.model.config import ModelConfig
 
 MIXED = (
@@ -213,3 +214,13 @@ def test_seeded_gemma_gguf_reads_as_transformers_reads_it(seeded_gemma):
     assert ours_tok.apply_chat_template(CHAT, tokenize=True) == ours_tok.encode(
         text, add_special_tokens=False
     )
+
+
+def test_a_gemma_gguf_missing_a_norm_is_refused_naming_it(seeded_gemma, tmp_path):
+    src, _ = seeded_gemma
+    tensors = hf.read_hf_tensors(src)
+    del tensors["model.layers.1.post_feedforward_layernorm.weight"]
+    vocab = _sentencepiece_vocab(ModelConfig.from_dir(src).vocab_size)
+    path = write_gemma_gguf(src, tmp_path / "m.gguf", tensors, vocab, chat_template=None)
+    with pytest.raises(HotswapError, match=r"model\.layers\.1\.post_feedforward_layernorm\.weight"):
+        gguf_io.load_gguf(path)
