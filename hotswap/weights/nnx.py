@@ -30,6 +30,7 @@ from the rollout's, the more as training sharpens attention.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NamedTuple
 
@@ -161,6 +162,20 @@ def _gemma3_config(
     )
 
 
+# Jitted with the index and permutation static, so that no index crosses from the host (Tunix
+# syncs under jax.transfer_guard("disallow")); one compile per (index, perm), not per layer.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _from_nnx(index: int | None, perm: tuple[int, ...] | None, leaf: jax.Array) -> jax.Array:
+    return ParamSpec((), (), (), None, nnx_index=index, nnx_perm=perm).from_nnx(leaf)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("stack",))
+def _to_nnx(perm: tuple[int, ...] | None, parts: list[jax.Array], stack: bool = False) -> jax.Array:
+    row = ParamSpec((), (), (), None, nnx_perm=perm)
+    out = [row.to_nnx_part(x) for x in parts]
+    return jnp.stack(out) if stack else out[0]
+
+
 def _name(path) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in path)
 
@@ -209,7 +224,9 @@ def params_from_state(
     def leaf(s: ParamSpec):
         if s.nnx_name is None:  # tied head: the spec row's transform of the embedding, on its devices
             return s.from_hf(flat[specs["embed"].nnx_name])
-        return s.from_nnx(flat[s.nnx_name])  # the leaf itself, but for Gemma 3's q/k/v (a copy)
+        if s.nnx_copies:  # Gemma 3's q/k/v: sliced and transposed on the leaf's devices (a copy)
+            return _from_nnx(s.nnx_index, s.nnx_perm, flat[s.nnx_name])
+        return flat[s.nnx_name]
 
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
 
@@ -258,11 +275,12 @@ def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.
         if s.nnx_name is None:
             continue
         if s.nnx_index is None:
-            by_name[s.nnx_name] = s.to_nnx_part(x)
+            by_name[s.nnx_name] = _to_nnx(s.nnx_perm, [x]) if s.nnx_copies else x
         else:  # Gemma 3's k/v (or q/k/v): one leaf stacking the rows
-            stacked.setdefault(s.nnx_name, {})[s.nnx_index] = s.to_nnx_part(x)
+            stacked.setdefault(s.nnx_name, {})[s.nnx_index] = (s, x)
     for name, parts in stacked.items():
-        by_name[name] = jnp.stack([parts[k] for k in sorted(parts)])
+        rows = [parts[k] for k in sorted(parts)]
+        by_name[name] = _to_nnx(rows[0][0].nnx_perm, [x for _, x in rows], stack=True)
     out = []
     for path, var in nnx.to_flat_state(like):
         out.append((path, var.replace(by_name[_name(path)])))
