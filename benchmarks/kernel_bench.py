@@ -1,6 +1,6 @@
 """Paged-attention kernels: time per call and fraction of the memory-bandwidth roofline.
 
-    python benchmarks/kernel_bench.py [--interpret] [--dtype float32|bfloat16] [--shapes decode,prefill]
+    python benchmarks/kernel_bench.py [--interpret] [--dtype float32|bfloat16] [--shapes decode,prefill,window]
 
 Runs unchanged on TPU / GPU / CPU; on CPU it also times the C++ kernel (`attention="cpu"`). Shapes use the bench-100m attention dims (4 kv heads, 12 q
 heads, head_dim 64, page 16): decode batches 1/8/32 at context 512/2048 and one 256-token prefill
@@ -11,6 +11,10 @@ array copy (read + write). Prints a table and one JSON line. KV that fits in cac
 shapes) can beat the DRAM probe, so fractions above 100% mean "cache-resident", not an error.
 On CPU / GPU the Pallas kernel runs in interpret mode (it uses TPU scalar prefetch), so its
 numbers there measure the interpreter, not the kernel.
+
+`--shapes window`: decode at batch 32 x 2,048 tokens with a sliding window of 512 and without
+one (Gemma's local layers), the KV bytes each reads (the kernels skip pages wholly before the
+window; the jnp reference reads and masks them) and the time ratio, per implementation.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ from hotswap.kernels import cpu_attention, cpu_build, ragged_paged_attention, re
 HKV, HQ, HD, PS = 4, 12, 64, 16  # bench-100m attention dims
 DECODE = [(b, ctx) for ctx in (512, 2048) for b in (1, 8, 32)]
 PREFILL = [(256, 1024)]  # (chunk, context including the chunk)
+WINDOW = (32, 2048, 512)  # (batch, context, window) of the window comparison
+
+
+def keys_read(ctx: int, window: int | None, impl: str) -> int:
+    """Keys a decode row at the end of `ctx` tokens reads: the kernels start at the page holding
+    its window's first key; the jnp reference reads every page and masks."""
+    if window is None or impl == "reference":
+        return ctx
+    return ctx - max(0, ctx - window) // PS * PS
 
 
 def timeit(fn, *args, min_time: float = 0.5, max_iters: int = 50, stat=np.median) -> float:
@@ -69,13 +82,25 @@ def make_inputs(rng, b: int, c: int, ctx: int, dtype):
     )
 
 
-def cpu_paged_attention(q, pages, tables, pos, lens, *, scale):
+def cpu_paged_attention(q, pages, tables, pos, lens, *, scale, window=None):
     """The C++ CPU kernel behind `reference.paged_attention`'s signature: the last C tokens of
     each row stand for the step's own K/V (zeros here: their values do not change the time)."""
     kv_new = jnp.zeros((*q.shape[:2], HKV, HD), q.dtype)
     return cpu_attention.paged_attention(
-        q, pages, kv_new, kv_new, tables, pos, lens - q.shape[1], lens, scale=scale
+        q, pages, kv_new, kv_new, tables, pos, lens - q.shape[1], lens, scale=scale, window=window
     )
+
+
+def window_ratios(rows: list[dict]) -> dict:
+    """Per implementation: (time, KV bytes) without a window / with one, at the WINDOW shape."""
+    b, ctx, _ = WINDOW
+    at = {(r["impl"], r["window"]): r for r in rows if r["B"] == b and r["ctx"] == ctx and r["C"] == 1}
+    out = {}
+    for (impl, window), r in at.items():
+        full = at.get((impl, None))
+        if window is not None and full is not None:
+            out[impl] = dict(speedup=full["ms"] / r["ms"], bytes_ratio=full["kv_bytes"] / r["kv_bytes"])
+    return out
 
 
 def main() -> None:
@@ -86,6 +111,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (accelerator default)")
     ap.add_argument("--shapes", default="decode,prefill")
     ap.add_argument("--pages-per-block", type=int, default=None)
+    ap.add_argument("--impls", default="reference,pallas,cpu", help="which implementations to time")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds of timed calls per measurement")
     args = ap.parse_args()
 
@@ -94,46 +120,61 @@ def main() -> None:
     interpret = True if args.interpret else None
     scale = 1.0 / math.sqrt(HD)
     impls = {
-        "reference": jax.jit(partial(reference.paged_attention, scale=scale)),
-        "pallas": jax.jit(
-            partial(
-                ragged_paged_attention.paged_attention,
-                scale=scale,
-                interpret=interpret,
-                pages_per_block=args.pages_per_block,
-            )
+        "reference": partial(reference.paged_attention, scale=scale),
+        "pallas": partial(
+            ragged_paged_attention.paged_attention,
+            scale=scale,
+            interpret=interpret,
+            pages_per_block=args.pages_per_block,
         ),
     }
     if backend == "cpu" and cpu_build.available():
-        impls["cpu"] = jax.jit(partial(cpu_paged_attention, scale=scale))
+        impls["cpu"] = partial(cpu_paged_attention, scale=scale)
+    impls = {name: fn for name, fn in impls.items() if name in args.impls.split(",")}
     bw = probe_bandwidth()
     shapes = []
     if "decode" in args.shapes:
-        shapes += [("decode", b, 1, ctx) for b, ctx in DECODE]
+        shapes += [("decode", b, 1, ctx, None) for b, ctx in DECODE]
     if "prefill" in args.shapes:
-        shapes += [("prefill", 1, c, ctx) for c, ctx in PREFILL]
+        shapes += [("prefill", 1, c, ctx, None) for c, ctx in PREFILL]
+    if "window" in args.shapes:
+        b, ctx, w = WINDOW
+        shapes += [("decode", b, 1, ctx, None), ("window", b, 1, ctx, w)]
 
     rng = np.random.default_rng(0)
     rows = []
     print(
         f"backend={backend} device={jax.devices()[0].device_kind} dtype={dtype.name} bw={bw / 1e9:.1f} GB/s"
     )
-    print(f"{'kind':8} {'B':>3} {'C':>4} {'ctx':>5} {'impl':10} {'ms/call':>10} {'GB/s':>8} {'roofline':>9}")
-    for kind, b, c, ctx in shapes:
+    print(
+        f"{'kind':8} {'B':>3} {'C':>4} {'ctx':>5} {'window':>6} {'impl':10} {'ms/call':>10} {'KV MB':>8} "
+        f"{'GB/s':>8} {'roofline':>9}"
+    )
+    for kind, b, c, ctx, window in shapes:
         inputs = make_inputs(rng, b, c, ctx, dtype)
-        kv_bytes = b * ctx * 2 * HKV * HD * dtype.itemsize  # only the tokens each row really has
-        for name, fn in impls.items():
+        for name, impl in impls.items():
+            fn = jax.jit(partial(impl, window=window)) if window else jax.jit(impl)
+            # Only the tokens each row really has (and, for a decode row, sees).
+            kv_bytes = b * keys_read(ctx, window, name) * 2 * HKV * HD * dtype.itemsize
             q, pages, *rest = inputs
             if name == "pallas":  # the kernel's lane-folded layout, made once outside the timed call
                 pages = jax.block_until_ready(reference.fold_pages(pages))
             t = timeit(fn, q, pages, *rest, min_time=args.min_time)
-            row = dict(kind=kind, B=b, C=c, ctx=ctx, impl=name, ms=t * 1e3, gbps=kv_bytes / t / 1e9)
+            row = dict(kind=kind, B=b, C=c, ctx=ctx, window=window, impl=name, ms=t * 1e3, kv_bytes=kv_bytes)
+            row["gbps"] = kv_bytes / t / 1e9
             row["roofline"] = kv_bytes / t / bw
             rows.append(row)
             print(
-                f"{kind:8} {b:>3} {c:>4} {ctx:>5} {name:10} {row['ms']:>10.3f} "
-                f"{row['gbps']:>8.2f} {row['roofline']:>9.1%}"
+                f"{kind:8} {b:>3} {c:>4} {ctx:>5} {window or '-':>6} {name:10} {row['ms']:>10.3f} "
+                f"{kv_bytes / 1e6:>8.1f} {row['gbps']:>8.2f} {row['roofline']:>9.1%}"
             )
+    ratios = window_ratios(rows)
+    for name, r in ratios.items():
+        b, ctx, w = WINDOW
+        print(
+            f"window {w} vs none at B={b} ctx={ctx}, {name}: {r['speedup']:.2f}x faster, "
+            f"{r['bytes_ratio']:.2f}x fewer KV bytes"
+        )
     summary = dict(
         backend=backend,
         device=jax.devices()[0].device_kind,
@@ -142,6 +183,7 @@ def main() -> None:
         bandwidth_gbps=bw / 1e9,
         dims=dict(kv_heads=HKV, q_heads=HQ, head_dim=HD, page_size=PS),
         results=rows,
+        window_ratios=ratios,
     )
     print(json.dumps(summary))
 

@@ -231,3 +231,73 @@ def test_llama32_1b_on_one_chip_of_v5e_4_through_the_command(tmp_path):
     report = json.loads(out.stdout)
     assert report["chips"] == 4 and report["tensor_parallel_size"] == 1
     _check_in_place_pallas_decode(report, 16)
+
+
+# --------------------------------------------------------------------------- Gemma presets
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        (
+            "gemma-2-9b",
+            dict(layers=42, heads=16, kv=8, hd=256, window=4096, every=2, scalar=256, vocab=256000),
+        ),
+        (
+            "gemma-3-12b",
+            dict(layers=48, heads=16, kv=8, hd=256, window=1024, every=6, scalar=256, vocab=262208),
+        ),
+        (
+            "gemma-3-27b",
+            dict(layers=62, heads=32, kv=16, hd=128, window=1024, every=6, scalar=168, vocab=262208),
+        ),
+    ],
+)
+def test_gemma_presets_have_the_published_shapes(name, want):
+    cfg = ModelConfig.from_hf(load_preset(name))
+    assert cfg.dtype == "bfloat16" and cfg.tie_word_embeddings and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (
+        want["layers"],
+        want["heads"],
+        want["kv"],
+        want["hd"],
+        want["vocab"],
+    )
+    assert cfg.sliding_window == want["window"] and cfg.query_pre_attn_scalar == want["scalar"]
+    full = [i for i in range(cfg.num_layers) if cfg.layer_window(i) is None]
+    assert full == list(range(want["every"] - 1, cfg.num_layers, want["every"]))  # HF's layer_types
+    if name == "gemma-2-9b":
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+        assert cfg.rope_theta == 10000.0 and cfg.rope_scaling is None
+    else:
+        assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None and cfg.qk_norm
+        assert (cfg.rope_theta, cfg.rope_local_base_freq) == (1e6, 1e4)
+        assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 8.0
+
+
+# gemma-2-9b (window and softcap in the kernel, head_dim 256) runs with the slow tests; the two
+# Gemma 3 presets (48 and 62 layers, 32k context: several minutes each) with HOTSWAP_SOAK=1.
+GEMMA_AOT = [
+    ("gemma-2-9b", "v5e:2x4", 8, 8192, 42),
+    pytest.param(
+        "gemma-3-12b", "v6e:2x2", 4, 32768, 48,
+        marks=pytest.mark.skipif(os.environ.get("HOTSWAP_SOAK") != "1", reason="HOTSWAP_SOAK=1"),
+    ),
+    pytest.param(
+        "gemma-3-27b", "v5e:2x4", 8, 32768, 62,
+        marks=pytest.mark.skipif(os.environ.get("HOTSWAP_SOAK") != "1", reason="HOTSWAP_SOAK=1"),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, topology, tp, max_len, layers", GEMMA_AOT)
+def test_gemma_presets_compile_with_pallas_in_place(name, topology, tp, max_len, layers):
+    """bf16 with Pallas: window and softcap in the kernel, head_dim 256 without a page copy."""
+    acfg = aot.AotConfig(
+        topology=topology, tensor_parallel_size=tp, max_model_len=max_len, max_num_seqs=32, buckets="decode"
+    )
+    report = aot.compile_for(name, acfg)
+    assert report["attention"] == "pallas" and report["dtype"] == "bfloat16"
+    _check_in_place_pallas_decode(report, layers)
+    assert _decode(report)["kv_copies"] == 0

@@ -119,8 +119,24 @@ def test_generate_and_score_match_transformers(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_bf16_matches_transformers_bf16(tmp_path, name):
-    """The bars of test_parity_bf16.py (ours within 2x HF-bf16's own error of HF-f32, top-1)."""
-    check_bf16(_checkpoint(tmp_path, name), name, attn_implementation="eager")
+    """The bars of test_parity_bf16.py (ours within 2x HF-bf16's own error of HF-f32, top-1).
+    Gemma 2's head is untied here, with the bigram component of test_parity_bf16's `_confident`,
+    and its final cap is HF's default (30): tied, HF-bf16's own argmax differs from HF-f32's on
+    3-5% of positions, and with the cap of 3 on 30% (HF caps bf16 logits, and near the cap
+    their 8 bits cannot tell the top tokens apart), so no bf16 engine could meet the top-1 bar."""
+    arch, overrides = CASES[name]
+    untied = name == "gemma2"
+    overrides = {**overrides, "tie_word_embeddings": not untied}
+    if untied:
+        overrides["final_logit_softcapping"] = 30.0
+    model_dir = create_checkpoint(tmp_path / name, preset="tiny", arch=arch, seed=11, overrides=overrides)
+    _sharpen(model_dir)
+    if untied:
+        t = load_file(model_dir / "model.safetensors")
+        perm = np.random.default_rng(1).permutation(t["lm_head.weight"].shape[0])
+        t["lm_head.weight"] += np.float32(2.0) * t["model.embed_tokens.weight"][np.argsort(perm)]
+        save_file(t, model_dir / "model.safetensors", metadata={"format": "pt"})
+    check_bf16(model_dir, name, attn_implementation="eager")
 
 
 # ---- checkpoints written by transformers, and saved back ----

@@ -169,12 +169,17 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
             layer_types=None if cfg.layer_types is None else list(cfg.layer_types),
             attn_logit_softcapping=cfg.attn_logit_softcapping,
             final_logit_softcapping=cfg.final_logit_softcapping,
-            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),
         )
     if cfg.rope_local_base_freq is not None:  # Gemma 3: one rope per layer type
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
         hf["rope_parameters"] = {FULL: rope, SLIDING: local}
     return hf
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """transformers 5's Gemma configs type `query_pre_attn_scalar` as int and refuse 256.0."""
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 def _rope_scaling_dict(rs: RopeScaling) -> dict[str, Any]:

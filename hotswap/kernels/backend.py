@@ -251,9 +251,10 @@ class Backend:
     def attend(self, q, k, v, pages, batch, scale: float, *, window: int | None = None, softcap=None):
         """One layer's attention for the step: (output [B, C, Hq, hd], the layer's pages after
         the step). `batch` is the step's `Batch`; `window` / `softcap` are the layer's static
-        sliding window and logit softcap (`reference` module doc; None: none). The jnp reference leaves the pages as they were
-        (the engine writes k/v after the step, `write`); the C++ kernel reads, then writes k/v
-        into its aliased page buffer; Pallas writes first and reads the written pages."""
+        sliding window and logit softcap (`reference` module doc; None: none). The jnp
+        reference leaves the pages as they were (the engine writes k/v after the step,
+        `write`); the C++ kernel reads, then writes k/v into its aliased page buffer; Pallas
+        writes first and reads the written pages."""
         if self.attention == "cpu":
             return cpu_attention.paged_attention(
                 q,
