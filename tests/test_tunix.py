@@ -19,7 +19,7 @@ import tunix  # noqa: E402,F401  (the Makefile installs the [tunix] extra: missi
 HERE = Path(__file__).parent
 
 
-def _worker(*checks: str) -> dict:
+def _worker(*checks: str, timeout: int = 600) -> dict:
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
@@ -31,7 +31,7 @@ def _worker(*checks: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -46,7 +46,7 @@ def test_grpo_learner_trains_a_tunix_gemma3_with_hotswap_rollout():
     """The same GRPO loop on a tiny Tunix Gemma 3 (sliding windows shorter than the sequences,
     one global layer, GQA): one sync per step, version + 1 each, and the synced rollout scores
     as Tunix scores the trained actor (f32)."""
-    g = _worker("grpo_gemma3")["grpo_gemma3"]
+    g = _worker("grpo_gemma3", timeout=900)["grpo_gemma3"]
     assert g["should_sync"] and g["steps"] == 3
     v0 = g["first_version"]
     assert g["synced"] == [v0 + 1, v0 + 2, v0 + 3]
