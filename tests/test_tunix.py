@@ -19,8 +19,7 @@ import tunix  # noqa: E402,F401  (the Makefile installs the [tunix] extra: missi
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def result():
+def _worker(*checks: str, timeout: int = 600) -> dict:
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
@@ -28,10 +27,32 @@ def result():
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.run(
-        [sys.executable, str(HERE / "tunix_worker.py")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(HERE / "tunix_worker.py"), *checks],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def result():
+    return _worker()
+
+
+def test_grpo_learner_trains_a_tunix_gemma3_with_hotswap_rollout():
+    """The same GRPO loop on a tiny Tunix Gemma 3 (sliding windows shorter than the sequences,
+    one global layer, GQA): one sync per step, version + 1 each, and the synced rollout scores
+    as Tunix scores the trained actor (f32)."""
+    g = _worker("grpo_gemma3", timeout=900)["grpo_gemma3"]
+    assert g["should_sync"] and g["steps"] == 3
+    v0 = g["first_version"]
+    assert g["synced"] == [v0 + 1, v0 + 2, v0 + 3]
+    assert g["generate_versions"] == [[v0 + k, [v0 + k]] for k in range(3)]
+    assert len(g["loss"]) == 3 and all(math.isfinite(x) for x in g["loss"])
+    assert g["trained_logp_max_diff"] <= 1e-4, g["trained_logp_max_diff"]
 
 
 def test_grpo_learner_trains_with_hotswap_rollout(result):

@@ -6,12 +6,13 @@ XLA_FLAGS=--xla_force_host_platform_device_count=2. A tiny Tunix Llama3 and a by
 tokenizer built here (`hotswap.checkpoint.create`): nothing is downloaded. Prints one
 JSON object on the last line of stdout; the tests assert on it.
 
-usage: python tests/tunix_worker.py
+usage: python tests/tunix_worker.py [CHECK ...]   (default: every check of CHECKS)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import jax
@@ -23,6 +24,7 @@ from flax import nnx
 from grain import python as grain
 from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
+from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import common
@@ -58,7 +60,23 @@ def model(seed: int = 0) -> llama3.Llama3:
     return llama3.Llama3(CFG, rngs=nnx.Rngs(seed))
 
 
-def grpo(tok) -> dict:
+def gemma3_model(seed: int = 0) -> gemma3.Gemma3:
+    """A tiny Tunix Gemma 3 in f32: 6 layers (the 6th global, the others sliding over 8 tokens,
+    shorter than the prompts), GQA, local / global rope bases 1e4 / 1e6."""
+    sizes = {k: v for k, v in SIZES.items() if k not in ("vocab_size", "num_layers")}
+    cfg = gemma3.ModelConfig(
+        **sizes,
+        num_layers=6,
+        num_embed=SIZES["vocab_size"],
+        sliding_window_size=8,
+        local_base_frequency=10_000,
+        global_base_frequency=1_000_000,
+        param_dtype=jnp.float32,
+    )
+    return gemma3.Gemma3(cfg, rngs=nnx.Rngs(seed))
+
+
+def grpo(tok, make_model=model) -> dict:
     """Tunix's own GRPOLearner + RLCluster, unmodified, with rollout_engine=HotswapRollout."""
     synced: list[int] = []
 
@@ -88,7 +106,7 @@ def grpo(tok) -> dict:
         ),
     )
     cluster = rl_cluster_lib.RLCluster(
-        actor=model(), reference=model(), tokenizer=tok, cluster_config=cluster_config
+        actor=make_model(), reference=make_model(), tokenizer=tok, cluster_config=cluster_config
     )
     learner = grpo_lib.GRPOLearner(
         rl_cluster=cluster,
@@ -335,16 +353,22 @@ def bad_inputs(tok) -> dict:
     return out
 
 
+CHECKS = {
+    "grpo": grpo,
+    "vanilla": vs_vanilla,
+    "sync": after_sync,
+    "zero_copy": zero_copy,
+    "bad": bad_inputs,
+}
+# Run alone (`tunix_worker.py grpo_gemma3`): the same GRPO loop on a tiny Tunix Gemma 3.
+OTHER_CHECKS = {"grpo_gemma3": lambda tok: grpo(tok, gemma3_model)}
+
+
 def main() -> None:
     tok = tokenizer()
     result, times = {"devices": jax.device_count()}, {}
-    for name, fn in (
-        ("grpo", grpo),
-        ("vanilla", vs_vanilla),
-        ("sync", after_sync),
-        ("zero_copy", zero_copy),
-        ("bad", bad_inputs),
-    ):
+    names = sys.argv[1:] or list(CHECKS)
+    for name, fn in ((n, {**CHECKS, **OTHER_CHECKS}[n]) for n in names):
         t0 = time.perf_counter()
         result[name] = fn(tok)
         times[name] = round(time.perf_counter() - t0, 2)

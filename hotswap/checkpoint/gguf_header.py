@@ -44,6 +44,11 @@ def plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def decimal32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
 def _entry(path: Path) -> Path:
     st = path.stat()
     key = f"{FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"

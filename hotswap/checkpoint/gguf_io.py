@@ -9,27 +9,35 @@ in one place; the engine checks the values for NaN/Inf where it places them. The
 
 What llama.cpp's converter changes, undone here:
 - tensor names (`blk.3.attn_q.weight` for `model.layers.3.self_attn.q_proj.weight`);
+  Gemma's four norms per layer have their own (`post_attention_norm`, `ffn_norm` for
+  the pre-FFN norm, `post_ffw_norm`);
 - for Llama, the rows of q and k are permuted per head so that ggml's rope, which
   rotates adjacent pairs (x0, x1), (x2, x3)..., computes what HF's `rotate_half`
-  computes on the halves (x0, x_{d/2})...: `_unpermute` is its inverse. Qwen files
-  use ggml's NEOX rope, which is HF's, and are not permuted;
-- quantized blocks (Q8_0, Q4_0, Q4_1, K-quants, ...), dequantized to float32 (exact),
-  then cast to the engine's dtype.
+  computes on the halves (x0, x_{d/2})...: `_unpermute` is its inverse. Qwen and Gemma
+  files use ggml's NEOX rope, which is HF's, and are not permuted;
+- Gemma's RMSNorm scales by (1 + w); the converter stores every `*norm.weight` as
+  w + 1 and ggml multiplies by it. 1 is subtracted again here, as transformers' GGUF
+  loader does, so the tensors are HF's;
+- quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, K-quants, IQ*, ...), dequantized by
+  `gguf.quants.dequantize` to float32 (exact), then cast to the engine's dtype. A block
+  type the `gguf` package does not know, or cannot dequantize, is a `CheckpointError`
+  naming the tensor.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import ml_dtypes
 import numpy as np
 
-from hotswap.checkpoint import converted, gguf_header, hf
+from hotswap.checkpoint import converted, gguf_gemma, gguf_header, hf
 from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.errors import CheckpointError, ConfigError
@@ -37,10 +45,6 @@ from hotswap.model.config import ModelConfig
 from hotswap.model.spec import EMBED, LM_HEAD, Params
 
 Q = gguf.GGMLQuantizationType
-
-# general.architecture -> (HF class, permuted q/k). Mistral files are written as "llama".
-_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
-_ARCHS["qwen3"] = ("Qwen3ForCausalLM", False)
 
 # blk.{i}.<key> -> model.layers.{i}.<HF module>
 _LAYER_NAMES = {
@@ -56,12 +60,39 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma: `ffn_norm` is the pre-FFN norm, and each sub-block has a norm on its output too.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+class _Arch(NamedTuple):
+    hf_class: str
+    model_type: str
+    permuted: bool  # q/k rows permuted for ggml's adjacent-pair rope (see the module docstring)
+    layer_names: dict[str, str]
+    norm_shift: float  # what the converter added to every `*norm.weight`
+
+
+# general.architecture -> how its files are written. Mistral files are written as "llama".
+_ARCHS = {
+    "llama": _Arch("LlamaForCausalLM", "llama", True, _LAYER_NAMES, 0.0),
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", False, _LAYER_NAMES, 0.0),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", False, _LAYER_NAMES, 0.0),
+    "gemma2": _Arch("Gemma2ForCausalLM", "gemma2", False, _GEMMA_LAYER_NAMES, 1.0),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA_LAYER_NAMES, 1.0),
+}
+
 _GLOBAL_NAMES = {
     "token_embd.weight": EMBED,
     "output_norm.weight": "model.norm.weight",
     "output.weight": LM_HEAD,
 }
 EMBED_GGUF = "token_embd.weight"
+_GGUF_VERSION = importlib.metadata.version("gguf")
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # general.file_type -> the dtype a file holds its weights in; quantized files load as float32,
@@ -78,6 +109,21 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader`, refusing a tensor whose block type `gguf` does not know by its name
+    (the reader's own error is a bare `ValueError: 99 is not a valid GGMLQuantizationType`)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name, _, _, kind, _ = field.parts
+            if int(kind[0]) not in Q._value2member_map_:
+                raise CheckpointError(
+                    f"tensor {bytes(name).decode(errors='replace')!r}: GGUF block type {int(kind[0])} is "
+                    f"unknown to the gguf package {_GGUF_VERSION} (known: {', '.join(q.name for q in Q)})"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 class GGUFFile:
     """An opened GGUF file: its metadata (scalars and arrays as Python values) and tensors
     (`gguf_header.Tensor`, read through the header cache)."""
@@ -92,7 +138,9 @@ class GGUFFile:
             return
         start = time.perf_counter()
         try:
-            reader = gguf.GGUFReader(self.path, "r")
+            reader = _Reader(self.path, "r")
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
         except (ValueError, OSError) as e:  # bad magic, truncated header, ...
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({e})") from e
         self.metadata: dict[str, Any] = {}
@@ -126,11 +174,6 @@ class GGUFFile:
         return arch
 
 
-def _f32(value: Any) -> float:
-    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
-
-
 def hf_config(f: GGUFFile) -> dict[str, Any]:
     """An HF config.json dict from the GGUF metadata (and tensor list: tied head, vocab rows)."""
     arch = f.arch
@@ -145,30 +188,31 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
             f"{f.path}: partial rotary embeddings (rope.dimension_count={rotary}) are not supported"
         )
     scaling = f.metadata.get(p + "rope.scaling.type", "none")
-    if scaling not in ("none", ""):
+    if scaling not in ("none", "") and not arch.startswith("gemma"):
         raise ConfigError(f"{f.path}: rope scaling {scaling!r} is not supported")
     if EMBED_GGUF not in f.tensors:
         raise CheckpointError(f"{f.path}: no {EMBED_GGUF} tensor")
     rope: dict[str, Any] = {
         "rope_type": "default",
-        "rope_theta": _f32(f.metadata.get(p + "rope.freq_base", 10000.0)),
+        "rope_theta": gguf_header.decimal32(f.metadata.get(p + "rope.freq_base", 10000.0)),
     }
     if "rope_freqs.weight" in f.tensors:
         rope.update(_llama3_rope(f, rope["rope_theta"], head_dim))
     eos = f.metadata.get("tokenizer.ggml.eos_token_id")
     file_type = int(f.metadata.get("general.file_type", -1))
-    return {
-        "architectures": [_ARCHS[arch][0]],
-        "model_type": arch,
+    layers = int(f.need(p + "block_count"))
+    cfg = {
+        "architectures": [_ARCHS[arch].hf_class],
+        "model_type": _ARCHS[arch].model_type,
         "vocab_size": int(f.tensors[EMBED_GGUF].shape[-1]),  # ggml lists dims innermost first
         "hidden_size": hidden,
         "intermediate_size": int(f.need(p + "feed_forward_length")),
-        "num_hidden_layers": int(f.need(p + "block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _f32(f.metadata.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": gguf_header.decimal32(f.metadata.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_parameters": rope,
         "max_position_embeddings": int(f.metadata.get(p + "context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in f.tensors,
@@ -176,6 +220,12 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "eos_token_id": None if eos is None else int(eos),
         "dtype": _FILE_DTYPES.get(file_type, "float32"),
     }
+    if arch.startswith("gemma"):
+        cfg.pop("hidden_act")
+        cfg.update(
+            gguf_gemma.hf_config(f.metadata, arch, layers, hidden // heads, head_dim, rope, where=f.path)
+        )
+    return cfg
 
 
 def _llama3_rope(f: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
@@ -206,13 +256,14 @@ def _llama3_rope(f: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
     return {"rope_type": "llama3", "factor": factor, **c}
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """A GGUF tensor name -> its HF name (unknown names are kept, and rejected by the HF check)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _ARCHS[arch].layer_names
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     return name
 
 
@@ -226,7 +277,10 @@ def _dequantize(t) -> np.ndarray:
     try:
         return gguf.quants.dequantize(t.data, kind)
     except NotImplementedError as e:
-        raise CheckpointError(f"{t.name}: GGUF tensor type {kind.name} cannot be dequantized ({e})") from e
+        raise CheckpointError(
+            f"tensor {t.name!r}: GGUF block type {kind.name} cannot be dequantized by the gguf package "
+            f"{_GGUF_VERSION} ({e})"
+        ) from e
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -236,22 +290,25 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def hf_tensors(f: GGUFFile, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.ndarray]:
-    """Every weight of the file under its HF name, `[out, in]`, q/k unpermuted.
+    """Every weight of the file under its HF name, `[out, in]`, q/k unpermuted, Gemma's
+    norms unshifted.
 
     Quantized tensors are dequantized one at a time and cast to `dtype` at once, so
     the float32 copy of one tensor is the largest extra memory held.
     """
-    permuted = _ARCHS[f.arch][1]
+    arch = _ARCHS[f.arch]
     out: dict[str, np.ndarray] = {}
     for name, t in f.tensors.items():
         if name == "rope_freqs.weight":  # folded into the config's rope scaling
             continue
         a = _dequantize(t)
+        if arch.norm_shift and name.endswith("norm.weight"):
+            a = np.asarray(a, np.float32) - np.float32(arch.norm_shift)  # in float32, as transformers
         if a.dtype == np.float32 and dtype != np.float32:
             a = a.astype(dtype)
-        if permuted and name.endswith((".attn_q.weight", ".attn_k.weight")):
+        if arch.permuted and name.endswith((".attn_q.weight", ".attn_k.weight")):
             a = _unpermute(a, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-        out[hf_name(name)] = a
+        out[hf_name(name, f.arch)] = a
     return out
 
 

@@ -1,13 +1,17 @@
 """A GGUF file's tokenizer, rebuilt with `tokenizers` from its `tokenizer.*` metadata.
 
-A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, the merges, the
-token types, the special-token ids and the chat template as metadata, and names the
-pre-tokenizer (`tokenizer.ggml.pre`) whose split regex it hard-codes. This module
-assembles the same tokenizer from `tokenizers` parts: byte-level BPE over the stored
-vocabulary and merges, the split named by `tokenizer.ggml.pre` (llama.cpp's regexes),
-control tokens as special added tokens, and a BOS/EOS post-processor when the
-metadata asks for one. Only byte-level BPE vocabularies (`tokenizer.ggml.model` =
-"gpt2", the Llama 3 / SmolLM / Qwen family) are supported.
+A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, the merges (or,
+for SentencePiece vocabularies, scores), the token types, the special-token ids and
+the chat template as metadata, and names the pre-tokenizer (`tokenizer.ggml.pre`)
+whose split regex it hard-codes. This module assembles the same tokenizer from
+`tokenizers` parts, as transformers' GGUF loader does, so that both encode alike:
+- byte-level BPE (`tokenizer.ggml.model` = "gpt2": Llama 3, SmolLM, Qwen): the stored
+  vocabulary and merges, the split named by `tokenizer.ggml.pre` (llama.cpp's regexes);
+- Gemma's SentencePiece vocabulary (`"llama"` in a gemma2/gemma3 file): a Unigram model
+  over the stored pieces and scores with byte fallback (`gguf_sentencepiece.py`);
+then the tokens matched whole before the model runs (byte-level: control tokens as special
+added tokens, user-defined ones as plain ones; SentencePiece: the named special tokens only,
+as transformers), and a BOS/EOS post-processor when the metadata asks for one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from hotswap.checkpoint import gguf_sentencepiece
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.errors import CheckpointError
 
@@ -78,14 +83,39 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], *, where: str = "GGUF") -> 
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         return None
-    if kind != "gpt2":
+    arch = meta.get("general.architecture")
+    sentencepiece = kind == "llama" and arch in gguf_sentencepiece.ARCHS
+    if kind != "gpt2" and not sentencepiece:
         raise CheckpointError(
-            f"{where}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"{where}: tokenizer.ggml.model={kind!r} is not supported for {arch!r} (byte-level BPE, 'gpt2', "
+            f"and the SentencePiece vocabularies of {', '.join(gguf_sentencepiece.ARCHS)})"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(types) != len(tokens):
         raise CheckpointError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    if sentencepiece:
+        tok, vocab = _sentencepiece(meta, tokens, where)
+    else:
+        tok, vocab = _byte_level(meta, tokens, types, where)
+
+    def special(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos, eos, pad = special("bos"), special("eos"), special("padding")
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        tok.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, vocab)
+    template = meta.get("tokenizer.chat_template")
+    return Tokenizer(tok, bos_token=bos, eos_token=eos, pad_token=pad, chat_template=template)
+
+
+def _byte_level(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int], where: str
+) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
@@ -110,15 +140,25 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], *, where: str = "GGUF") -> 
             if k == _USER_DEFINED
         ]
     )
+    return tok, vocab
 
-    def special(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    bos, eos, pad = special("bos"), special("eos"), special("padding")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    if add_bos or add_eos:
-        tok.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, vocab)
-    template = meta.get("tokenizer.chat_template")
-    return Tokenizer(tok, bos_token=bos, eos_token=eos, pad_token=pad, chat_template=template)
+def _sentencepiece(
+    meta: Mapping[str, Any], tokens: list[str], where: str
+) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise CheckpointError(f"{where}: {len(scores)} token scores for {len(tokens)} tokens")
+    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
+    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok = gguf_sentencepiece.tokenizer(gguf_sentencepiece.respell(tokens), scores, unk, prefix_space)
+    # The named special tokens are matched whole (the other control pieces are left to the model).
+    named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("padding", "eos", "bos", "unknown")]
+    special = [tokens[int(i)] for i in named if i is not None and 0 <= int(i) < len(tokens)]
+    if gguf_sentencepiece.MASK in tokens:
+        special.append(gguf_sentencepiece.MASK)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(special)])
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    return tok, vocab

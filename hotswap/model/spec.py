@@ -19,11 +19,12 @@ tied-embedding checkpoint has no HF tensor for it (`hf_name=None`): it is derive
 from the embedding by its own row's transform (`from_hf` of the `[V, D]` embedding, its
 transpose), wherever it is made (host, device, NNX).
 
-`nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3:
-`weights/nnx.py`). Those models are `[in, out]` with heads split out exactly as
-here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so every row
-maps leaf to leaf with the same shape: a state already on the engine's sharding is
-served from its own buffers.
+`nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3,
+Gemma3: `weights/nnx.py`). Llama3 and the Qwens are `[in, out]` with heads split out
+exactly as here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so
+every row maps leaf to leaf with the same shape: a state already on the engine's
+sharding is served from its own buffers. Gemma3's q/k/v are einsum weights `[N, D, H]`,
+k and v stacked in one leaf: those rows set `nnx_index` / `nnx_perm` (a copy).
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ class ParamSpec:
     hf_name: str | None  # None: not stored in HF checkpoints (a tied head)
     transpose: bool = False  # HF stores the [in, out] matrix [out, in]
     matrix: tuple[int, int] | None = None  # the [in, out] matrix `shape` splits ([D, Hq*hd])
-    nnx_name: str | None = None  # "layers.3.attn.q_proj.w" in a Tunix NNX model; None: tied head
+    nnx_name: str | None = None  # "layers.3.attn.q_proj.w" in a Tunix NNX model; None: none there
+    # Where the NNX leaf is not this row's layout (Tunix's Gemma 3 einsums): the row is
+    # `leaf[nnx_index]` (k and v stacked in one `[2, K, D, H]` leaf), then `nnx_perm` of it.
+    nnx_index: int | None = None
+    nnx_perm: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -79,6 +84,30 @@ class ParamSpec:
         """Params-layout array -> HF layout (views on numpy): merge the heads, then transpose."""
         m = x.reshape(self.matrix) if self.matrix is not None else x
         return m.T if self.transpose else m
+
+    @property
+    def nnx_copies(self) -> bool:
+        """The NNX leaf is not this row as it is: taking it copies (a slice or a transpose)."""
+        return self.nnx_index is not None or self.nnx_perm is not None
+
+    @property
+    def nnx_part_shape(self) -> tuple[int, ...]:
+        """This row's part of its NNX leaf (the leaf itself unless `nnx_index` is set)."""
+        if self.nnx_perm is None:
+            return self.shape
+        inverse = sorted(range(len(self.nnx_perm)), key=self.nnx_perm.__getitem__)
+        return tuple(self.shape[inverse[k]] for k in range(len(self.shape)))
+
+    def from_nnx(self, leaf):
+        """The NNX leaf (jax or numpy) -> this row's params layout."""
+        a = leaf[self.nnx_index] if self.nnx_index is not None else leaf
+        return a.transpose(self.nnx_perm) if self.nnx_perm is not None else a
+
+    def to_nnx_part(self, x):
+        """Params layout -> this row's part of its NNX leaf (`from_nnx`'s inverse, before stacking)."""
+        if self.nnx_perm is None:
+            return x
+        return x.transpose(sorted(range(len(self.nnx_perm)), key=self.nnx_perm.__getitem__))
 
     def hf_dims(self) -> tuple[tuple[int, ...], ...]:
         """For each HF dim, the params dims it merges, major first: wq [D, Hq, hd] from HF
@@ -152,14 +181,63 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         rows["post_mlp_norm"] = row(
             "post_mlp_norm", (d,), ("embed",), "post_feedforward_layernorm.weight", nnx=None
         )
+    if cfg.qk_norm:  # qwen3, gemma3
+        rows["q_norm"] = row("q_norm", (hd,), ("head_dim",), "self_attn.q_norm.weight", nnx="attn.q_norm.w")
+        rows["k_norm"] = row("k_norm", (hd,), ("head_dim",), "self_attn.k_norm.weight", nnx="attn.k_norm.w")
+    if cfg.arch == "gemma3":
+        rows = {k: _tunix_gemma3(r, i, nh == nkv) for k, r in rows.items()}
     if cfg.qkv_bias:  # qwen2; flat [H*hd] as HF and Tunix store them (the model splits them)
         rows["bq"] = row("bq", (q,), ("heads",), "self_attn.q_proj.bias", nnx="attn.q_bias")
         rows["bk"] = row("bk", (kv,), ("kv_heads",), "self_attn.k_proj.bias", nnx="attn.k_bias")
         rows["bv"] = row("bv", (kv,), ("kv_heads",), "self_attn.v_proj.bias", nnx="attn.v_bias")
-    if cfg.qk_norm:  # qwen3, gemma3
-        rows["q_norm"] = row("q_norm", (hd,), ("head_dim",), "self_attn.q_norm.weight", nnx="attn.q_norm.w")
-        rows["k_norm"] = row("k_norm", (hd,), ("head_dim",), "self_attn.k_norm.weight", nnx="attn.k_norm.w")
     return rows
+
+
+# Tunix's Gemma 3 (`tunix.models.gemma3`): norms are `scale` (applied as 1 + scale, as here),
+# q/k/v are einsum weights `[N, D, H]` (transposed to `[D, N, H]` here: a copy), k and v
+# stacked in one `[2, K, D, H]` leaf, or q, k and v in one `[3, N, D, H]` when N == K; the
+# output projection `[N, H, D]` and the MLP kernels `[in, out]` are this layout as they are.
+_NDH = (1, 0, 2)
+_TUNIX_GEMMA3 = {
+    "attn_norm": ("pre_attention_norm.scale", None),
+    "post_attn_norm": ("post_attention_norm.scale", None),
+    "mlp_norm": ("pre_ffw_norm.scale", None),
+    "post_mlp_norm": ("post_ffw_norm.scale", None),
+    "q_norm": ("attn._query_norm.scale", None),
+    "k_norm": ("attn._key_norm.scale", None),
+    "wo": ("attn.attn_vec_einsum.w", None),
+    "wq": ("attn.q_einsum.w", None),
+    "wk": ("attn.kv_einsum.w", 0),
+    "wv": ("attn.kv_einsum.w", 1),
+}
+_TUNIX_GEMMA3_FUSED = {
+    "wq": ("attn.qkv_einsum.w", 0),
+    "wk": ("attn.qkv_einsum.w", 1),
+    "wv": ("attn.qkv_einsum.w", 2),
+}
+
+
+def _tunix_gemma3(r: ParamSpec, i: int, fused: bool) -> ParamSpec:
+    key = r.path[-1]
+    table = _TUNIX_GEMMA3_FUSED if fused and key in _TUNIX_GEMMA3_FUSED else _TUNIX_GEMMA3
+    if key not in table:  # the MLP kernels: named as for Llama ("layers.3.mlp.up_proj.kernel")
+        return r
+    name, index = table[key]
+    perm = _NDH if key in ("wq", "wk", "wv") else None
+    return dataclasses.replace(r, nnx_name=f"layers.{i}.{name}", nnx_index=index, nnx_perm=perm)
+
+
+def nnx_leaf_shapes(rows: list[ParamSpec]) -> dict[str, tuple[int, ...]]:
+    """NNX name -> the shape of its leaf, from the rows that read it (stacked parts counted)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    counts: dict[str, int] = {}
+    for s in rows:
+        if s.nnx_name is None:
+            continue
+        shapes[s.nnx_name] = s.nnx_part_shape
+        if s.nnx_index is not None:
+            counts[s.nnx_name] = max(counts.get(s.nnx_name, 0), s.nnx_index + 1)
+    return {n: (counts[n], *shape) if n in counts else shape for n, shape in shapes.items()}
 
 
 def param_specs(cfg: ModelConfig) -> Params:
@@ -171,7 +249,11 @@ def param_specs(cfg: ModelConfig) -> Params:
         ),
         "layers": [layer_specs(cfg, i) for i in range(cfg.num_layers)],
         "final_norm": ParamSpec(
-            ("final_norm",), (d,), ("embed",), "model.norm.weight", nnx_name="final_norm.w"
+            ("final_norm",),
+            (d,),
+            ("embed",),
+            "model.norm.weight",
+            nnx_name="final_norm.scale" if cfg.arch == "gemma3" else "final_norm.w",
         ),
         "lm_head": ParamSpec(
             ("lm_head",),

@@ -29,7 +29,17 @@ import numpy as np
 
 from hotswap.errors import WeightsMismatch
 from hotswap.model.config import ModelConfig
-from hotswap.model.spec import EMBED, LM_HEAD, Params, ParamSpec, hf_specs, is_spec, param_specs, path_name
+from hotswap.model.spec import (
+    EMBED,
+    LM_HEAD,
+    Params,
+    ParamSpec,
+    hf_specs,
+    is_spec,
+    nnx_leaf_shapes,
+    param_specs,
+    path_name,
+)
 
 FLOAT_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", ml_dtypes.bfloat16))
 # What must match for a source to be the same model (its dtype may differ: it is converted).
@@ -219,10 +229,13 @@ def nnx_variables(flat: Mapping[str, Any], cfg: ModelConfig, abstract: Params | 
     dtypes = {}
     if abstract is not None:
         dtypes = {path_name(p): a.dtype for p, a in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    names(flat, [s.nnx_name for s in rows], what="parameter", model=cfg)
+    leaf_shapes = nnx_leaf_shapes(rows)
+    names(flat, list(leaf_shapes), what="parameter", model=cfg)
     for s in rows:
         shape, dt = meta(flat[s.nnx_name])
-        if shape != s.shape:
-            raise WeightsMismatch(f"{s.nnx_name}: expected {s.shape}, got {shape} (params {s.name})")
+        if shape != leaf_shapes[s.nnx_name]:
+            raise WeightsMismatch(
+                f"{s.nnx_name}: expected {leaf_shapes[s.nnx_name]}, got {shape} (params {s.name})"
+            )
         if s.name in dtypes and dt != np.dtype(dtypes[s.name]):
             raise mismatch(f"{s.nnx_name}", s.shape, dtypes[s.name], shape, dt)

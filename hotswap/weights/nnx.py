@@ -1,11 +1,20 @@
-"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2 and Qwen3 models.
+"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2, Qwen3 and Gemma3 models.
 
 The mapping is the spec table (`model/spec.py`): each row's `nnx_name` is the
-parameter's path in the NNX model. Tunix models use hotswap's params layout
-(`[in, out]`, attention heads split out: `q_proj.w` `[D, N, H]` is `wq`), so every
+parameter's path in the NNX model. Tunix's Llama3 / Qwen models use hotswap's params
+layout (`[in, out]`, attention heads split out: `q_proj.w` `[D, N, H]` is `wq`), so every
 leaf is passed through as the same `jax.Array`, never copied or reshaped; only a
 tied LM head is derived (the embedding's transpose, computed on its devices). A
 state already on the engine's sharding is served from its own buffers.
+
+Tunix's Gemma3 stores q, k and v as einsum weights `[N, D, H]`, k and v stacked in one
+`[2, K, D, H]` leaf (q, k, v in one `[3, N, D, H]` when N == K): those three are taken
+by index and transposed to `[D, N, H]` (`ParamSpec.from_nnx`), a copy of each per
+update (q/k/v are 2 * (N + K) * D * H of a layer's parameters); the embedding, the norms
+(`scale`, applied as 1 + scale, as here), `attn_vec_einsum` `[N, H, D]` and the MLP
+kernels are passed through as they are. Its RMSNorm eps is fixed at 1e-6 and every 6th
+layer is global whatever its config says otherwise, so the config is taken from what
+its modules compute.
 
     cfg = model_config(tunix_model)                       # hotswap ModelConfig
     params = params_from_state(nnx.state(tunix_model, nnx.Param), cfg)
@@ -21,17 +30,21 @@ from the rollout's, the more as training sharpens attention.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from hotswap.errors import ConfigError, WeightsMismatch
 from hotswap.model import validate
-from hotswap.model.config import ModelConfig
+from hotswap.model.config import ModelConfig, RopeScaling
 from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
+
+HEAD = ("lm_head",)
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +70,14 @@ FAMILIES = {
 def model_config(
     model: nnx.Module, *, max_position_embeddings: int = 4096, eos_token_ids: tuple[int, ...] = ()
 ) -> ModelConfig:
-    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 model (dtype from its params)."""
+    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 / Gemma3 model (dtype from its params)."""
+    if type(model).__name__ == "Gemma3":
+        return _gemma3_config(model, max_position_embeddings, tuple(eos_token_ids))
     family = FAMILIES.get(type(model).__name__)
     if family is None:
         raise ConfigError(
             f"{type(model).__module__}.{type(model).__name__} is not a supported Flax model; "
-            f"supported: Tunix {', '.join(sorted(FAMILIES))}"
+            f"supported: Tunix {', '.join(sorted([*FAMILIES, 'Gemma3']))}"
         )
     c = model.config
     if getattr(c, "num_experts", None):
@@ -98,6 +113,67 @@ def model_config(
         dtype=dtype,
         eos_token_ids=tuple(eos_token_ids),
     )
+
+
+# Tunix's Gemma 3 (`tunix.models.gemma3`): every 6th layer global (GEMMA3_ATTENTION_PATTERN),
+# RMSNorm eps fixed at 1e-6, GeGLU with jax's tanh gelu, a tied head, no softcaps.
+_GEMMA3_PERIOD = 6
+
+
+def _gemma3_config(
+    model: nnx.Module, max_position_embeddings: int, eos_token_ids: tuple[int, ...]
+) -> ModelConfig:
+    c = model.config
+    if getattr(model, "vision_encoder", None) is not None:
+        raise ConfigError("Tunix Gemma3 with a vision encoder is not supported: serve the text model")
+    if float(c.local_scale_factor) != 1.0:
+        raise ConfigError(f"Tunix Gemma3 local_scale_factor={c.local_scale_factor}: only 1.0 is supported")
+    scaling = None
+    if float(c.global_scale_factor) != 1.0:  # positions divided by it on global layers: HF's linear scaling
+        scaling = RopeScaling(factor=float(c.global_scale_factor), rope_type="linear")
+    by_head = c.query_pre_attn_norm.name == "BY_ONE_OVER_SQRT_HEAD_DIM"
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return ModelConfig(
+        arch="gemma3",
+        vocab_size=c.num_embed,
+        hidden_size=c.embed_dim,
+        intermediate_size=c.hidden_dim,
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rope_theta=float(c.global_base_frequency),
+        rope_scaling=scaling,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=True,
+        max_position_embeddings=max_position_embeddings,
+        dtype=np.dtype(leaves[0].dtype).name,
+        eos_token_ids=eos_token_ids,
+        sliding_window=c.sliding_window_size,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % _GEMMA3_PERIOD == 0 else "sliding_attention"
+            for i in range(c.num_layers)
+        ),
+        query_pre_attn_scalar=float(c.head_dim if by_head else c.embed_dim // c.num_heads),
+        rope_local_base_freq=float(c.local_base_frequency),
+        hidden_act="gelu_pytorch_tanh",
+    )
+
+
+# Jitted with the index and permutation static, so that no index crosses from the host (Tunix
+# syncs under jax.transfer_guard("disallow")); one compile per (index, perm), not per layer.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _from_nnx(index: int | None, perm: tuple[int, ...] | None, leaf: jax.Array) -> jax.Array:
+    return ParamSpec((), (), (), None, nnx_index=index, nnx_perm=perm).from_nnx(leaf)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("stack",))
+def _to_nnx(perm: tuple[int, ...] | None, parts: list[jax.Array], stack: bool = False) -> jax.Array:
+    row = ParamSpec((), (), (), None, nnx_perm=perm)
+    out = [row.to_nnx_part(x) for x in parts]
+    return jnp.stack(out) if stack else out[0]
 
 
 def _name(path) -> str:
@@ -137,12 +213,19 @@ def params_from_state(
     WeightsMismatch naming the NNX parameter. Finiteness is the engine's placing step's.
     """
     flat = {n: _value(v) for n, v in flat_variables(source).items()}
-    validate.nnx_variables(flat, cfg, abstract)
     specs = param_specs(cfg)
+    unmapped = [
+        s.name for s in jax.tree.leaves(specs, is_leaf=is_spec) if s.nnx_name is None and s.path != HEAD
+    ]
+    if unmapped:
+        raise ConfigError(f"{cfg.arch}: no Tunix NNX layout is known for params {unmapped[0]}")
+    validate.nnx_variables(flat, cfg, abstract)
 
     def leaf(s: ParamSpec):
         if s.nnx_name is None:  # tied head: the spec row's transform of the embedding, on its devices
             return s.from_hf(flat[specs["embed"].nnx_name])
+        if s.nnx_copies:  # Gemma 3's q/k/v: sliced and transposed on the leaf's devices (a copy)
+            return _from_nnx(s.nnx_index, s.nnx_perm, flat[s.nnx_name])
         return flat[s.nnx_name]
 
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
@@ -186,11 +269,18 @@ def reshard(params: Params, abstract: Params) -> Params:
 def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.State:
     """Hotswap params -> an NNX Param state shaped like `like` (the model's own state)."""
     specs = param_specs(cfg)
-    by_name = {
-        s.nnx_name: x
-        for s, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True)
-        if s.nnx_name is not None
-    }
+    by_name: dict[str, Any] = {}
+    stacked: dict[str, dict[int, Any]] = {}
+    for s, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params), strict=True):
+        if s.nnx_name is None:
+            continue
+        if s.nnx_index is None:
+            by_name[s.nnx_name] = _to_nnx(s.nnx_perm, [x]) if s.nnx_copies else x
+        else:  # Gemma 3's k/v (or q/k/v): one leaf stacking the rows
+            stacked.setdefault(s.nnx_name, {})[s.nnx_index] = (s, x)
+    for name, parts in stacked.items():
+        rows = [parts[k] for k in sorted(parts)]
+        by_name[name] = _to_nnx(rows[0][0].nnx_perm, [x for _, x in rows], stack=True)
     out = []
     for path, var in nnx.to_flat_state(like):
         out.append((path, var.replace(by_name[_name(path)])))

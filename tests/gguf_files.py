@@ -1,0 +1,147 @@
+"""Writing GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, with the
+`gguf` package, from an HF checkpoint directory: Llama files (q/k rows permuted for ggml's
+rope) and Gemma 2 / Gemma 3 files (Gemma's norm names, every `*norm.weight` stored as w + 1,
+the metadata the converter writes and nothing more).
+
+`encode(gguf_name, array) -> (data, qtype)` chooses how each tensor is stored (default: 2-D
+weights in one block type via `gguf.quants.quantize`, 1-D tensors in F32, as llama.cpp).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from hotswap.checkpoint import gguf_io, hf
+from hotswap.model.config import ModelConfig
+
+Q = gguf.GGMLQuantizationType
+Encode = Callable[[str, np.ndarray], tuple[np.ndarray, Q]]
+_FILE_TYPES = {Q.F32: 0, Q.F16: 1, Q.BF16: 32, Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q5_0: 8, Q.Q5_1: 9}
+
+
+def gguf_name(name: str, arch: str = "llama") -> str:
+    """An HF tensor name -> llama.cpp's."""
+    for g, h in gguf_io._GLOBAL_NAMES.items():
+        if name == h:
+            return g
+    names = {v: k for k, v in gguf_io._ARCHS[arch].layer_names.items()}
+    _, _, i, *module, kind = name.split(".")
+    return f"blk.{i}.{names['.'.join(module)]}.{kind}"
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`, as written there."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantized(qtype: Q) -> Encode:
+    def encode(name: str, a: np.ndarray) -> tuple[np.ndarray, Q]:
+        kind = qtype if a.ndim == 2 else Q.F32  # as llama.cpp: norms stay F32
+        return gguf.quants.quantize(a, kind), kind
+
+    return encode
+
+
+def _tokenizer_from_dir(w: gguf.GGUFWriter, model_dir: Path) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tconf = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    ids = dict(vocab)
+    w.add_bos_token_id(ids[tconf["bos_token"]])
+    w.add_eos_token_id(ids[tconf["eos_token"]])
+    w.add_pad_token_id(ids[tconf["pad_token"]])
+    w.add_add_bos_token(True)  # create_checkpoint's tokenizer prepends BOS
+    w.add_chat_template(tconf["chat_template"])
+
+
+def _finish(w: gguf.GGUFWriter, out: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, *, encode: Encode | None = None) -> Path:
+    """An HF Llama checkpoint directory -> a llama GGUF file (2-D weights in `qtype` unless `encode`
+    says otherwise), with its tokenizer."""
+    encode = encode or quantized(qtype)
+    cfg = ModelConfig.from_hf(hf.read_hf_config(model_dir))
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if qtype in _FILE_TYPES:
+        w.add_file_type(_FILE_TYPES[qtype])
+    _tokenizer_from_dir(w, model_dir)
+    for name, a in hf.read_hf_tensors(model_dir).items():
+        a = np.asarray(a, np.float32)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            a = permute(a, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        data, kind = encode(gguf_name(name), a)
+        w.add_tensor(gguf_name(name), data, raw_dtype=kind)
+    return _finish(w, out)
+
+
+def write_gemma_gguf(
+    model_dir: Path, out: Path, tensors: dict[str, np.ndarray], vocab: dict, *, chat_template: str | None
+) -> Path:
+    """An HF Gemma 2 / Gemma 3 checkpoint (config.json in `model_dir`, `tensors` HF-named) -> a
+    gemma2 / gemma3 GGUF in F32, as `Gemma2Model` / `Gemma3Model` of convert_hf_to_gguf.py
+    write it. `vocab`: SentencePiece `tokens`, `scores`, `types` and the special ids."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    arch = "gemma2" if raw["model_type"] == "gemma2" else "gemma3"
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_block_count(raw["num_hidden_layers"])
+    w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(raw["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["head_dim"])
+    w.add_file_type(0)
+    w.add_sliding_window(raw["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(raw["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(raw["final_logit_softcapping"])
+    else:
+        w.add_rope_freq_base(raw["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_scores(vocab["scores"])
+    w.add_token_types(vocab["types"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    w.add_unk_token_id(vocab["unk"])
+    w.add_pad_token_id(vocab["pad"])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for name, a in tensors.items():
+        a = np.asarray(a, np.float32)
+        if name.endswith("norm.weight"):
+            a = a + np.float32(1.0)  # Gemma's (1 + w) RMSNorm, folded in by the converter
+        w.add_tensor(gguf_name(name, arch), a, raw_dtype=Q.F32)
+    return _finish(w, out)
