@@ -289,17 +289,22 @@ class Engine:
         partial: bool = False,
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
+        lora_alpha: float | None = None,
     ) -> int:
         """Validate -> stage -> apply the in-flight policy (policies.py) -> swap. Returns the new version.
 
         The source is loaded and validated before the lock is taken, so serving
-        continues meanwhile and a bad source changes nothing.
+        continues meanwhile and a bad source changes nothing. A LoRA adapter is merged into
+        the base weights (the state's `base`, kept on the device; `lora_alpha` when the source
+        does not state it); full weights replace the base.
         """
         row = policies.policy(policy)
+        st = self.state
         staged = sources.stage_source(  # outside the lock: serving goes on
             source,
             self.mcfg,
-            current=self.state.params,
+            current=st.base if st.base is not None else st.params,
+            lora_alpha=lora_alpha,
             partial=partial,
             weights_root=self.weights_root,
             abstract=self.abstract,

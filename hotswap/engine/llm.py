@@ -74,12 +74,15 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         args: EngineArgs | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        lora_alpha: float | None = None,
         **kwargs,
     ) -> LLM:
         """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
         checkpoint directory: its params are mapped by the spec table (`weights/nnx.py`),
         leaf to leaf, no copy where already on the engine's sharding. `args`, `mesh` and `kwargs` are
         `LLM(...)`'s engine options, but for `dtype` and `revision` (the model's own).
+        A model with qwix LoRA factors (`nnx.LoRAParam`) serves its base weights (version 1)
+        with the adapter merged (version 2), scaled by `lora_alpha` (default: the qwix rule's) / r.
 
         >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
         >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
@@ -99,7 +102,13 @@ class LLM:
         )
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__
-        self.engine = _start_engine(mcfg, model, tokenizer, eargs, mesh)  # staged as an update is
+        adapter = nnx_params.lora_state(model)
+        has_lora = bool(jax.tree.leaves(adapter))
+        base = nnx_params.base_state(model) if has_lora else model
+        self.engine = _start_engine(mcfg, base, tokenizer, eargs, mesh)  # staged as an update is
+        if has_lora:
+            alpha = lora_alpha if lora_alpha is not None else nnx_params.qwix_lora_alpha(model)
+            self.engine.update_weights(adapter, lora_alpha=alpha)
         self.tool_parser = formats.choose(
             eargs.tool_call_parser, tokenizer.chat_template if tokenizer else None
         )
@@ -267,10 +276,15 @@ class LLM:
         partial: bool = False,
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
+        lora_alpha: float | None = None,
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
         a `hotswap.weights.transfer.TransferRef` another JAX process published: pulled device to device, or a
-        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf).
+        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf), or a
+        LoRA adapter (a PEFT directory, bytes or tensors, an NNX state of `nnx.LoRAParam` leaves, a
+        params-layout tree of `lora_a` / `lora_b` factors): merged on the device into the base
+        weights, which the engine keeps, as W + (lora_alpha / r)·A·B; `lora_alpha` where the
+        source does not state it (a PEFT directory's adapter_config.json does).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
@@ -282,6 +296,7 @@ class LLM:
             partial=partial,
             drain_timeout_s=drain_timeout_s,
             check_finite=check_finite,
+            lora_alpha=lora_alpha,
         )
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:

@@ -54,7 +54,7 @@ class KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class EngineState:
-    """params: device arrays (host arrays while asleep at level 1; None at level 2)."""
+    """params: device arrays (host arrays while asleep at level 1; None at level 2); `base` likewise."""
 
     params: Params | None
     weights_version: int
@@ -62,6 +62,9 @@ class EngineState:
     prefix: PrefixIndex
     pool: PagePool
     asleep: frozenset[str] = frozenset()
+    # The base weights when `params` serve a merged LoRA adapter (model/lora.py): the next adapter
+    # merges into these, on the device; None: `params` are the base.
+    base: Params | None = None
 
     @property
     def num_pages(self) -> int:
