@@ -117,7 +117,9 @@ class HotswapRollout(base_rollout.BaseRollout):
         engine_kwargs["max_model_len"] = engine_kwargs.get("max_model_len") or cache
         self._lora_alpha = None
         if jax.tree.leaves(self._lora):
-            self._lora_alpha = lora_alpha if lora_alpha is not None else nnx_params.qwix_lora_alpha(rollout_actor)
+            self._lora_alpha = (
+                lora_alpha if lora_alpha is not None else nnx_params.qwix_lora_alpha(rollout_actor)
+            )
         self.llm = LLM.from_flax(
             own, warmup=warmup, mesh=_engine_mesh(mesh), lora_alpha=self._lora_alpha, **engine_kwargs
         )

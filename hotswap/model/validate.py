@@ -277,7 +277,7 @@ def lora_tensors(
                 raise WeightsMismatch(f"{name}: missing, but its pair {other} was sent (LoRA needs both)")
         a_meta, b_meta = meta(tensors[a_name]), meta(tensors[b_name])
         rank = lora_rank(form, a_meta[0])
-        for name, (shape, dtype) in ((a_name, a_meta), (b_name, b_meta)):
+        for name, (_, dtype) in ((a_name, a_meta), (b_name, b_meta)):
             if dtype not in FLOAT_DTYPES:
                 raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type")
         if rank < 1:

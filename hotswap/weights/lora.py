@@ -106,7 +106,9 @@ def _peft_dir(path: Path) -> tuple[AdapterSource, list[str]]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where}: not a readable adapter config ({e})") from e
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise WeightsMismatch(f"{where}: peft_type {config.get('peft_type')!r}; only LORA adapters are served")
+        raise WeightsMismatch(
+            f"{where}: peft_type {config.get('peft_type')!r}; only LORA adapters are served"
+        )
     if config.get("use_dora"):
         raise WeightsMismatch(f"{where}: use_dora=true; DoRA adapters are not served (plain LoRA only)")
     file = path / ADAPTER_FILE
