@@ -51,6 +51,22 @@ def test_grpo_learner_trains_with_hotswap_rollout(result):
     assert g["trained_logp_max_diff"] <= 1e-5, g["trained_logp_max_diff"]
 
 
+def test_grpo_learner_with_lora_syncs_adapters_only(result):
+    """Tunix's GRPOLearner with a qwix LoRA actor (rank 8, the gsm8k recipes' targets): each sync
+    is LoRA-only (`nnx.LoRAParam` leaves, Tunix's filter) and lands as version + 1, merged into the
+    base the engine keeps; the rollout's log-probs are Tunix's on the actor with its adapter."""
+    g = result["grpo_lora"]
+    assert g["steps"] == 3
+    v0 = g["first_version"]
+    assert [s["version"] for s in g["syncs"]] == [v0 + 1, v0 + 2, v0 + 3]
+    assert all(s["lora_only"] and s["filter"] == ["LoRAParam"] for s in g["syncs"]), g["syncs"]
+    assert {s["leaves"] for s in g["syncs"]} == {2 * 7 * 2}  # A and B on 7 modules of 2 layers
+    assert g["served_base_kept"]
+    assert g["trained_lora_b_max"] > 0  # training moved B off its zero start
+    assert g["adapter_moves_logps"] > 1e-3  # so the comparison below sees the adapter
+    assert g["logp_max_diff"] <= 1e-4, g["logp_max_diff"]
+
+
 def test_greedy_tokens_and_logps_match_vanilla_rollout(result):
     v = result["vanilla"]
     assert v["hotswap_tokens"] == v["vanilla_tokens"]

@@ -91,7 +91,9 @@ def update_weights(
         page_version = np.full_like(kv.page_version, -1)
         kept = np.flatnonzero(pool.refcount)
         page_version[kept] = kv.page_version[kept]
-        kv = KVCache(pages=kv.pages, page_version=page_version)
+        page_adapter = np.zeros_like(kv.page_adapter)
+        page_adapter[kept] = kv.page_adapter[kept]
+        kv = KVCache(pages=kv.pages, page_version=page_version, page_adapter=page_adapter)
     return dataclasses.replace(
         state,
         params=staged.params,

@@ -15,6 +15,7 @@ from hotswap.args import EngineArgs
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig, default_dtype
+from hotswap.engine.adapters import LoRARequest
 from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
@@ -150,19 +151,32 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order.
+        `lora_request` (vLLM's `LoRARequest`, one or one per prompt; needs `enable_lora`): the
+        adapter each prompt is served with, loaded from its path on first use; prompts of
+        different adapters and of the base model share every step."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        for r in {r for r in loras if r is not None}:
+            self._ensure_lora(r)
         done: dict[str, RequestOutput] = {}
         ids = []
-        for prompt, sp in zip(prompts, params, strict=True):
+        for prompt, sp, lr in zip(prompts, params, loras, strict=True):
             ids.append(
                 self.engine.add_request(
-                    None, prompt, sp or SamplingParams(), sink=lambda o: done.__setitem__(o.request_id, o)
+                    None,
+                    prompt,
+                    sp or SamplingParams(),
+                    sink=lambda o: done.__setitem__(o.request_id, o),
+                    lora_name=lr.lora_name if lr is not None else None,
                 )
             )
         bar = None
@@ -298,6 +312,20 @@ class LLM:
             check_finite=check_finite,
             lora_alpha=lora_alpha,
         )
+
+    def _ensure_lora(self, request: LoRARequest) -> None:
+        loaded = {a.name: a for a in self.engine.lora_adapters()}
+        have = loaded.get(request.lora_name)
+        if request.lora_path and (have is None or have.source != request.lora_path):
+            self.engine.load_lora_adapter(request.lora_name, request.lora_path)
+
+    def load_lora_adapter(self, name: str, source, *, lora_alpha: float | None = None):
+        """Load or reload (version + 1) the adapter served as `name` (`enable_lora`): a PEFT
+        directory, PEFT-named safetensors bytes or tensors. Returns its record (slot, version)."""
+        return self.engine.load_lora_adapter(name, source, lora_alpha=lora_alpha)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_lora_adapter(name)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.engine.sleep(level, mode)

@@ -32,14 +32,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from hotswap.checkpoint import orbax_io, payload
 from hotswap.checkpoint.safetensors_io import read_safetensors
 from hotswap.errors import CheckpointError, ConfigError, PickleRefused, WeightsMismatch
 from hotswap.model import validate
 from hotswap.model.config import ModelConfig
-from hotswap.model.lora import Factors
+from hotswap.model.lora import Factors, factor_shardings
 from hotswap.model.params import Params
 from hotswap.weights import finiteness
 
@@ -155,18 +154,6 @@ def read(source: Any, cfg: ModelConfig, *, weights_root=None) -> AdapterSource |
     return None
 
 
-def _factor_shardings(sharding, n_in: int):
-    """A `[*in, r]` and B `[r, *out]` on the devices of the weight they adapt, split as its
-    in and out dims are (the rank dim whole)."""
-    if not isinstance(sharding, NamedSharding):
-        return sharding, sharding
-    spec = tuple(sharding.spec) + (None,) * 8
-    ndim = len(sharding.spec)
-    a = PartitionSpec(*spec[:n_in], None)
-    b = PartitionSpec(None, *spec[n_in : max(ndim, n_in + 1)])
-    return NamedSharding(sharding.mesh, a), NamedSharding(sharding.mesh, b)
-
-
 def stage(
     adapter: AdapterSource,
     cfg: ModelConfig,
@@ -199,7 +186,7 @@ def stage(
         a_shape, b_shape = spec.lora_shapes(rank)
         scale = float(alpha) / (math.sqrt(rank) if adapter.rslora else rank)
         plan.append((a_shape, b_shape, scale))
-        shardings.extend(_factor_shardings(_leaf(abstract, spec.path).sharding, len(a_shape) - 1))
+        shardings.extend(factor_shardings(_leaf(abstract, spec.path).sharding, len(a_shape) - 1))
     sources = [adapter.tensors[n] for name in names for n in chosen[name][1:3]]
     sources = [x if isinstance(x, jax.Array) else np.asarray(x) for x in sources]
     placed = _converter(tuple(plan), adapter.form == "peft", tuple(shardings))(sources)
