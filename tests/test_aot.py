@@ -257,5 +257,8 @@ def test_tiny_compiles_the_low_rank_path_for_v5e():
     assert (report["max_loras"], report["max_lora_rank"]) == (4, 64)
     plain = aot.compile_for("tiny", dataclasses.replace(acfg, enable_lora=False))
     step = lambda r: next(s for s in r["steps"] if s["name"].startswith("decode"))  # noqa: E731
-    assert step(report)["argument_bytes"] - step(plain)["argument_bytes"] == report["lora_bytes_per_chip"]
+    grew = step(report)["argument_bytes"] - step(plain)["argument_bytes"]
+    assert (
+        0 <= grew - report["lora_bytes_per_chip"] < 1024
+    )  # the buffers, and the TPU's padding of small ones
     assert "LoRA buffers (4 adapters x rank 64)" in aot.table(report)

@@ -117,3 +117,13 @@ def test_load_serve_list_unload(server, root):
     assert {m.id for m in client.models.list().data} == {"tiny", "a"}
     with pytest.raises(openai.NotFoundError):
         _completion(client, "b")
+
+    # The RL form over REST: PEFT-named safetensors bytes to /update_weights, merged into the base.
+    body = (root / "a" / "adapter_model.safetensors").read_bytes()
+    headers = {**admin(), "Content-Type": "application/octet-stream"}
+    version = http.get("/weights_version", headers=admin()).json()["weights_version"]
+    r = http.post("/update_weights", content=body, params={"lora_alpha": 16.0}, headers=headers)
+    assert r.status_code == 200 and r.json()["weights_version"] == version + 1, r.text
+    ids, lps = _completion(client, "tiny")
+    want = peft_logprobs(root / "base", root / "a", [(PROMPT, ids)])[0]
+    assert float(np.max(np.abs(lps - want))) <= 1e-4

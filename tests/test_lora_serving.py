@@ -147,9 +147,9 @@ def _bad_dirs(adapters, tmp):
     }
 
 
-def test_bad_adapters_refused_with_serving_unchanged(llm, adapters, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bad-adapters", numbered=False) if False else adapters["root"] / "bad"
-    tmp.mkdir(exist_ok=True)
+def test_bad_adapters_refused_with_serving_unchanged(llm, adapters):
+    tmp = adapters["root"] / "bad"  # under the engine's weights root
+    tmp.mkdir()
     llm.load_lora_adapter("a", str(adapters["a"]))
     llm.load_lora_adapter("b", str(adapters["b"]))
     reqs = [None, LoRARequest("a", 1, ""), None, LoRARequest("b", 2, "")]
@@ -167,4 +167,9 @@ def test_bad_adapters_refused_with_serving_unchanged(llm, adapters, tmp_path_fac
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("nope", 3, ""))
     after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs)]
     assert after == before
-    assert LifecycleConflict  # a reload under requests in flight is a 409 (engine._refuse_in_use)
+    # A reload while a request of that adapter is in flight would change its slot under it: 409.
+    llm.engine.add_request(None, PROMPTS[0], GREEDY, lora_name="a")
+    with pytest.raises(LifecycleConflict, match="in flight"):
+        llm.load_lora_adapter("a", str(adapters["a"]))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
