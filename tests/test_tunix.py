@@ -122,7 +122,10 @@ def test_bad_state_is_refused_and_the_old_version_serves(result, case, error, na
 
 
 def test_tunix_part_is_fast(result):
-    assert sum(result["seconds"].values()) < 120, result["seconds"]
+    """The dense checks together, and the LoRA learner (its own GRPO run) alone."""
+    seconds = dict(result["seconds"])
+    assert seconds.pop("grpo_lora") < 120, result["seconds"]
+    assert sum(seconds.values()) < 120, result["seconds"]
 
 
 def test_llm_from_flax_and_update_weights_take_nnx():
