@@ -3,6 +3,7 @@ f32, eager attention): what tests/test_lora*.py compare the engine with."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +40,21 @@ def make_adapter(
     return Path(out_dir)
 
 
+@functools.lru_cache(maxsize=8)
+def _oracle(base_dir: str, adapter_dir: str | None):
+    """HF model (+ PEFT adapter), built once per (base, adapter) directory pair."""
+    import peft
+
+    model = _hf_model(base_dir)
+    return model if adapter_dir is None else peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+
+
 def peft_logprobs(base_dir, adapter_dir, pairs) -> list[np.ndarray]:
     """log p(completion | prompt) per token under base + adapter (`PeftModel.from_pretrained`),
     or the base alone when `adapter_dir` is None."""
-    import peft
     import torch
 
-    model = _hf_model(base_dir)
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    model = _oracle(str(base_dir), None if adapter_dir is None else str(adapter_dir))
     out = []
     with torch.no_grad():
         for prompt, completion in pairs:
