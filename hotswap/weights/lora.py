@@ -138,7 +138,8 @@ def read(source: Any, cfg: ModelConfig, *, weights_root=None) -> AdapterSource |
         if not (path / ADAPTER_CONFIG).exists():
             return None
         adapter, targets = _peft_dir(path)
-        if targets and not any(t.startswith("(") or "*" in t for t in targets):  # a regex matches at load
+        # PEFT's "all-linear" and regexes name no module list: the tensors' own names are checked
+        if targets and not any(t == "all-linear" or t.startswith("(") or "*" in t for t in targets):
             validate.lora_targets(cfg, [t.split(".")[-1] for t in targets], adapter.where)
         return adapter
     if isinstance(source, (bytes, bytearray, memoryview)):
