@@ -28,7 +28,7 @@ def result():
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.run(
-        [sys.executable, str(HERE / "tunix_worker.py")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(HERE / "tunix_worker.py")], env=env, capture_output=True, text=True, timeout=1200
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
