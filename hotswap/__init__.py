@@ -13,6 +13,7 @@ _LAZY = {
     "Engine": "hotswap.engine.engine",
     "SamplingParams": "hotswap.engine.sampling",
     "StructuredOutputs": "hotswap.engine.structured",
+    "LoRARequest": "hotswap.engine.adapters",
     "RequestOutput": "hotswap.engine.outputs",
     "CompletionOutput": "hotswap.engine.outputs",
     "EngineArgs": "hotswap.args",

@@ -193,6 +193,27 @@ class EngineArgs:
         "把参数和 KV 头分片到这么多个设备上（`None`：一个设备；`hotswap aot`：切片的所有芯片）",
         type=int,
     )
+    enable_lora: bool = option(
+        False,
+        "serve LoRA adapters by name (`/v1/load_lora_adapter`, `LLM.generate(lora_request=...)`): requests of "
+        "different adapters share a batch, each row's low-rank path read from fixed [max_loras, max_lora_rank] "
+        "buffers",
+        "按名字服务 LoRA 适配器（`/v1/load_lora_adapter`、`LLM.generate(lora_request=...)`）：不同适配器的请求共享一个批次，"
+        "每行的低秩路径读取固定形状的 [max_loras, max_lora_rank] 缓冲区",
+        type=bool,
+    )
+    max_loras: int = option(
+        4,
+        "adapters loaded at once (with `enable_lora`); a compiled shape: loading one never recompiles",
+        "同时加载的适配器数（`enable_lora` 时）；这是编译形状：加载适配器从不重新编译",
+        type=int,
+    )
+    max_lora_rank: int = option(
+        16,
+        "largest adapter rank served by name (with `enable_lora`); a compiled shape",
+        "按名字服务的适配器的最大秩（`enable_lora` 时）；这是编译形状",
+        type=int,
+    )
     tool_call_parser: str | None = option(
         None,
         "how tool calls are read from the model's text (`tools` with tool_choice `auto`) and written into "

@@ -57,9 +57,21 @@ class EngineConfig:
     max_version_lag: int | None = _ARGS["max_version_lag"]
     # JAX's persistent compilation cache under hotswap's cache dir (programs/compile_cache.py).
     compilation_cache: bool = _ARGS["compilation_cache"]
+    # Adapters served by name (model/lora.py): stacked buffers of max_loras x max_lora_rank.
+    enable_lora: bool = _ARGS["enable_lora"]
+    max_loras: int = _ARGS["max_loras"]
+    max_lora_rank: int = _ARGS["max_lora_rank"]
 
     def __post_init__(self):
-        for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "page_size",
+            "num_pages",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_version_lag is not None and int(self.max_version_lag) < 0:
@@ -92,6 +104,9 @@ class EngineConfig:
             drain_timeout_s=args.drain_timeout_s,
             max_version_lag=args.max_version_lag,
             compilation_cache=args.compilation_cache,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
 
     @property

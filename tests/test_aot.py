@@ -298,3 +298,33 @@ def test_gemma_presets_compile_with_pallas_in_place(name, topology, tp, max_len,
     assert report["attention"] == "pallas" and report["dtype"] == "bfloat16"
     _check_in_place_pallas_decode(report, layers)
     assert _decode(report)["kv_copies"] == 0
+
+def test_tiny_compiles_the_low_rank_path_for_v5e():
+    """`--enable-lora --max-loras 4 --max-lora-rank 64`: the decode step compiles for TPU with the
+    adapters' buffers as arguments, and the report counts their bytes (A [*in, 256] and B
+    [256, *out] for 7 rows of 2 layers, f32, plus the column -> slot map)."""
+    acfg = aot.AotConfig(
+        topology="v5e:1x1",
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        num_pages=64,
+        buckets="decode",
+        dtype="float32",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=64,
+    )
+    report = aot.compile_for("tiny", acfg)
+    ins_outs = (
+        (64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64)
+    )  # q, k, v, o, gate, up, down
+    assert report["lora_bytes_per_chip"] == 2 * ins_outs * 256 * 4 + 256 * 4
+    assert (report["max_loras"], report["max_lora_rank"]) == (4, 64)
+    plain = aot.compile_for("tiny", dataclasses.replace(acfg, enable_lora=False))
+    step = lambda r: next(s for s in r["steps"] if s["name"].startswith("decode"))  # noqa: E731
+    grew = step(report)["argument_bytes"] - step(plain)["argument_bytes"]
+    assert (
+        0 <= grew - report["lora_bytes_per_chip"] < 1024
+    )  # the buffers, and the TPU's padding of small ones
+    assert "LoRA buffers (4 adapters x rank 64)" in aot.table(report)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import qwix
 import transformers
 from flax import nnx
 from grain import python as grain
@@ -145,6 +146,93 @@ def grpo(tok, make_model=model) -> dict:
         "steps": learner._iter_steps,
         "loss": [float(x) for x in np.asarray(loss)],
         "rewards": rewards,
+    }
+
+
+# Tunix's gsm8k GRPO recipes' LoRA targets (qwix module paths), at rank 8 here.
+LORA_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
+
+
+def lora_model(seed: int = 0, rank: int = 8, alpha: float = 16.0) -> llama3.Llama3:
+    """The tiny Llama3 with qwix LoRA on every recipe target, as Tunix's `apply_lora_to_model`
+    (tunix/cli/utils/model.py) builds it from a recipe's `lora_config`."""
+    base = model(seed)
+    provider = qwix.LoraProvider(module_path=LORA_MODULES, rank=rank, alpha=alpha)
+    return qwix.apply_lora_to_model(base, provider, **base.get_model_input(), rngs=nnx.Rngs(seed + 100))
+
+
+def grpo_lora(tok) -> dict:
+    """Tunix's GRPOLearner + RLCluster, unmodified, with a LoRA actor (rank 8) and HotswapRollout:
+    every sync carries only `nnx.LoRAParam` leaves and lands as version + 1; the rollout's
+    log-probs are Tunix's `compute_per_token_logps` on the trained actor with its adapter."""
+    syncs: list[dict] = []
+
+    class Recording(HotswapRollout):
+        def update_params(self, params, filter_types=None):
+            flat = [v for _, v in nnx.to_flat_state(params)]
+            super().update_params(params, filter_types)
+            syncs.append(
+                {
+                    "version": self.weights_version,
+                    "leaves": len(flat),
+                    "lora_only": all(isinstance(v, nnx.LoRAParam) for v in flat),
+                    "filter": [t.__name__ for t in filter_types or ()],
+                }
+            )
+
+    mesh = jax.make_mesh((2, 1), ("fsdp", "tp"), axis_types=AUTO)
+    roles = rl_cluster_lib.Role
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine=Recording,
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=optax.adam(3e-2), eval_every_n_steps=10, max_steps=3
+        ),
+        rollout_config=base_rollout.RolloutConfig(
+            max_tokens_to_generate=8, max_prompt_length=16, kv_cache_size=256, temperature=0.9, seed=0
+        ),
+    )
+    cluster = rl_cluster_lib.RLCluster(
+        actor=lora_model(), reference=model(), tokenizer=tok, cluster_config=cluster_config
+    )
+    learner = grpo_lib.GRPOLearner(
+        rl_cluster=cluster,
+        reward_fns=lambda prompts, completions, **kw: [len(c) / 10 for c in completions],
+        algo_config=grpo_lib.GRPOConfig(num_generations=2, num_iterations=1),
+    )
+    first = cluster.rollout.weights_version
+    data = grain.MapDataset.source(PROMPTS * 4).batch(2).map(lambda x: {"prompts": x, "answer": x})
+    learner.train(data)
+    actor, pad = cluster.actor_trainer.model, tok.pad_token_id
+    rc = base_rollout.RolloutConfig(
+        max_tokens_to_generate=12, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+    )
+    out = cluster.rollout.generate(PROMPTS, rc)
+    comp = padded_completions(out.tokens, pad)
+    args = dict(
+        prompt_tokens=jnp.asarray(out.left_padded_prompt_tokens),
+        completion_tokens=jnp.asarray(comp),
+        pad_id=pad,
+        eos_id=tok.eos_token_id,
+    )
+    want = common.compute_per_token_logps(*nnx.split(actor), **args)
+    base_want = common.compute_per_token_logps(
+        *nnx.split(cluster.inference_worker.get_model("reference")), **args
+    )
+    got = cluster.rollout.get_per_token_logps(out.left_padded_prompt_tokens, comp)
+    valid = np.cumprod(comp != pad, axis=1).astype(bool)
+    lora_b = [np.abs(np.asarray(v[...])).max() for p, v in nnx.to_flat_state(nnx.state(actor, nnx.LoRAParam))]
+    return {
+        "first_version": first,
+        "syncs": syncs,
+        "steps": learner._iter_steps,
+        "trained_lora_b_max": float(max(lora_b)),
+        "logp_max_diff": float(np.max(np.abs(np.where(valid, np.asarray(want) - np.asarray(got), 0.0)))),
+        "adapter_moves_logps": float(
+            np.max(np.abs(np.where(valid, np.asarray(want) - np.asarray(base_want), 0.0)))
+        ),
+        "served_base_kept": cluster.rollout.llm.engine.state.base is not None,
     }
 
 
@@ -355,6 +443,7 @@ def bad_inputs(tok) -> dict:
 
 CHECKS = {
     "grpo": grpo,
+    "grpo_lora": grpo_lora,
     "vanilla": vs_vanilla,
     "sync": after_sync,
     "zero_copy": zero_copy,

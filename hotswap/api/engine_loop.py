@@ -80,7 +80,13 @@ class EngineLoop:
     # ---- requests (called from worker threads) ------------------------------
 
     def add_request(
-        self, rid: str, prompt: list[int], params: SamplingParams, stream: bool, on_output: OnOutput
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stream: bool,
+        on_output: OnOutput,
+        lora_name: str | None = None,
     ):
         """Queue in the engine; raises the engine's typed errors before anything is queued."""
 
@@ -93,7 +99,7 @@ class EngineLoop:
         with self._cb_lock:
             self._callbacks[rid] = on_output
         try:
-            self.engine.add_request(rid, prompt, params, sink=sink, stream=stream)
+            self.engine.add_request(rid, prompt, params, sink=sink, stream=stream, lora_name=lora_name)
         except BaseException:
             with self._cb_lock:
                 self._callbacks.pop(rid, None)
@@ -165,9 +171,14 @@ class ServerContext:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ModelNotFound(f"model {name!r} is not served here; available: {self.model_names}")
+    def check_model(self, name: str | None) -> str | None:
+        """A request's `model`: the base (None) or a LoRA adapter loaded by name (its name)."""
+        if name is None or name in self.model_names:
+            return None
+        adapters = [a.name for a in self.engine.lora_adapters()]
+        if name in adapters:
+            return name
+        raise ModelNotFound(f"model {name!r} is not served here; available: {self.model_names + adapters}")
 
     def check_admitting(self) -> None:
         if self.shutting_down:
@@ -181,7 +192,12 @@ class ServerContext:
             self.loop.notify()
 
     async def submit(
-        self, prompt: list[int], params: SamplingParams, stream: bool, queue: asyncio.Queue
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        stream: bool,
+        queue: asyncio.Queue,
+        lora_name: str | None = None,
     ) -> str:
         """Add one engine request whose outputs (or a fatal error) arrive on `queue`."""
         aloop = asyncio.get_running_loop()
@@ -193,7 +209,9 @@ class ServerContext:
                 pass
 
         rid = uuid.uuid4().hex
-        await anyio.to_thread.run_sync(lambda: self.loop.add_request(rid, prompt, params, stream, on_output))
+        await anyio.to_thread.run_sync(
+            lambda: self.loop.add_request(rid, prompt, params, stream, on_output, lora_name)
+        )
         return rid
 
 

@@ -74,11 +74,15 @@ class _UpdateOptions(BaseModel):
     version: int | None = None
     partial: bool = False
     drain_timeout_s: float | None = None
+    # A LoRA adapter update (PEFT-named tensors) whose source does not state its alpha.
+    lora_alpha: float | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"policy": self.policy, "version": self.version, "partial": self.partial}
         if self.drain_timeout_s is not None:
             kw["drain_timeout_s"] = self.drain_timeout_s
+        if self.lora_alpha is not None:
+            kw["lora_alpha"] = self.lora_alpha
         return kw
 
 

@@ -56,9 +56,10 @@ def _check_length(ctx: ServerContext, prompt_ids: list[int], max_tokens: int | N
 
 
 async def _start(
-    ctx: ServerContext, prompts: list[list[int]], sp: SamplingParams, stream: bool
+    ctx: ServerContext, prompts: list[list[int]], sp: SamplingParams, stream: bool, lora_name: str | None
 ) -> tuple[asyncio.Queue, list[str]]:
-    """Queue one engine request per prompt; all outputs arrive on one asyncio queue."""
+    """Queue one engine request per prompt (served with the LoRA adapter `lora_name`, or the
+    base); all outputs arrive on one asyncio queue."""
     ctx.check_admitting()
     if not ctx.engine.state.serving:  # the engine re-checks under its lock; this one speaks REST
         raise EngineAsleep(
@@ -71,7 +72,7 @@ async def _start(
     rids: list[str] = []
     try:
         for ids in prompts:
-            rids.append(await ctx.submit(ids, sp, stream, queue))
+            rids.append(await ctx.submit(ids, sp, stream, queue, lora_name))
     except BaseException:
         for rid in rids:  # a later prompt was refused (e.g. queue full): drop the earlier ones too
             ctx.loop.abort(rid)
@@ -189,7 +190,7 @@ def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = ctx_of(request)
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     sp = body.sampling_params()
     if body.echo and body.logprobs is not None:
         raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not implemented")
@@ -198,7 +199,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echo = [
         (text if text is not None else tok.decode(ids)) if body.echo and tok else "" for text, ids in prompts
     ]
-    queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream)
+    queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream, lora_name)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     wire = rl_common.wire_version_fields(ctx, request.url.path)
 
@@ -261,7 +262,7 @@ def _finish_reason(reason: str | None, calls: int) -> str | None:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = ctx_of(request)
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     tools, fmt = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls), ctx.tool_format
     sp = body.sampling_params()
     if overrides := tools.sampling_overrides(fmt, sp.structured_outputs is not None):
@@ -278,7 +279,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         tools=tools.offered,
         tool_format=fmt,
     )
-    queue, rids = await _start(ctx, [ids], sp, body.stream)
+    queue, rids = await _start(ctx, [ids], sp, body.stream, lora_name)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
     wire = rl_common.wire_version_fields(ctx, request.url.path)

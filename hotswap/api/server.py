@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.api import management, routes_openai, routes_sglang, routes_vllm
+from hotswap.api import management, routes_lora, routes_openai, routes_sglang, routes_vllm
 from hotswap.api.engine_loop import (
     OUTCOMES,
     TALLY_KEY,
@@ -191,6 +191,20 @@ def _open_routes() -> APIRouter:
             }
             for name in ctx.model_names
         ]
+        data += [  # LoRA adapters served by name, as vLLM lists them (parent: the base model)
+            {
+                "id": a.name,
+                "object": "model",
+                "created": int(ctx.started_at),
+                "owned_by": "hotswap",
+                "root": a.source,
+                "parent": ctx.model_name,
+                "max_model_len": e.ecfg.max_model_len,
+                "weights_version": e.weights_version,
+                "lora_version": a.version,
+            }
+            for a in e.lora_adapters()
+        ]
         return {"object": "list", "data": data}
 
     return router
@@ -321,6 +335,7 @@ def create_app(
     # the OpenAI routes are mounted again so one base URL serves generation and control).
     app.include_router(routes_sglang.router)
     app.include_router(routes_vllm.router)
+    app.include_router(routes_lora.router)
     # The admin key there, as on every route outside /v1/: the api key opens /v1/* only.
     app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX, dependencies=[Depends(require_admin)])
     return app

@@ -23,6 +23,7 @@ import numpy as np
 from hotswap import host_memory
 from hotswap.config import EngineConfig
 from hotswap.engine import lifecycle, pausing, policies
+from hotswap.engine.adapters import AdapterError, Adapters, Loaded
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
@@ -30,12 +31,20 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sequence, Sink
 from hotswap.engine.state import empty_state, new_kv_cache
 from hotswap.engine.structured import Grammars
-from hotswap.errors import EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
+from hotswap.errors import (
+    EngineAsleep,
+    LifecycleConflict,
+    PromptTooLong,
+    QueueFull,
+    RequestError,
+    WeightsMismatch,
+)
 from hotswap.kernels.backend import Backend
 from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
+from hotswap.weights import lora as lora_source
 from hotswap.weights import sources
 from hotswap.weights.chunks import ChunkStager
 
@@ -86,6 +95,9 @@ class Engine:
         staged = sources.stage_source(params, mcfg, current=None, abstract=self.abstract)
         empty = empty_state(mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
         self.state = lifecycle.update_weights(empty, staged, abstract=self.abstract)  # version 1
+        if ecfg.enable_lora:
+            empty_adapters = Adapters.empty(mcfg, self.abstract, ecfg.max_loras, ecfg.max_lora_rank)
+            self.state = dataclasses.replace(self.state, adapters=empty_adapters)
         self.runner = Runner(mcfg, ecfg, self.backend)
         self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)
         self.requests: dict[str, Request] = {}
@@ -102,7 +114,7 @@ class Engine:
         # The constraint compiler, built on the first constrained request (engine/structured.py).
         self.grammars: Grammars | None = None
         if warmup:
-            self.runner.warmup(self.state.params, self.state.kv.pages, progress, cache=self._cache_on)
+            self.runner.warmup(self.state.step_params, self.state.kv.pages, progress, cache=self._cache_on)
 
     # ---- views --------------------------------------------------------------
 
@@ -158,8 +170,10 @@ class Engine:
         *,
         sink: Sink | None = None,
         stream: bool = False,
+        lora_name: str | None = None,
     ) -> str:
-        """Validate and queue. Raises before anything is queued, so a refused request leaves no trace."""
+        """Validate and queue. Raises before anything is queued, so a refused request leaves no trace.
+        `lora_name`: a LoRA adapter loaded by name (`load_lora_adapter`) to serve it with."""
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         if not ids:
@@ -186,6 +200,7 @@ class Engine:
                 raise QueueFull(
                     f"{len(self.sched.waiting)} requests are waiting (max_waiting={self.ecfg.max_waiting})"
                 )
+            adapter = self._adapters().get(lora_name) if lora_name is not None else None
             base_seed = int(self._rng.integers(2**31)) if params.seed is None else int(params.seed)
             arrival = next(self._ids)
             seqs: list[Sequence] = []
@@ -201,6 +216,8 @@ class Engine:
                         arrival=arrival,
                         eos_ids=() if params.ignore_eos else self.eos_ids,
                         fork_parent=seqs[0] if i > 0 else None,
+                        lora_slot=adapter.slot if adapter else -1,
+                        adapter=adapter.identity if adapter else (0, 0),
                         matcher=matchers[i],
                         output_text=SequenceText(self.tokenizer, params)
                         if self.tokenizer is not None
@@ -212,6 +229,55 @@ class Engine:
                 self.sched.add(s)
             self._counts["prompt_tokens"] += len(ids)
         return rid
+
+    # ---- LoRA adapters served by name (engine/adapters.py) ----------------------------
+
+    def _adapters(self) -> Adapters:
+        if self.state.adapters is None:
+            raise AdapterError("LoRA adapters are served by name only when the engine has enable_lora=True")
+        return self.state.adapters
+
+    def load_lora_adapter(self, name: str, source, *, lora_alpha: float | None = None) -> Loaded:
+        """Load (or reload: version + 1) the adapter `name` from a PEFT directory (under the
+        weights root), bytes or tensors, written in place into its buffer slot: no step
+        recompiles. Read and validated (rank <= max_lora_rank, target modules, shapes, NaN)
+        before the lock; a bad adapter changes nothing."""
+        self._adapters().check_room(name)
+        adapter = lora_source.read(source, self.mcfg, weights_root=self.weights_root)
+        if adapter is None:
+            raise WeightsMismatch(
+                "not a LoRA adapter: pass a PEFT adapter directory (adapter_config.json and "
+                "adapter_model.safetensors), PEFT-named safetensors or tensors"
+            )
+        factors = lora_source.stage(
+            adapter, self.mcfg, self.abstract, lora_alpha=lora_alpha, max_rank=self.ecfg.max_lora_rank
+        )
+        with self._lock:
+            self._refuse_in_use(name)
+            new = self._adapters().load(name, factors, source if isinstance(source, str) else adapter.where)
+            self.state = dataclasses.replace(self.state, adapters=new)
+            return new.get(name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        with self._lock:
+            self._adapters().get(name)
+            self._refuse_in_use(name)
+            self.state = dataclasses.replace(self.state, adapters=self._adapters().unload(name))
+
+    def lora_adapters(self) -> tuple[Loaded, ...]:
+        return self.state.adapters.loaded if self.state.adapters is not None else ()
+
+    def _refuse_in_use(self, name: str) -> None:
+        """A reload or unload would change the slot under requests in flight: 409 until they end."""
+        adapters = self._adapters()
+        if not adapters.has(name):
+            return
+        ident = adapters.get(name).identity
+        busy = sum(s.adapter == ident for s in (*self.sched.running, *self.sched.waiting))
+        if busy:
+            raise LifecycleConflict(
+                f"LoRA adapter {name!r} serves {busy} sequence(s) in flight; retry when they end"
+            )
 
     def _matchers(self, params: SamplingParams) -> list:
         """One constraint matcher per sample (None: unconstrained); compiling the constraint
@@ -289,17 +355,22 @@ class Engine:
         partial: bool = False,
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
+        lora_alpha: float | None = None,
     ) -> int:
         """Validate -> stage -> apply the in-flight policy (policies.py) -> swap. Returns the new version.
 
         The source is loaded and validated before the lock is taken, so serving
-        continues meanwhile and a bad source changes nothing.
+        continues meanwhile and a bad source changes nothing. A LoRA adapter is merged into
+        the base weights (the state's `base`, kept on the device; `lora_alpha` when the source
+        does not state it); full weights replace the base.
         """
         row = policies.policy(policy)
+        st = self.state
         staged = sources.stage_source(  # outside the lock: serving goes on
             source,
             self.mcfg,
-            current=self.state.params,
+            current=st.base if st.base is not None else st.params,
+            lora_alpha=lora_alpha,
             partial=partial,
             weights_root=self.weights_root,
             abstract=self.abstract,

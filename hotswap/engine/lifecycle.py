@@ -84,17 +84,20 @@ def update_weights(
             f"version {new_version} must be greater than the current version {state.weights_version}"
         )
     staged = params if isinstance(params, StagedParams) and params.abstract is abstract else None
-    placed = (staged or stage_params(params, abstract)).params
+    staged = staged or stage_params(params, abstract)
     pool = PagePool.holding(state.num_pages, {s: state.pool.table(s) for s in keep}, tick=state.pool.tick)
     kv = state.kv
     if kv is not None:
         page_version = np.full_like(kv.page_version, -1)
         kept = np.flatnonzero(pool.refcount)
         page_version[kept] = kv.page_version[kept]
-        kv = KVCache(pages=kv.pages, page_version=page_version)
+        page_adapter = np.zeros_like(kv.page_adapter)
+        page_adapter[kept] = kv.page_adapter[kept]
+        kv = KVCache(pages=kv.pages, page_version=page_version, page_adapter=page_adapter)
     return dataclasses.replace(
         state,
-        params=placed,
+        params=staged.params,
+        base=staged.base,
         weights_version=new_version,
         kv=kv,
         prefix=PrefixIndex.empty(state.num_pages),
@@ -120,12 +123,15 @@ def sleep(state: EngineState, level: int = 1) -> EngineState:
     sleep_level(level)
     if state.asleep == SLEEP_TAGS and (level == 1 or state.params is None):
         return state
-    params = (
-        None if level == 2 else jax.tree.map(_to_host, state.params) if state.params is not None else None
+    params, base = (
+        (None, None)
+        if level == 2
+        else tuple(jax.tree.map(_to_host, p) if p is not None else None for p in (state.params, state.base))
     )
     return dataclasses.replace(
         state,
         params=params,
+        base=base,
         kv=None,
         prefix=PrefixIndex.empty(state.num_pages),
         pool=PagePool.empty(state.num_pages),
@@ -146,15 +152,16 @@ def wakeup(
     """`weights`: params back onto the device (after level 2 there are none until an update);
     `kv_cache`: fresh empty pages."""
     tags = wake_tags(tags)
-    params, kv = state.params, state.kv
+    params, kv, base = state.params, state.kv, state.base
     if "weights" in tags and state.weights_on_host:
         params = place_params(params, abstract)
+        base = place_params(base, abstract) if base is not None else None
     if "kv_cache" in tags and kv is None:
         kv = new_kv_cache(mcfg, ecfg, sharding=kv_sharding, backend=backend)
     asleep = state.asleep - tags
     if params is None:  # after sleep level 2 there is nothing to wake: still asleep until an update
         asleep = asleep | {"weights"}
-    return dataclasses.replace(state, params=params, kv=kv, asleep=asleep)
+    return dataclasses.replace(state, params=params, base=base, kv=kv, asleep=asleep)
 
 
 def reset_prefix_cache(state: EngineState) -> EngineState:

@@ -15,6 +15,7 @@ from hotswap.args import EngineArgs
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.config import EngineConfig, default_dtype
+from hotswap.engine.adapters import LoRARequest
 from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
@@ -74,12 +75,15 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         args: EngineArgs | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        lora_alpha: float | None = None,
         **kwargs,
     ) -> LLM:
         """An engine serving a Flax NNX model held in memory (Tunix Llama3, Qwen2, Qwen3), no
         checkpoint directory: its params are mapped by the spec table (`weights/nnx.py`),
         leaf to leaf, no copy where already on the engine's sharding. `args`, `mesh` and `kwargs` are
         `LLM(...)`'s engine options, but for `dtype` and `revision` (the model's own).
+        A model with qwix LoRA factors (`nnx.LoRAParam`) serves its base weights (version 1)
+        with the adapter merged (version 2), scaled by `lora_alpha` (default: the qwix rule's) / r.
 
         >>> llm = LLM.from_flax(tunix_model, tokenizer=Tokenizer.from_dir(d))   # doctest: +SKIP
         >>> llm.update_weights(nnx.state(tunix_model, nnx.Param))              # doctest: +SKIP
@@ -99,7 +103,13 @@ class LLM:
         )
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__
-        self.engine = _start_engine(mcfg, model, tokenizer, eargs, mesh)  # staged as an update is
+        adapter = nnx_params.lora_state(model)
+        has_lora = bool(jax.tree.leaves(adapter))
+        base = nnx_params.base_state(model) if has_lora else model
+        self.engine = _start_engine(mcfg, base, tokenizer, eargs, mesh)  # staged as an update is
+        if has_lora:
+            alpha = lora_alpha if lora_alpha is not None else nnx_params.qwix_lora_alpha(model)
+            self.engine.update_weights(adapter, lora_alpha=alpha)
         self.tool_parser = formats.choose(
             eargs.tool_call_parser, tokenizer.chat_template if tokenizer else None
         )
@@ -141,19 +151,32 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order.
+        `lora_request` (vLLM's `LoRARequest`, one or one per prompt; needs `enable_lora`): the
+        adapter each prompt is served with, loaded from its path on first use; prompts of
+        different adapters and of the base model share every step."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        for r in {r for r in loras if r is not None}:
+            self._ensure_lora(r)
         done: dict[str, RequestOutput] = {}
         ids = []
-        for prompt, sp in zip(prompts, params, strict=True):
+        for prompt, sp, lr in zip(prompts, params, loras, strict=True):
             ids.append(
                 self.engine.add_request(
-                    None, prompt, sp or SamplingParams(), sink=lambda o: done.__setitem__(o.request_id, o)
+                    None,
+                    prompt,
+                    sp or SamplingParams(),
+                    sink=lambda o: done.__setitem__(o.request_id, o),
+                    lora_name=lr.lora_name if lr is not None else None,
                 )
             )
         bar = None
@@ -267,10 +290,15 @@ class LLM:
         partial: bool = False,
         drain_timeout_s: float | None = None,
         check_finite: bool = True,
+        lora_alpha: float | None = None,
     ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
         a `hotswap.weights.transfer.TransferRef` another JAX process published: pulled device to device, or a
-        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf).
+        Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf), or a
+        LoRA adapter (a PEFT directory, bytes or tensors, an NNX state of `nnx.LoRAParam` leaves, a
+        params-layout tree of `lora_a` / `lora_b` factors): merged on the device into the base
+        weights, which the engine keeps, as W + (lora_alpha / r)·A·B; `lora_alpha` where the
+        source does not state it (a PEFT directory's adapter_config.json does).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
@@ -282,7 +310,22 @@ class LLM:
             partial=partial,
             drain_timeout_s=drain_timeout_s,
             check_finite=check_finite,
+            lora_alpha=lora_alpha,
         )
+
+    def _ensure_lora(self, request: LoRARequest) -> None:
+        loaded = {a.name: a for a in self.engine.lora_adapters()}
+        have = loaded.get(request.lora_name)
+        if request.lora_path and (have is None or have.source != request.lora_path):
+            self.engine.load_lora_adapter(request.lora_name, request.lora_path)
+
+    def load_lora_adapter(self, name: str, source, *, lora_alpha: float | None = None):
+        """Load or reload (version + 1) the adapter served as `name` (`enable_lora`): a PEFT
+        directory, PEFT-named safetensors bytes or tensors. Returns its record (slot, version)."""
+        return self.engine.load_lora_adapter(name, source, lora_alpha=lora_alpha)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_lora_adapter(name)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.engine.sleep(level, mode)

@@ -1,8 +1,11 @@
-"""The prefix index: which full KV pages hold which token prefix, under which weights version.
+"""The prefix index: which full KV pages hold which token prefix, under which weights version
+and which LoRA adapter (and adapter version).
 
-Host numpy, one slot per page. A page's key is the chain hash of (parent key,
-page token ids, weights version); a lookup matches only the current version,
-so even an index that survived an update could never hit. Values are
+Host numpy, one slot per page. A page's key is the chain hash of (parent key, page token ids,
+weights version, adapter id, adapter version); `find`, the one matching function, compares the
+key and every part of what wrote the page, so a lookup matches only the current weights and
+the request's own adapter as loaded now: even an index that survived an update, or a prefix
+cached under another adapter or an older load of the same one, could never hit. Values are
 immutable: each edit returns a new index (copying a few small arrays is cheap).
 """
 
@@ -13,12 +16,16 @@ import hashlib
 
 import numpy as np
 
+BASE = (0, 0)  # the adapter identity of the base model: (adapter id, adapter version)
 
-def page_key(parent: int, tokens: list[int], version: int) -> int:
-    """Chain hash of (parent key, page token ids, weights version), never 0."""
+
+def page_key(parent: int, tokens: list[int], version: int, adapter: tuple[int, int] = BASE) -> int:
+    """Chain hash of (parent key, page token ids, weights version, adapter id and version), never 0."""
     h = hashlib.blake2b(digest_size=8)
     h.update(int(parent).to_bytes(8, "little"))
     h.update(int(version).to_bytes(8, "little", signed=True))
+    for part in adapter:
+        h.update(int(part).to_bytes(8, "little", signed=True))
     h.update(np.asarray(tokens, np.int64).tobytes())
     return int.from_bytes(h.digest(), "little") or 1
 
@@ -26,11 +33,13 @@ def page_key(parent: int, tokens: list[int], version: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class PrefixIndex:
     """key[p]: chain key of page p's content (0: not cached); version[p]: the weights version
-    that wrote it; tick[p]: its LRU clock."""
+    that wrote it; adapter[p]: the (adapter id, adapter version) it was computed under
+    ((0, 0): the base); tick[p]: its LRU clock."""
 
     key: np.ndarray  # uint64[num_pages]
     version: np.ndarray  # int64[num_pages]
     tick: np.ndarray  # int64[num_pages]
+    adapter: np.ndarray  # int64[num_pages, 2]
 
     @staticmethod
     def empty(num_pages: int) -> PrefixIndex:
@@ -38,6 +47,7 @@ class PrefixIndex:
             key=np.zeros(num_pages, np.uint64),
             version=np.full(num_pages, -1, np.int64),
             tick=np.zeros(num_pages, np.int64),
+            adapter=np.zeros((num_pages, 2), np.int64),
         )
 
     @property
@@ -48,22 +58,29 @@ class PrefixIndex:
     def num_cached(self) -> int:
         return int(np.count_nonzero(self.key))
 
-    def find(self, key: int, version: int) -> int:
-        """Page holding `key` under `version`, or 0 (the null page) if none."""
-        hit = np.flatnonzero((self.key == np.uint64(key)) & (self.version == version))
+    def find(self, key: int, version: int, adapter: tuple[int, int] = BASE) -> int:
+        """Page holding `key` written under weights `version` and `adapter`, or 0 (the null page)."""
+        hit = np.flatnonzero(
+            (self.key == np.uint64(key))
+            & (self.version == version)
+            & (self.adapter[:, 0] == adapter[0])
+            & (self.adapter[:, 1] == adapter[1])
+        )
         return int(hit[0]) if hit.size else 0
 
-    def insert(self, page: int, key: int, version: int, tick: int) -> PrefixIndex:
-        key_, ver, tk = self.key.copy(), self.version.copy(), self.tick.copy()
-        key_[page], ver[page], tk[page] = np.uint64(key), version, tick
-        return PrefixIndex(key_, ver, tk)
+    def insert(
+        self, page: int, key: int, version: int, tick: int, adapter: tuple[int, int] = BASE
+    ) -> PrefixIndex:
+        key_, ver, tk, ad = self.key.copy(), self.version.copy(), self.tick.copy(), self.adapter.copy()
+        key_[page], ver[page], tk[page], ad[page] = np.uint64(key), version, tick, adapter
+        return PrefixIndex(key_, ver, tk, ad)
 
     def touch(self, pages: list[int], tick: int) -> PrefixIndex:
         tk = self.tick.copy()
         tk[pages] = tick
-        return PrefixIndex(self.key, self.version, tk)
+        return PrefixIndex(self.key, self.version, tk, self.adapter)
 
     def remove(self, pages: list[int]) -> PrefixIndex:
-        key_, ver = self.key.copy(), self.version.copy()
-        key_[pages], ver[pages] = 0, -1
-        return PrefixIndex(key_, ver, self.tick)
+        key_, ver, ad = self.key.copy(), self.version.copy(), self.adapter.copy()
+        key_[pages], ver[pages], ad[pages] = 0, -1, 0
+        return PrefixIndex(key_, ver, self.tick, ad)

@@ -108,6 +108,7 @@ class Runner:
         bt.chunk_starts[:n] = start
         bt.segments[:n] = np.arange(n)
         bt.sample_idx[:] = np.arange(b)
+        bt.adapters[:n] = [s.lora_slot for s in seqs]
         return bt
 
     def ragged_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
@@ -146,6 +147,7 @@ class Runner:
             bt.kv_lens[row : row + k] = start + n
             bt.chunk_starts[row : row + k] = start
             bt.segments[row : row + k] = r
+            bt.adapters[row : row + k] = seq.lora_slot
             bt.sample_idx[r] = base + n - 1
             row += k
         return bt
@@ -197,7 +199,7 @@ class Runner:
             calls += [("prefill", rows) for rows in self.pack(plan.prefill)]
         outs = []
         for kind, rows in calls:
-            pages, out = self._call(state.params, pages, rows, tables, kind)
+            pages, out = self._call(state.step_params, pages, rows, tables, kind)
             outs.append(out)
         return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 

@@ -132,8 +132,8 @@ class Scheduler:
             key = known[-1] if known else 0
             hits = []
             for i in range(len(known), max_pages):
-                key = page_key(key, ids[i * self.ps : (i + 1) * self.ps], w.version)
-                page = w.prefix.find(key, w.version)
+                key = page_key(key, ids[i * self.ps : (i + 1) * self.ps], w.version, seq.adapter)
+                page = w.prefix.find(key, w.version, seq.adapter)
                 if page == 0 or i < len(table):
                     break
                 hits.append((page, key))
@@ -148,7 +148,7 @@ class Scheduler:
         if seq.prompt_keys is None or seq.prompt_keys[0] != version:
             keys, key = [], 0
             for i in range(len(seq.prompt_ids) // self.ps):
-                key = page_key(key, seq.prompt_ids[i * self.ps : (i + 1) * self.ps], version)
+                key = page_key(key, seq.prompt_ids[i * self.ps : (i + 1) * self.ps], version, seq.adapter)
                 keys.append(key)
             seq.prompt_keys = (version, keys)
         return seq.prompt_keys[1]
@@ -165,7 +165,7 @@ class Scheduler:
         """True if seq's first uncached prompt page is being computed by another sequence right
         now: admitting it next step turns that page into a prefix hit instead of a recompute."""
         keys = self._prompt_keys(seq, w.version)[: (seq.total_len - 1) // self.ps]
-        missing = next((k for k in keys if w.prefix.find(k, w.version) == 0), None)
+        missing = next((k for k in keys if w.prefix.find(k, w.version, seq.adapter) == 0), None)
         return missing is not None and missing in pending
 
     def _register_full_pages(self, w: _Work, seq: Sequence) -> None:
@@ -178,10 +178,10 @@ class Scheduler:
             return
         parent, new = (known[-1] if known else 0), []
         for i in range(len(known), full):
-            key = page_key(parent, seq.token_slice(i * self.ps, self.ps), w.version)
+            key = page_key(parent, seq.token_slice(i * self.ps, self.ps), w.version, seq.adapter)
             page = table[i]
-            if w.prefix.key[page] == 0 and w.prefix.find(key, w.version) == 0:
-                w.prefix = w.prefix.insert(page, key, w.version, w.pool.next_tick())
+            if w.prefix.key[page] == 0 and w.prefix.find(key, w.version, seq.adapter) == 0:
+                w.prefix = w.prefix.insert(page, key, w.version, w.pool.next_tick(), seq.adapter)
             new.append(key)
             parent = key
         w.pool.add_keys(seq.seq_id, new)
@@ -274,12 +274,14 @@ class Scheduler:
         Returns the next state and the sequences the step touched."""
         w = _Work.of(state)
         page_version = state.kv.page_version.copy()
+        page_adapter = state.kv.page_adapter.copy()
         tok, lp, top_ids, top_lps = out
         rows = plan.rows
         for i, (seq, n) in enumerate(rows):
             table = w.pool.table(seq.seq_id)
             first, last = seq.num_computed // self.ps, (seq.num_computed + n - 1) // self.ps
             page_version[list(table[first : last + 1])] = w.version
+            page_adapter[list(table[first : last + 1])] = seq.adapter
             seq.num_computed += n
             # Index newly full pages before a finish can release them (then they stay cached).
             self._register_full_pages(w, seq)
@@ -298,8 +300,8 @@ class Scheduler:
                 seq.stop_reason = stop
                 self._finish(w, seq, reason)
         state = w.into(state)
-        state = dataclasses.replace(state, kv=KVCache(pages=state.kv.pages, page_version=page_version))
-        return state, [s for s, _ in rows]
+        kv = KVCache(pages=state.kv.pages, page_version=page_version, page_adapter=page_adapter)
+        return dataclasses.replace(state, kv=kv), [s for s, _ in rows]
 
     # ---- ending and preempting outside a step -------------------------------------
 

@@ -36,6 +36,10 @@ class Sequence:
     arrival: int  # admission priority: lower is older
     eos_ids: tuple[int, ...] = ()
     fork_parent: Sequence | None = None  # n > 1: share the parent's prompt pages
+    # The LoRA adapter served to it (model/lora.py): its buffer slot (-1: the base model) and its
+    # (adapter id, adapter version), part of every cache key it writes or reads (prefix.py).
+    lora_slot: int = -1
+    adapter: tuple[int, int] = (0, 0)
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)

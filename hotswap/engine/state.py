@@ -11,6 +11,7 @@ scheduler's host bookkeeping; which pages they hold is here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +32,19 @@ class KVCache:
     or `[num_pages, page_size, 2*kv_heads*head_dim]` (the same, lane-folded) for the Pallas
     kernel: the layout is the Backend's (`Backend.page_shape`).
 
-    `page_version[p]` is the weights version that last wrote page p (-1: never).
-    It is host metadata, kept beside the device buffers so a page's provenance
+    `page_version[p]` is the weights version that last wrote page p (-1: never), and
+    `page_adapter[p]` the (adapter id, adapter version) it was computed under ((0, 0): the
+    base model). Host metadata, kept beside the device buffers so a page's provenance
     travels with the cache value.
     """
 
     pages: tuple[jax.Array, ...]
     page_version: np.ndarray  # int64[num_pages], host
+    page_adapter: np.ndarray = None  # int64[num_pages, 2], host; None: built from page_version
+
+    def __post_init__(self):
+        if self.page_adapter is None:
+            object.__setattr__(self, "page_adapter", np.zeros((len(self.page_version), 2), np.int64))
 
     @property
     def num_pages(self) -> int:
@@ -54,7 +61,7 @@ class KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class EngineState:
-    """params: device arrays (host arrays while asleep at level 1; None at level 2)."""
+    """params: device arrays (host arrays while asleep at level 1; None at level 2); `base` likewise."""
 
     params: Params | None
     weights_version: int
@@ -62,6 +69,18 @@ class EngineState:
     prefix: PrefixIndex
     pool: PagePool
     asleep: frozenset[str] = frozenset()
+    # The base weights when `params` serve a merged LoRA adapter (model/lora.py): the next adapter
+    # merges into these, on the device; None: `params` are the base.
+    base: Params | None = None
+    # The LoRA adapters served by name and their buffers (engine/adapters.py); None: enable_lora off.
+    adapters: Any = None
+
+    @property
+    def step_params(self) -> Params | None:
+        """What a step reads: the params, with the adapters' buffers under "lora" when served."""
+        if self.adapters is None or self.params is None:
+            return self.params
+        return {**self.params, "lora": self.adapters.buffers}
 
     @property
     def num_pages(self) -> int:
@@ -79,7 +98,7 @@ class EngineState:
 
     def with_pages(self, pages: tuple[jax.Array, ...]) -> EngineState:
         """The same state over new page buffers (a step's donated output), provenance unchanged."""
-        return dataclasses.replace(self, kv=KVCache(pages=pages, page_version=self.kv.page_version))
+        return dataclasses.replace(self, kv=dataclasses.replace(self.kv, pages=pages))
 
 
 def new_kv_cache(

@@ -86,26 +86,43 @@ class HotswapRollout(base_rollout.BaseRollout):
         *,
         policy: str = "drain",
         warmup: bool = False,
+        lora_alpha: float | None = None,
         **engine_kwargs,
     ):
         """`engine_kwargs`: `hotswap.EngineArgs`' options, as `LLM(...)` takes them (`max_model_len`
         defaults to the rollout config's `kv_cache_size`); `warmup` is off unless asked.
         `deterministic=True`: a completion's log-probs are the same bits whatever shared its
-        batch, and `get_per_token_logps` (the engine's `score`) returns them bit for bit."""
+        batch, and `get_per_token_logps` (the engine's `score`) returns them bit for bit.
+
+        An actor that trains LoRA (qwix's `nnx.LoRAParam` leaves, as Tunix's recipes set
+        `lora_config`): the engine serves its base weights with the adapter merged, scaled by
+        `lora_alpha` / r (`lora_alpha` defaults to the qwix rule's alpha), and every sync
+        (`update_params` of the `LoRAParam` state) merges the new adapter into the kept base."""
         self._tokenizer = (
             tokenizer
             if isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter)
             else tokenizer_adapter.TokenizerAdapter(tokenizer)
         )
-        # The actor's graph and non-Param state rebuild `model()` from the engine's weights.
-        self._graphdef, self._param_like, self._rest = nnx.split(rollout_actor, nnx.Param, ...)
+        # The actor's graph and non-Param state rebuild `model()` from the engine's weights; a
+        # LoRA actor's adapter (`nnx.LoRAParam`, a Param subclass) is split out first.
+        self._graphdef, self._lora, self._param_like, self._rest = nnx.split(
+            rollout_actor, nnx.LoRAParam, nnx.Param, ...
+        )
         # The engine starts on a copy of the actor's weights (on their devices): Tunix compares
         # `model()` with the trainer's actor once, at start, and never syncs a rollout that
         # shares its arrays; a shared start would also serve buffers the trainer donates.
-        own = nnx.merge(self._graphdef, jax.tree.map(jnp.copy, self._param_like), self._rest)
+        self._lora = jax.tree.map(jnp.copy, self._lora)
+        own = nnx.merge(self._graphdef, self._lora, jax.tree.map(jnp.copy, self._param_like), self._rest)
         cache = rollout_config.kv_cache_size if rollout_config is not None else 1024
         engine_kwargs["max_model_len"] = engine_kwargs.get("max_model_len") or cache
-        self.llm = LLM.from_flax(own, warmup=warmup, mesh=_engine_mesh(mesh), **engine_kwargs)
+        self._lora_alpha = None
+        if jax.tree.leaves(self._lora):
+            self._lora_alpha = (
+                lora_alpha if lora_alpha is not None else nnx_params.qwix_lora_alpha(rollout_actor)
+            )
+        self.llm = LLM.from_flax(
+            own, warmup=warmup, mesh=_engine_mesh(mesh), lora_alpha=self._lora_alpha, **engine_kwargs
+        )
         self._policy = policy
         self._model: tuple[int, nnx.Module] | None = None
         # One entry per generate call: (engine version at the call, set of versions of its tokens).
@@ -128,12 +145,15 @@ class HotswapRollout(base_rollout.BaseRollout):
 
         Its arrays are the engine's: at start a copy of the actor's (so Tunix's learner sees
         two copies and syncs after every step), after a sync the synced state's own arrays
-        where they were already on the engine's sharding.
+        where they were already on the engine's sharding. A LoRA actor's module is the engine's
+        base weights with a copy of the adapter last synced.
         """
         v = self.llm.weights_version
         if self._model is None or self._model[0] != v:
-            state = nnx_params.state_from_params(self.llm.params, self.llm.config, self._param_like)
-            self._model = (v, nnx.merge(self._graphdef, state, self._rest))
+            st = self.llm.engine.state
+            base = st.base if st.base is not None else st.params
+            state = nnx_params.state_from_params(base, self.llm.config, self._param_like)
+            self._model = (v, nnx.merge(self._graphdef, self._lora, state, self._rest))
         return self._model[1]
 
     # ---- generation ----------------------------------------------------------------
@@ -212,9 +232,15 @@ class HotswapRollout(base_rollout.BaseRollout):
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
         """Swap in the trainer's NNX state: a pure `update_weights` (version + 1, empty cache).
 
-        A bad state (another family or size, a missing layer, NaN, a LoRA state) raises a
-        typed error naming the parameter, and the old version keeps serving.
+        A state of `nnx.LoRAParam` leaves only (Tunix's sync of a LoRA actor) is an adapter:
+        merged on the device into the base weights the engine keeps, scaled by `lora_alpha` / r.
+        A bad state (another family or size, a missing layer, NaN, a LoRA factor of the wrong
+        shape) raises a typed error naming the parameter, and the old version keeps serving.
         """
+        if nnx_params.is_lora_state(params):
+            self.llm.update_weights(params, policy=self._policy, lora_alpha=self._lora_alpha)
+            self._lora = nnx.State(jax.tree.map(jnp.copy, params)) if self._lora is not None else None
+            return
         new = nnx_params.params_from_state(params, self.llm.config)
         dt = jnp.dtype(self.llm.config.dtype)
         new = jax.tree.map(lambda x: x if x.dtype == dt else x.astype(dt), new)  # on device

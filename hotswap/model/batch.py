@@ -40,6 +40,7 @@ class Batch:
     chunk_starts: jax.Array  # [B] first position of the sequence's chunk in this step
     segments: jax.Array  # [B] which sequence of this call the row belongs to (-1: padding)
     sample_idx: jax.Array  # [S] flat index (b * C + c) of the token each sequence samples from
+    adapters: jax.Array  # [B] the row's LoRA adapter slot (-1: the base model; model/lora.py)
 
     @staticmethod
     def zeros(b: int, c: int, p: int, s: int, n: int = 0) -> Batch:
@@ -57,4 +58,5 @@ class Batch:
             chunk_starts=z(b, np.int32),
             segments=np.full(b, -1, np.int32),
             sample_idx=z(s, np.int32),
+            adapters=np.full(b, -1, np.int32),
         )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
-from hotswap.model import gemma
+from hotswap.model import gemma, lora
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -36,7 +36,7 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd] with bias, qk-norm and rope applied.
     `mms` is the matmul routine (`Backend.matmuls`), `ms` the norms' mean of squares
     (`Backend.mean_square`); wq [D, Hq, hd], wk/wv [D, Hkv, hd]."""
-    q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
+    q, k, v = lora.add(lp, h, ("wq", "wk", "wv"), mms(h, (lp["wq"], lp["wk"], lp["wv"])))
     if cfg.qkv_bias:  # biases are flat [H*hd], as checkpoints store them
         q = q + lp["bq"].reshape(cfg.num_heads, cfg.head_dim)
         k = k + lp["bk"].reshape(cfg.num_kv_heads, cfg.head_dim)
@@ -49,8 +49,9 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp
 
 def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square) -> jax.Array:
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ms)
-    gate, up = mms(h, (lp["w_gate"], lp["w_up"]))
-    return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0]
+    gate, up = lora.add(lp, h, ("w_gate", "w_up"), mms(h, (lp["w_gate"], lp["w_up"])))
+    act = jax.nn.silu(gate) * up
+    return x + lora.add(lp, act, ("w_down",), mms(act, (lp["w_down"],)))[0]
 
 
 def forward_paged(
@@ -74,7 +75,11 @@ def forward_paged(
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     x = params["embed"][batch.tokens]  # [B, C, D]
     new_kv, new_pages = [], []
+    adapters = params.get("lora")  # adapters served by name: each row's own (model/lora.py)
+    mask = None if adapters is None else lora.row_mask(batch.adapters, adapters["col_slot"], x.dtype)
     for i, (lp, layer_pages) in enumerate(zip(params["layers"], pages, strict=True)):
+        if adapters is not None:
+            lp = lora.with_layer(lp, adapters["layers"][i], mask)
         window = cfg.layer_window(i)  # Mistral's sliding window, else None
         x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, window=window, cfg=cfg, backend=backend)
         new_kv.append(kv)
@@ -98,7 +103,7 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, window, cfg: ModelCo
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         o, layer_pages = backend.attend(q, k, v, layer_pages, batch, scale, window=window)
-        x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
+        x = x + lora.add(lp, o, ("wo",), mms(o, (lp["wo"],), 2))[0]  # [B, C, Hq, hd] x [Hq, hd, D]
         return _mlp(lp, cfg, x, mms, ms), (k, v), layer_pages
 
 

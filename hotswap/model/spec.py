@@ -39,6 +39,8 @@ from hotswap.model.config import ModelConfig
 Params = dict[str, Any]  # nested dict of jax/numpy arrays, layout in params.py
 
 EMBED = "model.embed_tokens.weight"
+# The layer rows a LoRA adapter may target (PEFT's q/k/v/o_proj, gate/up/down_proj).
+ADAPTABLE = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LM_HEAD = "lm_head.weight"
 
 
@@ -57,6 +59,7 @@ class ParamSpec:
     # `leaf[nnx_index]` (k and v stacked in one `[2, K, D, H]` leaf), then `nnx_perm` of it.
     nnx_index: int | None = None
     nnx_perm: tuple[int, ...] | None = None
+    adaptable: bool = False  # a LoRA adapter may target it (`lora_shapes`, `lora_names`; model/lora.py)
 
     @property
     def name(self) -> str:
@@ -108,6 +111,34 @@ class ParamSpec:
         if self.nnx_perm is None:
             return x
         return x.transpose(sorted(range(len(self.nnx_perm)), key=self.nnx_perm.__getitem__))
+
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A LoRA pair's shapes in the params layout, as qwix makes them on Tunix's models: A
+        `[*in, r]`, B `[r, *out]`, so that A·B reshaped is `shape` (wq: A [D, r], B [r, Hq, hd];
+        wo: A [Hq, hd, r], B [r, D]). The `[in, out]` matrix's first dim is the leading dims'."""
+        rows, n_in = (self.matrix or self.shape)[0], 0
+        prod = 1
+        while prod < rows:
+            prod *= self.shape[n_in]
+            n_in += 1
+        return (*self.shape[: max(n_in, 1)], rank), (rank, *self.shape[max(n_in, 1) :])
+
+    def lora_names(self, form: str) -> tuple[str, str]:
+        """The (A, B) tensor names of a LoRA pair on this row, as each source names them:
+        "peft" (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`, PEFT's
+        `[r, in]` / `[out, r]`), "nnx" (qwix on Tunix: `layers.3.attn.q_proj.w_lora_a`), "params"
+        (`layers.3.wq.lora_a`, the shapes of `lora_shapes`)."""
+        if form == "peft":
+            module = f"base_model.model.{self.hf_name.removesuffix('.weight')}"
+            return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+        base = self.nnx_name if form == "nnx" else self.name
+        sep = "_" if form == "nnx" else "."
+        return f"{base}{sep}lora_a", f"{base}{sep}lora_b"
+
+    @property
+    def module(self) -> str:
+        """The HF module name a PEFT `target_modules` entry names ("q_proj", "down_proj")."""
+        return self.hf_name.split(".")[-2] if self.hf_name else ""
 
     def hf_dims(self) -> tuple[tuple[int, ...], ...]:
         """For each HF dim, the params dims it merges, major first: wq [D, Hq, hd] from HF
@@ -170,6 +201,9 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
             "w_down", (f, d), ("mlp", "embed"), "mlp.down_proj.weight", True, "mlp.down_proj.kernel"
         ),
     }
+    for key in ADAPTABLE:  # the rows a LoRA adapter may target
+        if key in rows:
+            rows[key] = dataclasses.replace(rows[key], adaptable=True)
     if cfg.is_gemma:
         # Gemma norms after attention and after the MLP too; HF's `post_attention_layernorm` is
         # the post-attention norm there (Llama's pre-MLP norm), `pre_feedforward_layernorm` the

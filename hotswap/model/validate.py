@@ -239,3 +239,81 @@ def nnx_variables(flat: Mapping[str, Any], cfg: ModelConfig, abstract: Params | 
             )
         if s.name in dtypes and dt != np.dtype(dtypes[s.name]):
             raise mismatch(f"{s.nnx_name}", s.shape, dtypes[s.name], shape, dt)
+
+
+# ---- LoRA adapters: PEFT names, qwix's NNX names, params names ---------------------------------
+
+LORA_FORMS = ("peft", "nnx", "params")
+
+
+def lora_shapes(spec: ParamSpec, form: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (A, B) shapes `form` stores a rank-`rank` pair on `spec` in: PEFT's torch Linear
+    weights `[r, in]` / `[out, r]`, else the params layout's `[*in, r]` / `[r, *out]`."""
+    a, b = spec.lora_shapes(rank)
+    if form == "peft":
+        return (rank, int(np.prod(a[:-1]))), (int(np.prod(b[1:])), rank)
+    return a, b
+
+
+def lora_rank(form: str, a_shape: tuple[int, ...]) -> int:
+    """A pair's rank, read off its A factor as `form` lays it out."""
+    if not a_shape:
+        return 0
+    return a_shape[0] if form == "peft" else a_shape[-1]
+
+
+def lora_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, Any], form: str, *, max_rank: int | None = None
+) -> dict[str, tuple[ParamSpec, str, str, int]]:
+    """A LoRA adapter's tensors, named as `form` names them, against the spec table's adaptable
+    rows (`ParamSpec.adaptable`: q/k/v/o, gate/up/down): every name an A or B factor of one,
+    in pairs, float, shaped for the pair's rank, the rank within `max_rank`. Nothing is read
+    but shapes and dtypes. Returns params name -> (row, A name, B name, rank)."""
+    rows = [s for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if s.adaptable]
+    by_name = {n: (s, i) for s in rows for i, n in enumerate(s.lora_names(form))}
+    unknown = sorted(n for n in tensors if n not in by_name)
+    if unknown:
+        modules = ", ".join(sorted({s.module for s in rows}))
+        raise WeightsMismatch(
+            f"unexpected LoRA tensor(s): {_listed(unknown)}; an adapter for a {cfg.arch} model of "
+            f"{cfg.num_layers} layers targets only {modules} (another model, or an unsupported target module?)"
+        )
+    if not tensors:
+        raise WeightsMismatch("a LoRA adapter with no tensors")
+    out = {}
+    for s in rows:
+        a_name, b_name = s.lora_names(form)
+        if a_name not in tensors and b_name not in tensors:
+            continue
+        for name, other in ((a_name, b_name), (b_name, a_name)):
+            if name not in tensors:
+                raise WeightsMismatch(f"{name}: missing, but its pair {other} was sent (LoRA needs both)")
+        a_meta, b_meta = meta(tensors[a_name]), meta(tensors[b_name])
+        rank = lora_rank(form, a_meta[0])
+        for name, (_, dtype) in ((a_name, a_meta), (b_name, b_meta)):
+            if dtype not in FLOAT_DTYPES:
+                raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type")
+        if rank < 1:
+            raise WeightsMismatch(f"{a_name}: a LoRA factor of rank 0, shape {a_meta[0]}")
+        want_a, want_b = lora_shapes(s, form, rank)
+        for name, want, (shape, _) in ((a_name, want_a, a_meta), (b_name, want_b, b_meta)):
+            if shape != want:
+                raise WeightsMismatch(
+                    f"{name}: expected {want} for a rank-{rank} LoRA pair on {s.name} "
+                    f"{s.shape}, got {shape} (an adapter for another model?)"
+                )
+        if max_rank is not None and rank > max_rank:
+            raise WeightsMismatch(f"{a_name}: LoRA rank {rank} is above max_lora_rank={max_rank}")
+        out[s.name] = (s, a_name, b_name, rank)
+    return out
+
+
+def lora_targets(cfg: ModelConfig, modules: Iterable[str], where: str) -> None:
+    """An adapter config's `target_modules` must name adaptable modules of this model."""
+    known = {s.module for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if s.adaptable}
+    unknown = sorted(set(modules) - known)
+    if unknown:
+        raise WeightsMismatch(
+            f"{where}: target module(s) {_listed(unknown)} cannot be adapted; a {cfg.arch} model's "
+            f"adaptable modules are {', '.join(sorted(known))}"
+        )

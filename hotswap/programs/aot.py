@@ -142,6 +142,12 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = catalog.params_bytes_per_chip(mcfg, target)
+    # the buffers of adapters served by name (`--enable-lora`): resident beside the params
+    lora_bytes = (
+        catalog.lora_bytes_per_chip(mcfg, acfg.max_loras, acfg.max_lora_rank, target)
+        if acfg.enable_lora
+        else 0
+    )
     one_page = kv_sizing.page_bytes(mcfg, acfg.page_size, tp)
     stats: list[catalog.StepStats] = []
     n_steps = compiled_pages = 0
@@ -174,14 +180,14 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         num_pages, temps = acfg.num_pages, compile_all(acfg.num_pages)
     else:  # as the engine sizes a real chip's pool, from the chip's HBM size
         num_pages, temps = kv_sizing.accelerator_pages(
-            chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes, one_page, compile_all
+            chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes + lora_bytes, one_page, compile_all
         )
     steps, others = stats[:n_steps], stats[n_steps:]
     check_pages_fit(num_pages, acfg.page_size, max_len)
     kv_bytes = num_pages * one_page
     # While serving: params + cache + the worst step's temporaries and unaliased outputs.
     extra = max(s.temp_bytes + s.output_bytes - s.alias_bytes for s in steps)
-    serving = params_bytes + kv_bytes + extra
+    serving = params_bytes + lora_bytes + kv_bytes + extra
     worst = max(steps, key=lambda s: s.temp_bytes + s.output_bytes - s.alias_bytes)
     # A hot update stages the new params beside the serving ones (weights/ingest.py).
     update = 2 * params_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
@@ -201,6 +207,9 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "page_size": acfg.page_size,
         "gpu_memory_utilization": acfg.gpu_memory_utilization,
         "params_bytes_per_chip": params_bytes,
+        "lora_bytes_per_chip": lora_bytes,
+        "max_loras": acfg.max_loras if acfg.enable_lora else 0,
+        "max_lora_rank": acfg.max_lora_rank if acfg.enable_lora else 0,
         "kv_cache_bytes_per_chip": kv_bytes,
         "num_pages": num_pages,
         "compiled_num_pages": compiled_pages,
@@ -237,6 +246,13 @@ def table(report: dict) -> str:
         f"({report['num_pages']} pages of {report['page_size']} at {report['gpu_memory_utilization']}), "
         f"serving {g(report['serving_bytes_per_chip'])} of {g(report['hbm_bytes_per_chip'])} HBM: "
         + ("fits" if report["fits"] else "DOES NOT FIT"),
+        *(
+            [
+                f"LoRA buffers ({report['max_loras']} adapters x rank {report['max_lora_rank']}): {g(report['lora_bytes_per_chip'])}"
+            ]
+            if report.get("lora_bytes_per_chip")
+            else []
+        ),
         f"a hot update (new params beside the old): {g(report['update_bytes_per_chip'])}"
         + (
             ""

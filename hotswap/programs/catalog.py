@@ -33,7 +33,7 @@ from hotswap.config import EngineConfig
 from hotswap.errors import ProgramError
 from hotswap.kernels import finite
 from hotswap.kernels.backend import Backend
-from hotswap.model import sharding
+from hotswap.model import lora, sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.model.spec import is_spec, param_specs
@@ -135,9 +135,42 @@ def abstract_inputs(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
         abstract_params(mcfg),
         target.params,
     )
+    if ecfg.enable_lora:  # the adapters' buffers ride in the step's params (EngineState.step_params)
+        params = {**params, "lora": lora_buffers(mcfg, ecfg.max_loras, ecfg.max_lora_rank, target)}
     shape = _page_shape(mcfg, ecfg, target.backend)
     page = jax.ShapeDtypeStruct(shape, jnp.dtype(mcfg.dtype), sharding=target.kv)
     return params, (page,) * mcfg.num_layers
+
+
+def lora_buffers(mcfg: ModelConfig, max_loras: int, max_rank: int, target: Target) -> dict:
+    """The abstract buffers of adapters served by name (model/lora.py): A `[*in, L*R]` and B
+    `[L*R, *out]` per adaptable row, on the adapted weight's devices, and the column -> slot map."""
+    cols, dtype = max_loras * max_rank, jnp.dtype(mcfg.dtype)
+    layers = []
+    for layer_specs, layer_sh in zip(param_specs(mcfg)["layers"], target.params["layers"], strict=True):
+        bufs = {}
+        for key, spec in layer_specs.items():
+            if spec.adaptable:
+                a_shape, b_shape = spec.lora_shapes(cols)
+                a_sh, b_sh = lora.factor_shardings(layer_sh[key], len(a_shape) - 1)
+                bufs[key] = (
+                    jax.ShapeDtypeStruct(a_shape, dtype, sharding=a_sh),
+                    jax.ShapeDtypeStruct(b_shape, dtype, sharding=b_sh),
+                )
+        layers.append(bufs)
+    return {
+        "layers": layers,
+        "col_slot": jax.ShapeDtypeStruct((cols,), jnp.int32, sharding=target.replicated),
+    }
+
+
+def lora_bytes_per_chip(mcfg: ModelConfig, max_loras: int, max_rank: int, target: Target) -> int:
+    """Bytes of one chip's shards of the buffers of adapters served by name."""
+    per: dict = {}
+    for x in jax.tree.leaves(lora_buffers(mcfg, max_loras, max_rank, target)):
+        for d in x.sharding.device_set:
+            per[d] = per.get(d, 0) + int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    return max(per.values())
 
 
 def _page_shape(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> tuple[int, ...]:

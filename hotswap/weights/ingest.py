@@ -49,6 +49,9 @@ class StagedParams:
 
     params: Params
     abstract: Params
+    base: Params | None = (
+        None  # the base weights `params` merged a LoRA adapter into; None: params are the base
+    )
 
 
 def stage_params(

@@ -183,8 +183,8 @@ def _name(path) -> str:
 def flat_variables(source: nnx.State | nnx.Module) -> dict[str, Any]:
     """ "layers.3.attn.q_proj.w" -> Variable for every variable of an NNX state or module.
 
-    A LoRA adapter (`nnx.LoRAParam`) is refused: the engine serves plain weights, so merge
-    the adapter into the base weights (and pass those) before an update.
+    A state mixing base weights and LoRA factors (`nnx.LoRAParam`) is refused: an update is
+    either the base (plain Params) or an adapter (LoRAParams alone, `weights/lora.py`).
     """
     state = nnx.state(source) if isinstance(source, nnx.Module) else source
     if not isinstance(state, nnx.State):
@@ -193,10 +193,63 @@ def flat_variables(source: nnx.State | nnx.Module) -> dict[str, Any]:
     lora = sorted(n for n, v in flat.items() if isinstance(v, nnx.LoRAParam))
     if lora:
         raise WeightsMismatch(
-            f"{lora[0]}: a LoRA parameter (nnx.LoRAParam); merge the adapter into the base weights "
-            "and pass those (hotswap serves plain weights)"
+            f"{lora[0]}: a LoRA parameter (nnx.LoRAParam) beside base weights; send the adapter "
+            "alone (the LoRAParam state: merged into the kept base) or the base weights alone"
         )
     return {n: v for n, v in flat.items() if isinstance(v, nnx.Param)}
+
+
+def is_lora_state(source: Any) -> bool:
+    """An NNX state (or module) whose variables are all `nnx.LoRAParam`s: a LoRA adapter."""
+    state = nnx.state(source) if isinstance(source, nnx.Module) else source
+    if not isinstance(state, nnx.State):
+        return False
+    flat = [v for _, v in nnx.to_flat_state(state)]
+    return bool(flat) and all(isinstance(v, nnx.LoRAParam) for v in flat)
+
+
+def base_state(model: nnx.Module) -> nnx.State:
+    """A module's base weights: its Params but the LoRA factors (`nnx.LoRAParam`, a Param subclass)."""
+    return nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+
+
+def lora_state(model: nnx.Module) -> nnx.State:
+    return nnx.state(model, nnx.LoRAParam)
+
+
+def qwix_lora_alpha(model: nnx.Module) -> float:
+    """The alpha of the qwix LoRA rules applied to `model` (`qwix.apply_lora_to_model` keeps its
+    provider in the wrapped `__call__`), so an adapter's scale alpha / r is the trainer's."""
+    seen, todo, alphas = set(), [type(model).__call__], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for rule in getattr(obj, "_rules", None) or ():  # a qwix provider's rules
+            if hasattr(rule, "alpha") and hasattr(rule, "rank"):
+                alphas.add(float(rule.alpha))
+        if isinstance(obj, functools.partial):
+            todo += [obj.func, *obj.args, *obj.keywords.values()]
+        if hasattr(obj, "__self__"):  # a bound method of a provider
+            todo.append(obj.__self__)
+        todo += [c.cell_contents for c in getattr(obj, "__closure__", None) or () if _filled(c)]
+        if hasattr(obj, "__wrapped__"):
+            todo.append(obj.__wrapped__)
+    if len(alphas) != 1:
+        raise ConfigError(
+            f"{type(model).__name__} carries LoRA parameters but its qwix rules give "
+            f"{'no' if not alphas else 'several'} alpha ({sorted(alphas)}); pass lora_alpha"
+        )
+    return alphas.pop()
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018  (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def _value(var) -> jax.Array:

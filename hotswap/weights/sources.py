@@ -25,10 +25,11 @@ import numpy as np
 
 from hotswap.checkpoint import gguf_io, hf, orbax_io, payload
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
-from hotswap.model import validate
+from hotswap.model import lora, validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.weights import hf_device, transfer
+from hotswap.weights import lora as lora_source
 from hotswap.weights.ingest import StagedParams, place_params, stage_params
 
 
@@ -151,6 +152,7 @@ def stage_source(
     partial: bool = False,
     weights_root: str | os.PathLike | None = None,
     check_finite: bool = True,
+    lora_alpha: float | None = None,
 ) -> StagedParams:
     """Any supported source -> params validated and placed on `abstract`: the engine's one
     path, for an update and for its first load (an update into an empty state).
@@ -160,7 +162,17 @@ def stage_source(
     the file's layout, is transposed and cast there, and a NaN is reported under its HF
     name. A partial update keeps the current leaves as they are (no host round trip) and
     scans only the tensors it brings. Params trees are placed by `ingest.stage_params`.
+
+    A LoRA adapter (`weights/lora.py`: PEFT, an NNX `LoRAParam` state, a params-layout tree)
+    is merged into `current`, the base weights (`model/lora.py`), on their devices: the staged
+    params serve W + (alpha / r)·A·B and keep `current` as their base.
     """
+    adapter = lora_source.read(source, cfg, weights_root=weights_root)
+    if adapter is not None:
+        if current is None:
+            raise WeightsMismatch("a LoRA adapter needs base weights loaded (not after sleep level 2)")
+        factors = lora_source.stage(adapter, cfg, abstract, lora_alpha=lora_alpha, check_finite=check_finite)
+        return StagedParams(lora.merge(current, factors), abstract, base=current)
     base = _partial_base(current, partial)
     got = read(source, cfg, weights_root=weights_root, abstract=abstract)
     if got.tensors is None:

@@ -1,0 +1,237 @@
+"""LoRA adapters in, through the one pipeline: read (one reader per form) -> validate by the
+source's own names (`model/validate.lora_tensors`) -> one finiteness pass -> factors placed on
+the devices of the weights they adapt.
+
+Forms, told apart by their names:
+
+- PEFT (`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` `[r, in]`, `lora_B`
+  `[out, r]`): a directory with `adapter_config.json` (r, lora_alpha, target_modules) and
+  `adapter_model.safetensors`, safetensors bytes, or a mapping of such names;
+- a Flax NNX state of `nnx.LoRAParam` leaves, as qwix names them on Tunix's models
+  (`layers.3.attn.q_proj.w_lora_a` `[D, r]`, `..._lora_b` `[r, Hq, hd]`): what Tunix's
+  `RLCluster.sync_weights` sends when the actor trains LoRA;
+- a params-layout tree `{"layers": [{"wq": {"lora_a": [D, r], "lora_b": [r, Hq, hd]}, ...}]}`.
+
+Whatever the form, the staged factors are the params layout's (`ParamSpec.lora_shapes`):
+A `[*in, r]` f32 and B `[r, *out]` f32 with the adapter's scale (alpha / r; alpha / sqrt(r) for
+rsLoRA) folded in, so A·B reshaped is the row's delta. A `.bin` adapter (pickle) is refused,
+never unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.checkpoint import orbax_io, payload
+from hotswap.checkpoint.safetensors_io import read_safetensors
+from hotswap.errors import CheckpointError, ConfigError, PickleRefused, WeightsMismatch
+from hotswap.model import validate
+from hotswap.model.config import ModelConfig
+from hotswap.model.lora import Factors, factor_shardings
+from hotswap.model.params import Params
+from hotswap.weights import finiteness
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSource:
+    """An adapter as read, not converted: its tensors as `form` names them (`validate.LORA_FORMS`)
+    and what its source states of its scale (`adapter_config.json`; None: the caller's
+    `lora_alpha`)."""
+
+    tensors: Mapping[str, Any]
+    form: str
+    alpha: float | None = None
+    rslora: bool = False
+    where: str = "adapter"
+
+
+def _is_lora_param(var: Any) -> bool:
+    return any(c.__name__ == "LoRAParam" and c.__module__.startswith("flax") for c in type(var).__mro__)
+
+
+def _flax_adapter(source: Any) -> AdapterSource | None:
+    """An NNX state whose variables are all `nnx.LoRAParam`s (Tunix's LoRA sync), else None."""
+    from flax import nnx  # the [tunix] extra: only reached for a flax source
+
+    state = nnx.state(source) if isinstance(source, nnx.Module) else source
+    if not isinstance(state, nnx.State):
+        return None
+    flat = {".".join(str(getattr(k, "key", k)) for k in p): v for p, v in nnx.to_flat_state(state)}
+    if not flat or not all(_is_lora_param(v) for v in flat.values()):
+        return None
+    values = {n: v.get_value() if hasattr(v, "get_value") else v.value for n, v in flat.items()}
+    return AdapterSource(values, "nnx", where="nnx state")
+
+
+def _params_adapter(source: Mapping) -> AdapterSource | None:
+    """`{"layers": [{"wq": {"lora_a", "lora_b"}, ...}]}` (no embedding): a params-layout adapter."""
+    layers = source.get("layers")
+    if "embed" in source or not isinstance(layers, (list, tuple)):
+        return None
+    flat = {}
+    for i, layer in enumerate(layers):
+        for key, pair in (layer or {}).items():
+            if not isinstance(pair, Mapping):
+                return None
+            for factor, x in pair.items():
+                flat[f"layers.{i}.{key}.{factor}"] = x
+    return AdapterSource(flat, "params", where="adapter tree") if flat else None
+
+
+def _is_peft(names) -> bool:
+    return any(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def _peft_dir(path: Path) -> tuple[AdapterSource, list[str]]:
+    """`adapter_config.json` + `adapter_model.safetensors`, as PEFT's `save_pretrained` writes
+    them -> (the adapter, its config's target_modules)."""
+    where = str(path / ADAPTER_CONFIG)
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: not a readable adapter config ({e})") from e
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise WeightsMismatch(
+            f"{where}: peft_type {config.get('peft_type')!r}; only LORA adapters are served"
+        )
+    if config.get("use_dora"):
+        raise WeightsMismatch(f"{where}: use_dora=true; DoRA adapters are not served (plain LoRA only)")
+    file = path / ADAPTER_FILE
+    if not file.exists():
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            raise PickleRefused(
+                f"{path}: adapter_model.bin is a pickle and is never unpickled; save the adapter with "
+                "save_pretrained(safe_serialization=True)"
+            )
+        raise CheckpointError(f"{path}: no {ADAPTER_FILE}")
+    targets = config.get("target_modules") or []
+    return AdapterSource(
+        read_safetensors(file),
+        "peft",
+        alpha=float(config["lora_alpha"]) if config.get("lora_alpha") is not None else None,
+        rslora=bool(config.get("use_rslora")),
+        where=where,
+    ), [targets] if isinstance(targets, str) else list(targets)
+
+
+def read(source: Any, cfg: ModelConfig, *, weights_root=None) -> AdapterSource | None:
+    """The adapter `source` holds, or None when it is not a LoRA adapter (a base weight source).
+    A directory's `adapter_config.json` must target this model's adaptable modules."""
+    if any(c.__module__.startswith("flax.nnx") for c in type(source).__mro__):
+        return _flax_adapter(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = orbax_io.resolve_weights_path(source, weights_root)
+        if not (path / ADAPTER_CONFIG).exists():
+            return None
+        adapter, targets = _peft_dir(path)
+        # PEFT's "all-linear" and regexes name no module list: the tensors' own names are checked
+        if targets and not any(t == "all-linear" or t.startswith("(") or "*" in t for t in targets):
+            validate.lora_targets(cfg, [t.split(".")[-1] for t in targets], adapter.where)
+        return adapter
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        payload.sniff_refuse_pickle(source)
+        if not payload._looks_like_safetensors(source):
+            return None
+        tensors = payload.decode_safetensors(bytes(source))
+        return AdapterSource(tensors, "peft", where="payload") if _is_peft(tensors) else None
+    if isinstance(source, Mapping) and all(isinstance(k, str) for k in source):
+        if _is_peft(source):
+            return AdapterSource(source, "peft", where="tensors")
+        return _params_adapter(source)
+    return None
+
+
+def stage(
+    adapter: AdapterSource,
+    cfg: ModelConfig,
+    abstract: Params,
+    *,
+    lora_alpha: float | None = None,
+    max_rank: int | None = None,
+    check_finite: bool = True,
+) -> Factors:
+    """Validated (by the adapter's own names), checked for NaN/Inf and placed: params name ->
+    (A `[*in, r]`, B `[r, *out]` scaled), f32, on the adapted weights' devices."""
+    chosen = validate.lora_tensors(cfg, adapter.tensors, adapter.form, max_rank=max_rank)
+    alpha = adapter.alpha
+    if alpha is None:
+        alpha = lora_alpha
+    elif lora_alpha is not None and float(lora_alpha) != alpha:
+        raise ConfigError(f"lora_alpha={lora_alpha} but {adapter.where} says lora_alpha={alpha}")
+    if alpha is None:
+        raise ConfigError(
+            f"{adapter.where}: a LoRA adapter's scale is alpha / r, and this source does not state its "
+            "alpha; pass lora_alpha"
+        )
+    check = finiteness.Pass(check_finite)
+    check.add({n: adapter.tensors[n] for _, a, b, _ in chosen.values() for n in (a, b)})
+    check.raise_first([n for _, a, b, _ in chosen.values() for n in (a, b)])
+    names = sorted(chosen)
+    plan, shardings = [], []
+    for name in names:
+        spec, _, _, rank = chosen[name]
+        a_shape, b_shape = spec.lora_shapes(rank)
+        scale = float(alpha) / (math.sqrt(rank) if adapter.rslora else rank)
+        plan.append((a_shape, b_shape, scale))
+        shardings.extend(factor_shardings(_leaf(abstract, spec.path).sharding, len(a_shape) - 1))
+    sources = [adapter.tensors[n] for name in names for n in chosen[name][1:3]]
+    sources = [x if isinstance(x, jax.Array) else np.asarray(x) for x in sources]
+    placed = _converter(tuple(plan), adapter.form == "peft", tuple(shardings))(sources)
+    return {name: (placed[2 * i], placed[2 * i + 1]) for i, name in enumerate(names)}
+
+
+@functools.cache
+def _converter(plan: tuple, peft: bool, shardings: tuple):
+    """One jit per adapter shape: source factors -> params-layout f32 factors on `shardings`
+    (a device-side move: on CPU `jax.device_put` between device shardings goes through the host,
+    which Tunix's transfer guard refuses during a sync). PEFT's torch Linear weights are A
+    `[r, in]`, B `[out, r]`: transposed here."""
+
+    def convert(xs):
+        out = []
+        for i, (a_shape, b_shape, scale) in enumerate(plan):
+            a, b = (x.astype(jnp.float32) for x in xs[2 * i : 2 * i + 2])
+            if peft:
+                a, b = a.T, b.T
+            out += [a.reshape(a_shape), b.reshape(b_shape) * np.float32(scale)]
+        return out
+
+    if all(s is not None for s in shardings):
+        return jax.jit(convert, out_shardings=list(shardings))
+    return jax.jit(convert)
+
+
+def _leaf(tree: Params, path) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def peft_config(rank: int, alpha: float, target_modules: list[str]) -> dict[str, Any]:
+    """The `adapter_config.json` PEFT writes for a plain LoRA adapter (what `read` reads)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "lora_dropout": 0.0,
+        "target_modules": sorted(target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+    }
