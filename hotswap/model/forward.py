@@ -1,4 +1,5 @@
-"""Llama-family forward pass (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions.
+"""Llama-family forward pass (Llama 2/3, Mistral, Qwen2/2.5, Qwen3; Qwen3-MoE and Mixtral with
+sparse MLPs, `moe.py`) as pure functions.
 
 Params are always an argument (layout in `params.py`), never closed over, so a
 weight swap with the same shapes reuses every compiled step. Layers are a
@@ -18,6 +19,7 @@ import numpy as np
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
+from hotswap.model import moe
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -81,10 +83,14 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square) -> jax.Array:
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square):
+    """(x + MLP(x), the experts each token was routed to [..., k], or None in a dense layer)."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ms)
+    if "router" in lp:  # a sparse layer (model/moe.py)
+        y, routed = moe.sparse_mlp(lp, cfg, h, mms)
+        return x + y, routed
     gate, up = mms(h, (lp["w_gate"], lp["w_up"]))
-    return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0]
+    return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0], None
 
 
 def forward_paged(
@@ -92,8 +98,9 @@ def forward_paged(
 ):
     """One engine step over `batch` ([B, C] tokens: a decode batch or a packed prefill, batch.py).
 
-    Returns (final hidden [B, C, D], new_kv, pages) where new_kv is this step's (K, V) per
-    layer, each [B, C, Hkv, hd].
+    Returns (final hidden [B, C, D], new_kv, pages, routed) where new_kv is this step's (K, V)
+    per layer, each [B, C, Hkv, hd], and routed the experts each token went to in each sparse
+    layer, [B, C, len(cfg.moe_layers), k] int32 (None for a dense model).
 
     With a `read_then_write` backend (the jnp reference), attention reads the cache as it was
     before the step plus the step's own K/V, and `pages` come back untouched; the caller writes
@@ -105,18 +112,21 @@ def forward_paged(
     """
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     x = params["embed"][batch.tokens]  # [B, C, D]
-    new_kv, new_pages = [], []
+    new_kv, new_pages, routed = [], [], []
     for lp, layer_pages in zip(params["layers"], pages, strict=True):
-        x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, cfg=cfg, backend=backend)
+        x, kv, layer_pages, experts = _layer(lp, x, layer_pages, batch, rope, cfg=cfg, backend=backend)
         new_kv.append(kv)
         new_pages.append(layer_pages)
+        if experts is not None:
+            routed.append(experts)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend.mean_square)
-    return h, tuple(new_kv), tuple(new_pages)
+    return h, tuple(new_kv), tuple(new_pages), jnp.stack(routed, axis=-2) if routed else None
 
 
 @partial(jax.jit, static_argnames=("cfg", "backend"))
 def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, backend: Backend):
-    """One decoder layer of `forward_paged`: (x, (k, v), the layer's pages after the step).
+    """One decoder layer of `forward_paged`: (x, (k, v), the layer's pages after the step, the
+    routed experts [B, C, k] or None).
 
     A jit of its own inside the step: every layer has the same shapes, so JAX traces and
     lowers it once per step shape instead of once per layer, and XLA inlines the calls
@@ -129,7 +139,8 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, ba
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         o, layer_pages = backend.attend(q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
-        return _mlp(lp, cfg, x, mms, ms), (k, v), layer_pages
+        x, routed = _mlp(lp, cfg, x, mms, ms)
+        return x, (k, v), layer_pages, routed
 
 
 def write_pages(pages, new_kv, slots, *, backend: Backend):
@@ -167,7 +178,7 @@ def forward_dense(
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         o = attention(q, k, v, lengths, scale=scale)
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
-        x = _mlp(lp, cfg, x, mms, ms)
+        x, _ = _mlp(lp, cfg, x, mms, ms)
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ms), mms)
 
 

@@ -47,6 +47,11 @@ RULES: dict[str, str | None] = {
     "kv_heads": TP,  # k/v heads, and the KV cache's interleaved 2*kv_heads axis
     "mlp": TP,  # F
     "head_dim": None,  # within a head: attention never splits it
+    # Sparse layers (model/moe.py): the router's [D, E] scores are replicated (every device
+    # routes its tokens itself); the experts' stacked weights [E, D, F] by expert.
+    "expert_scores": None,
+    "expert": None,
+    "expert_mlp": None,
     "kv_pages": None,
     "page_slots": None,
 }

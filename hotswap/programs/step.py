@@ -123,7 +123,7 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
 
 
 def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
-    h, new_kv, pages = forward.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
+    h, new_kv, pages, _routed = forward.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         logits = forward.logits_from_hidden(params, h_last, backend.matmuls)

@@ -1,0 +1,75 @@
+"""The sparse MLP of a mixture-of-experts layer (Qwen3-MoE, Mixtral) as grouped matmuls.
+
+Each token's router scores pick `k` of the layer's `E` experts (`route`, HF's rule: softmax over
+all experts in f32, top-k, optionally renormalised); the token's MLP output is the routing
+weighted sum of those experts' SwiGLU MLPs. The experts' weights are stacked leaves
+(`model/spec.py`: gate/up `[E, D, F]`, down `[E, F, D]`).
+
+Two ways to run the experts, chosen by the (static) number of token-expert pairs N = T*k:
+- `_grouped`: the pairs sorted by expert, `jax.lax.ragged_dot` over the contiguous groups
+  (`group_sizes` from the routing): one grouped matmul per projection, no all-experts compute
+  and no per-expert loop. The shape of a prefill.
+- `_gathered`: for few pairs (N < E, a decode step), each pair's expert weights are gathered
+  and applied as a batched matrix-vector product, so the step reads the routed experts' bytes
+  only, whatever the grouped matmul lowers to.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hotswap.kernels.backend import jnp_matmuls
+from hotswap.model.config import ModelConfig
+
+
+def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, mms=jnp_matmuls) -> tuple[jax.Array, jax.Array]:
+    """h [T, D] -> (weights [T, k] f32, experts [T, k] int32), experts by descending score.
+
+    As HF: the scores are the router's matmul in the model's dtype, the softmax over all `E`
+    experts and the top-k in f32, then (`norm_topk_prob`) the k probabilities renormalised."""
+    logits = mms(h, (router,))[0].astype(jnp.float32)  # [T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def _grouped(lp: dict, x: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+    """x [N, D] (pair n's token), experts [N] -> each pair's expert MLP output [N, D]."""
+    order = jnp.argsort(experts, stable=True)  # [N] pairs grouped by expert
+    sizes = jnp.bincount(experts, length=num_experts).astype(jnp.int32)  # [E]
+    xs = x[order]
+    gate = jax.lax.ragged_dot(xs, lp["experts_gate"], sizes)  # [N, F]
+    up = jax.lax.ragged_dot(xs, lp["experts_up"], sizes)
+    ys = jax.lax.ragged_dot(_swiglu(gate, up), lp["experts_down"], sizes)  # [N, D]
+    return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # back to pair order
+
+
+def _gathered(lp: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
+    """As `_grouped`, for few pairs: each pair's [D, F] / [F, D] expert weights gathered."""
+    gate = jnp.einsum("nd,ndf->nf", x, lp["experts_gate"][experts])
+    up = jnp.einsum("nd,ndf->nf", x, lp["experts_up"][experts])
+    return jnp.einsum("nf,nfd->nd", _swiglu(gate, up), lp["experts_down"][experts])
+
+
+def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, mms=jnp_matmuls) -> tuple[jax.Array, jax.Array]:
+    """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32)."""
+    lead, d, k = h.shape[:-1], h.shape[-1], cfg.num_experts_per_tok
+    flat = h.reshape(-1, d)  # [T, D]
+    weights, experts = route(flat, lp["router"], cfg, mms)
+    pairs = experts.reshape(-1)  # [N = T*k], token t's pairs at t*k ... t*k+k-1
+    x = jnp.repeat(flat, k, axis=0)  # [N, D]
+    if pairs.shape[0] < cfg.num_experts:
+        ys = _gathered(lp, x, pairs)
+    else:
+        ys = _grouped(lp, x, pairs, cfg.num_experts)
+    # The routing weights in the activations' dtype, as HF applies them; the k outputs summed.
+    ys = ys.reshape(-1, k, d) * weights.astype(h.dtype)[..., None]
+    out = jnp.sum(ys.astype(jnp.float32), axis=1).astype(h.dtype)
+    return out.reshape(*lead, d), experts.reshape(*lead, k)
