@@ -169,6 +169,8 @@ class Engine:
                 f"prompt has {len(ids)} tokens; max_model_len is {self.ecfg.max_model_len} "
                 "(the prompt plus at least one generated token must fit)"
             )
+        if params.return_routed_experts and not self.mcfg.num_experts:
+            raise RequestError(f"return_routed_experts: this {self.mcfg.arch} model has no experts")
         matchers = self._matchers(params)
         rid = request_id or uuid.uuid4().hex
         with self._lock:

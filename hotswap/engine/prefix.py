@@ -31,6 +31,12 @@ class PrefixIndex:
     key: np.ndarray  # uint64[num_pages]
     version: np.ndarray  # int64[num_pages]
     tick: np.ndarray  # int64[num_pages]
+    # A MoE model's routing of each indexed page's tokens, int16[num_pages, page_size, moe
+    # layers, k] (None until a page of routed tokens is indexed): what a hit reports for the
+    # tokens it did not compute. Shared by every edit of the index and written in place on
+    # insert: a page's row is read only while the index lists the page, and `insert` is the
+    # only way a page enters it.
+    routing: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     @staticmethod
     def empty(num_pages: int) -> PrefixIndex:
@@ -56,14 +62,25 @@ class PrefixIndex:
     def insert(self, page: int, key: int, version: int, tick: int) -> PrefixIndex:
         key_, ver, tk = self.key.copy(), self.version.copy(), self.tick.copy()
         key_[page], ver[page], tk[page] = np.uint64(key), version, tick
-        return PrefixIndex(key_, ver, tk)
+        return PrefixIndex(key_, ver, tk, self.routing)
+
+    def with_routing(self, page: int, experts: np.ndarray | None) -> PrefixIndex:
+        """Record the routing of an indexed page's tokens ([page_size, moe layers, k])."""
+        if experts is None:
+            return self
+        index = self
+        if self.routing is None:
+            routing = np.zeros((self.num_pages, *experts.shape), np.int16)
+            index = dataclasses.replace(self, routing=routing)
+        index.routing[page] = experts
+        return index
 
     def touch(self, pages: list[int], tick: int) -> PrefixIndex:
         tk = self.tick.copy()
         tk[pages] = tick
-        return PrefixIndex(self.key, self.version, tk)
+        return PrefixIndex(self.key, self.version, tk, self.routing)
 
     def remove(self, pages: list[int]) -> PrefixIndex:
         key_, ver = self.key.copy(), self.version.copy()
         key_[pages], ver[pages] = 0, -1
-        return PrefixIndex(key_, ver, self.tick)
+        return PrefixIndex(key_, ver, self.tick, self.routing)

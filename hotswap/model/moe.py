@@ -6,12 +6,13 @@ weighted sum of those experts' SwiGLU MLPs. The experts' weights are stacked lea
 (`model/spec.py`: gate/up `[E, D, F]`, down `[E, F, D]`).
 
 Two ways to run the experts, chosen by the (static) number of token-expert pairs N = T*k:
-- `_grouped`: the pairs sorted by expert, `jax.lax.ragged_dot` over the contiguous groups
-  (`group_sizes` from the routing): one grouped matmul per projection, no all-experts compute
-  and no per-expert loop. The shape of a prefill.
-- `_gathered`: for few pairs (N < E, a decode step), each pair's expert weights are gathered
-  and applied as a batched matrix-vector product, so the step reads the routed experts' bytes
-  only, whatever the grouped matmul lowers to.
+- `_grouped`: the pairs sorted by expert, then one grouped matmul per projection over the
+  contiguous groups (`group_sizes` from the routing; `kernels/grouped_matmul.py`, chosen by the
+  Backend: XLA's `ragged_dot`, or tiles on CPU): no all-experts compute and no per-expert loop.
+  The shape of a prefill.
+- `_per_pair`: for few pairs (N <= E, a decode step), each pair's expert matrices are sliced
+  out of the stacked weights and applied to its row, so the step reads the routed experts'
+  bytes only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hotswap.kernels import grouped_matmul
 from hotswap.kernels.backend import jnp_matmuls
 from hotswap.model.config import ModelConfig
 
@@ -40,36 +42,40 @@ def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def _grouped(lp: dict, x: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
+def _grouped(lp: dict, x: jax.Array, experts: jax.Array, num_experts: int, gmm) -> jax.Array:
     """x [N, D] (pair n's token), experts [N] -> each pair's expert MLP output [N, D]."""
     order = jnp.argsort(experts, stable=True)  # [N] pairs grouped by expert
     sizes = jnp.bincount(experts, length=num_experts).astype(jnp.int32)  # [E]
     xs = x[order]
-    gate = jax.lax.ragged_dot(xs, lp["experts_gate"], sizes)  # [N, F]
-    up = jax.lax.ragged_dot(xs, lp["experts_up"], sizes)
-    ys = jax.lax.ragged_dot(_swiglu(gate, up), lp["experts_down"], sizes)  # [N, D]
+    gate, up = gmm(xs, lp["experts_gate"], sizes), gmm(xs, lp["experts_up"], sizes)  # [N, F]
+    ys = gmm(_swiglu(gate, up), lp["experts_down"], sizes)  # [N, D]
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # back to pair order
 
 
-def _gathered(lp: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
-    """As `_grouped`, for few pairs: each pair's [D, F] / [F, D] expert weights gathered."""
-    gate = jnp.einsum("nd,ndf->nf", x, lp["experts_gate"][experts])
-    up = jnp.einsum("nd,ndf->nf", x, lp["experts_up"][experts])
-    return jnp.einsum("nf,nfd->nd", _swiglu(gate, up), lp["experts_down"][experts])
+def _per_pair(lp: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
+    """As `_grouped`, for few pairs: each pair's [D, F] / [F, D] expert matrices sliced out."""
+    gate, up = (grouped_matmul.per_row(x, lp[k], experts) for k in ("experts_gate", "experts_up"))
+    return grouped_matmul.per_row(_swiglu(gate, up), lp["experts_down"], experts)
 
 
-def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, mms=jnp_matmuls) -> tuple[jax.Array, jax.Array]:
-    """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32)."""
+def sparse_mlp(
+    lp: dict, cfg: ModelConfig, h: jax.Array, mms=jnp_matmuls, gmm=grouped_matmul.ragged
+) -> tuple[jax.Array, jax.Array]:
+    """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32).
+    `mms` runs the router (`Backend.matmuls`), `gmm` the experts (`Backend.grouped_matmul`)."""
     lead, d, k = h.shape[:-1], h.shape[-1], cfg.num_experts_per_tok
     flat = h.reshape(-1, d)  # [T, D]
     weights, experts = route(flat, lp["router"], cfg, mms)
     pairs = experts.reshape(-1)  # [N = T*k], token t's pairs at t*k ... t*k+k-1
     x = jnp.repeat(flat, k, axis=0)  # [N, D]
-    if pairs.shape[0] < cfg.num_experts:
-        ys = _gathered(lp, x, pairs)
+    if pairs.shape[0] <= cfg.num_experts:
+        ys = _per_pair(lp, x, pairs)
     else:
-        ys = _grouped(lp, x, pairs, cfg.num_experts)
-    # The routing weights in the activations' dtype, as HF applies them; the k outputs summed.
-    ys = ys.reshape(-1, k, d) * weights.astype(h.dtype)[..., None]
-    out = jnp.sum(ys.astype(jnp.float32), axis=1).astype(h.dtype)
+        ys = _grouped(lp, x, pairs, cfg.num_experts, gmm)
+    # The routing weights as HF applies them: rounded to the activations' dtype (Qwen3-MoE) or
+    # in f32 (Mixtral); the k weighted outputs summed in f32.
+    if cfg.arch != "mixtral":
+        weights = weights.astype(h.dtype)
+    ys = ys.reshape(-1, k, d).astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+    out = jnp.sum(ys, axis=1).astype(h.dtype)
     return out.reshape(*lead, d), experts.reshape(*lead, k)

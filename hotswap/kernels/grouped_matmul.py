@@ -1,0 +1,58 @@
+"""Grouped matmuls for the experts of a MoE layer (`model/moe.py`): rows sorted by group (their
+expert), each group's rows times its own matrix. `Backend.grouped_matmul` picks one.
+
+All take x [N, K] (rows sorted by group), w [G, K, M] and group_sizes [G] int32 (summing to N)
+and return [N, M], row n times w[its group]:
+- `ragged`: XLA's `jax.lax.ragged_dot` (on TPU and GPU XLA lowers it to a grouped kernel).
+- `tiled`: each group's rows padded to whole tiles of `TILE` rows, then a loop over the tiles
+  that hold rows, one [TILE, K] x [K, M] dot each against the tile's group's matrix. XLA:CPU
+  expands `ragged_dot` into work over every group for every row (slower than computing all
+  experts densely: docs/en/moe.md), so on CPU the tiles are the grouped matmul: a group's
+  matrix is read once per tile of its rows, groups without rows not at all.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TILE = 32  # rows per tile: a group wastes < TILE padded rows
+
+
+def ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = TILE) -> jax.Array:
+    n, k = x.shape
+    g, m = w.shape[0], w.shape[-1]
+    tiles_of = (group_sizes + tile - 1) // tile  # [G] tiles per group
+    tile_end = jnp.cumsum(tiles_of)  # [G] first tile after each group's
+    row_start = jnp.cumsum(group_sizes) - group_sizes  # [G] each group's first row in x
+    # At most ceil(N / TILE) + min(G, N) tiles hold rows: each nonempty group wastes < 1 tile.
+    num_tiles = -(-n // tile) + min(g, n)
+    group = jnp.arange(n, dtype=jnp.int32)
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), group, side="right")  # [N] each row's group
+    dest = (tile_end - tiles_of)[group] * tile + (jnp.arange(n) - row_start[group])  # row -> padded row
+    padded = jnp.zeros((num_tiles * tile, k), x.dtype).at[dest].set(x, unique_indices=True)
+
+    def one_tile(t, out):
+        e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1)  # the tile's group
+        rows = jax.lax.dynamic_slice_in_dim(padded, t * tile, tile)  # [TILE, K]
+        y = jnp.dot(rows, jax.lax.dynamic_index_in_dim(w, e, keepdims=False), preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * tile, 0)
+
+    out = jnp.zeros((num_tiles * tile, m), x.dtype)
+    out = jax.lax.fori_loop(0, tile_end[-1], one_tile, out)  # only the tiles that hold rows
+    return out[dest]
+
+
+def per_row(x: jax.Array, w: jax.Array, groups: jax.Array) -> jax.Array:
+    """Few rows in any order: x [N, K], groups [N] (each row's group) -> [N, M], each row times
+    its group's matrix sliced out of w, so only those N matrices are read (a decode step's
+    routed experts). N is static and small (a unrolled loop over the rows)."""
+    rows = [
+        jnp.dot(x[i], jax.lax.dynamic_index_in_dim(w, groups[i], keepdims=False), preferred_element_type=jnp.float32)
+        for i in range(x.shape[0])
+    ]
+    return jnp.stack(rows).astype(x.dtype)
