@@ -57,6 +57,7 @@ class EngineConfig:
     max_version_lag: int | None = _ARGS["max_version_lag"]
     # JAX's persistent compilation cache under hotswap's cache dir (programs/compile_cache.py).
     compilation_cache: bool = _ARGS["compilation_cache"]
+    enable_return_routed_experts: bool = _ARGS["enable_return_routed_experts"]
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -92,6 +93,7 @@ class EngineConfig:
             drain_timeout_s=args.drain_timeout_s,
             max_version_lag=args.max_version_lag,
             compilation_cache=args.compilation_cache,
+            enable_return_routed_experts=args.enable_return_routed_experts,
         )
 
     @property

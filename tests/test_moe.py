@@ -77,7 +77,9 @@ def test_generate_matches_transformers(moe_dirs, name):
         worst = max(worst, float(np.abs(np.asarray(out.logprobs) - theirs).max()))
         # The experts of every input token, against HF's router top-k (its softmax, in f32).
         assert len(router) == len(cfg.moe_layers)
-        hf_top = np.stack([torch.topk(torch.softmax(torch.tensor(r), -1), k).indices.numpy() for r in router], 1)
+        hf_top = np.stack(
+            [torch.topk(torch.softmax(torch.tensor(r), -1), k).indices.numpy() for r in router], 1
+        )
         routed = out.routed_experts
         assert routed.shape == (len(seq) - 1, len(cfg.moe_layers), k) and routed.dtype == np.int16
         same = np.all(routed == hf_top[:-1], axis=-1)  # [tokens, layers]
@@ -167,4 +169,58 @@ def test_grouped_matmuls_agree(sizes):
     want = np.asarray(jax.lax.ragged_dot(x, w, gs))
     np.testing.assert_allclose(jax.jit(grouped_matmul.tiled)(x, w, gs), want, rtol=1e-5, atol=1e-5)
     groups = jnp.asarray(np.repeat(np.arange(g), sizes), jnp.int32)
-    np.testing.assert_allclose(jax.jit(grouped_matmul.per_row)(x[:5], w, groups[:5]), want[:5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(grouped_matmul.per_row)(x[:5], w, groups[:5]), want[:5], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_grouped_matmul_rows_past_the_groups_are_zero():
+    """Under expert parallelism a device's groups hold only its pairs: the rest come back 0."""
+    import jax
+    import jax.numpy as jnp
+
+    from hotswap.kernels import grouped_matmul
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((40, 8), np.float32))
+    w = jnp.asarray(rng.standard_normal((3, 8, 5), np.float32))
+    gs = jnp.asarray([5, 0, 30], jnp.int32)
+    got = np.asarray(jax.jit(grouped_matmul.tiled)(x, w, gs))
+    np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(x, w, gs)), rtol=1e-5, atol=1e-5)
+    assert not got[35:].any()
+
+
+def test_expert_parallel_matches_one_device(tmp_path):
+    """EP 2/4/8 (experts split by expert over the tensor-parallel devices, attention by head) on
+    a fake 8-device CPU mesh: the tokens, log-probs and routed experts of one device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(here / "moe_ep_worker.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["devices"] == 8
+    base = res["ep"]["1"]["out"]
+    for tp in ("2", "4", "8"):
+        got = res["ep"][tp]
+        assert got["expert_shard"] == [16 // int(tp), 128, 64]  # each device its experts, whole
+        for a, b in zip(got["out"], base, strict=True):
+            assert a["ids"] == b["ids"]
+            np.testing.assert_allclose(a["lps"], b["lps"], atol=1e-4)
+            assert a["routed"] == b["routed"]
+    assert "num_experts=12" in res["odd_error"] and "tensor_parallel_size=8" in res["odd_error"]

@@ -63,7 +63,12 @@ _ARCHS = {
     ),
     "mixtral": (
         "MixtralForCausalLM",
-        {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0},
+        {
+            "sliding_window": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.0,
+        },
     ),
 }
 

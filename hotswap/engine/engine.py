@@ -30,7 +30,14 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sequence, Sink
 from hotswap.engine.state import empty_state, new_kv_cache
 from hotswap.engine.structured import Grammars
-from hotswap.errors import EngineAsleep, LifecycleConflict, PromptTooLong, QueueFull, RequestError
+from hotswap.errors import (
+    ConfigError,
+    EngineAsleep,
+    LifecycleConflict,
+    PromptTooLong,
+    QueueFull,
+    RequestError,
+)
 from hotswap.kernels.backend import Backend
 from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
@@ -86,6 +93,8 @@ class Engine:
         staged = sources.stage_source(params, mcfg, current=None, abstract=self.abstract)
         empty = empty_state(mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
         self.state = lifecycle.update_weights(empty, staged, abstract=self.abstract)  # version 1
+        if ecfg.enable_return_routed_experts and not mcfg.num_experts:
+            raise ConfigError(f"enable_return_routed_experts: this {mcfg.arch} model has no experts")
         self.runner = Runner(mcfg, ecfg, self.backend)
         self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)
         self.requests: dict[str, Request] = {}
@@ -171,6 +180,8 @@ class Engine:
             )
         if params.return_routed_experts and not self.mcfg.num_experts:
             raise RequestError(f"return_routed_experts: this {self.mcfg.arch} model has no experts")
+        if self.ecfg.enable_return_routed_experts and not params.return_routed_experts:
+            params = dataclasses.replace(params, return_routed_experts=True)
         matchers = self._matchers(params)
         rid = request_id or uuid.uuid4().hex
         with self._lock:

@@ -74,7 +74,9 @@ class Sequence:
         """The experts of tokens [start, start + len(experts)) (a step's, or a prefix hit's)."""
         end = start + len(experts)
         if self.routed is None or len(self.routed) < end:
-            grown = np.zeros((max(end, 2 * (0 if self.routed is None else len(self.routed))), *experts.shape[1:]), np.int16)
+            grown = np.zeros(
+                (max(end, 2 * (0 if self.routed is None else len(self.routed))), *experts.shape[1:]), np.int16
+            )
             if self.routed is not None:
                 grown[: len(self.routed)] = self.routed
             self.routed = grown

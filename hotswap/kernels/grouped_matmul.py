@@ -1,8 +1,8 @@
 """Grouped matmuls for the experts of a MoE layer (`model/moe.py`): rows sorted by group (their
 expert), each group's rows times its own matrix. `Backend.grouped_matmul` picks one.
 
-All take x [N, K] (rows sorted by group), w [G, K, M] and group_sizes [G] int32 (summing to N)
-and return [N, M], row n times w[its group]:
+All take x [N, K] (rows sorted by group), w [G, K, M] and group_sizes [G] int32 (summing to at
+most N) and return [N, M], row n times w[its group] (rows past the groups' total: 0):
 - `ragged`: XLA's `jax.lax.ragged_dot` (on TPU and GPU XLA lowers it to a grouped kernel).
 - `tiled`: each group's rows padded to whole tiles of `TILE` rows, then a loop over the tiles
   that hold rows, one [TILE, K] x [K, M] dot each against the tile's group's matrix. XLA:CPU
@@ -28,21 +28,25 @@ def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = TILE) 
     g, m = w.shape[0], w.shape[-1]
     tiles_of = (group_sizes + tile - 1) // tile  # [G] tiles per group
     tile_end = jnp.cumsum(tiles_of)  # [G] first tile after each group's
-    row_start = jnp.cumsum(group_sizes) - group_sizes  # [G] each group's first row in x
+    row_end = jnp.cumsum(group_sizes)  # [G]
     # At most ceil(N / TILE) + min(G, N) tiles hold rows: each nonempty group wastes < 1 tile.
     num_tiles = -(-n // tile) + min(g, n)
-    group = jnp.arange(n, dtype=jnp.int32)
-    group = jnp.searchsorted(jnp.cumsum(group_sizes), group, side="right")  # [N] each row's group
-    dest = (tile_end - tiles_of)[group] * tile + (jnp.arange(n) - row_start[group])  # row -> padded row
-    padded = jnp.zeros((num_tiles * tile, k), x.dtype).at[dest].set(x, unique_indices=True)
+    row = jnp.arange(n, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(row_end, row, side="right"), g - 1)  # [N] each row's group
+    # Row -> its padded row; rows past the groups' total (ragged_dot's zeros) -> the spare last row.
+    dest = (tile_end - tiles_of)[group] * tile + row - (row_end - group_sizes)[group]
+    dest = jnp.where(row < row_end[-1], dest, num_tiles * tile)
+    padded = jnp.zeros((num_tiles * tile + 1, k), x.dtype).at[dest].set(x)
 
     def one_tile(t, out):
         e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1)  # the tile's group
         rows = jax.lax.dynamic_slice_in_dim(padded, t * tile, tile)  # [TILE, K]
-        y = jnp.dot(rows, jax.lax.dynamic_index_in_dim(w, e, keepdims=False), preferred_element_type=jnp.float32)
+        y = jnp.dot(
+            rows, jax.lax.dynamic_index_in_dim(w, e, keepdims=False), preferred_element_type=jnp.float32
+        )
         return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * tile, 0)
 
-    out = jnp.zeros((num_tiles * tile, m), x.dtype)
+    out = jnp.zeros((num_tiles * tile + 1, m), x.dtype)  # the spare row stays 0
     out = jax.lax.fori_loop(0, tile_end[-1], one_tile, out)  # only the tiles that hold rows
     return out[dest]
 
@@ -52,7 +56,11 @@ def per_row(x: jax.Array, w: jax.Array, groups: jax.Array) -> jax.Array:
     its group's matrix sliced out of w, so only those N matrices are read (a decode step's
     routed experts). N is static and small (a unrolled loop over the rows)."""
     rows = [
-        jnp.dot(x[i], jax.lax.dynamic_index_in_dim(w, groups[i], keepdims=False), preferred_element_type=jnp.float32)
+        jnp.dot(
+            x[i],
+            jax.lax.dynamic_index_in_dim(w, groups[i], keepdims=False),
+            preferred_element_type=jnp.float32,
+        )
         for i in range(x.shape[0])
     ]
     return jnp.stack(rows).astype(x.dtype)

@@ -95,9 +95,7 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         """Layer `i` routes its MLP through experts (HF Qwen3-MoE's rule; Mixtral: every layer)."""
         return (
-            self.num_experts > 0
-            and i not in self.mlp_only_layers
-            and (i + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
         )
 
     @property

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.kernels import grouped_matmul, reference
+from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
 from hotswap.model import moe
 from hotswap.model.batch import Batch
@@ -83,12 +83,12 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square, gmm=None):
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square, backend=None):
     """(x + MLP(x), the experts each token was routed to [..., k], or None in a dense layer).
-    `gmm`: the experts' grouped matmul (`Backend.grouped_matmul`; None: XLA's)."""
+    `backend` runs a sparse layer's router and experts (`moe.sparse_mlp`; None: XLA's)."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ms)
     if "router" in lp:  # a sparse layer (model/moe.py)
-        y, routed = moe.sparse_mlp(lp, cfg, h, mms, gmm or grouped_matmul.ragged)
+        y, routed = moe.sparse_mlp(lp, cfg, h, backend)
         return x + y, routed
     gate, up = mms(h, (lp["w_gate"], lp["w_up"]))
     return x + mms(jax.nn.silu(gate) * up, (lp["w_down"],))[0], None
@@ -140,7 +140,7 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, cfg: ModelConfig, ba
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         o, layer_pages = backend.attend(q, k, v, layer_pages, batch, 1.0 / math.sqrt(cfg.head_dim))
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, C, Hq, hd] x [Hq, hd, D]
-        x, routed = _mlp(lp, cfg, x, mms, ms, backend.grouped_matmul)
+        x, routed = _mlp(lp, cfg, x, mms, ms, backend)
         return x, (k, v), layer_pages, routed
 
 
@@ -179,7 +179,7 @@ def forward_dense(
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         o = attention(q, k, v, lengths, scale=scale)
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
-        x, _ = _mlp(lp, cfg, x, mms, ms, None if backend is None else backend.grouped_matmul)
+        x, _ = _mlp(lp, cfg, x, mms, ms, backend)
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ms), mms)
 
 

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from hotswap.kernels import grouped_matmul
 from hotswap.kernels.backend import jnp_matmuls
 from hotswap.model.config import ModelConfig
+from hotswap.model.sharding import RULES
+
+EXPERTS = ("experts_gate", "experts_up", "experts_down")  # the stacked leaves, [E, ...] each
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, mms=jnp_matmuls) -> tuple[jax.Array, jax.Array]:
@@ -58,24 +62,56 @@ def _per_pair(lp: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
     return grouped_matmul.per_row(_swiglu(gate, up), lp["experts_down"], experts)
 
 
-def sparse_mlp(
-    lp: dict, cfg: ModelConfig, h: jax.Array, mms=jnp_matmuls, gmm=grouped_matmul.ragged
-) -> tuple[jax.Array, jax.Array]:
-    """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32).
-    `mms` runs the router (`Backend.matmuls`), `gmm` the experts (`Backend.grouped_matmul`)."""
-    lead, d, k = h.shape[:-1], h.shape[-1], cfg.num_experts_per_tok
-    flat = h.reshape(-1, d)  # [T, D]
-    weights, experts = route(flat, lp["router"], cfg, mms)
-    pairs = experts.reshape(-1)  # [N = T*k], token t's pairs at t*k ... t*k+k-1
-    x = jnp.repeat(flat, k, axis=0)  # [N, D]
+def _combine(lp: dict, cfg: ModelConfig, h: jax.Array, weights, experts, gmm, first=0) -> jax.Array:
+    """h [T, D], the routing ([T, k] each) -> the weighted sum of each token's experts' outputs
+    [T, D] f32, over the experts [first, first + E_here) whose stacked weights `lp` holds
+    (all of them, or one device's under expert parallelism); pairs routed elsewhere add 0."""
+    k, here = cfg.num_experts_per_tok, lp["experts_gate"].shape[0]
+    local = experts - first
+    mine = (local >= 0) & (local < here)  # [T, k]
+    pairs = jnp.where(mine, local, here).reshape(-1)  # [N = T*k]; elsewhere: past the last group
+    x = jnp.repeat(h, k, axis=0)  # [N, D], token t's pairs at t*k ... t*k+k-1
     if pairs.shape[0] <= cfg.num_experts:
-        ys = _per_pair(lp, x, pairs)
+        ys = _per_pair(lp, x, jnp.minimum(pairs, here - 1))
     else:
-        ys = _grouped(lp, x, pairs, cfg.num_experts, gmm)
+        ys = _grouped(lp, x, pairs, here, gmm)  # rows past the groups' total come back 0
     # The routing weights as HF applies them: rounded to the activations' dtype (Qwen3-MoE) or
     # in f32 (Mixtral); the k weighted outputs summed in f32.
     if cfg.arch != "mixtral":
         weights = weights.astype(h.dtype)
-    ys = ys.reshape(-1, k, d).astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
-    out = jnp.sum(ys, axis=1).astype(h.dtype)
-    return out.reshape(*lead, d), experts.reshape(*lead, k)
+    weights = jnp.where(mine, weights.astype(jnp.float32), 0.0)
+    return jnp.sum(ys.reshape(-1, k, h.shape[-1]).astype(jnp.float32) * weights[..., None], axis=1)
+
+
+def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, backend=None) -> tuple[jax.Array, jax.Array]:
+    """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32).
+
+    `backend` (None: XLA's dot and ragged_dot) runs the router (`Backend.matmuls`) and the
+    experts (`Backend.grouped_matmul`). On a mesh the experts are sharded by expert
+    (`sharding.RULES["expert"]`) and each device runs its own: the residual stream is
+    replicated between layers (tensor parallelism), so every device already holds every token
+    and routes it itself; it computes the pairs routed to its experts, and one all-reduce of
+    [T, D] sums the devices' parts, as the dense MLP's all-reduce does. No token moves."""
+    mms = jnp_matmuls if backend is None else backend.matmuls
+    gmm = grouped_matmul.ragged if backend is None else backend.grouped_matmul
+    lead, d = h.shape[:-1], h.shape[-1]
+    flat = h.reshape(-1, d)  # [T, D]
+    weights, experts = route(flat, lp["router"], cfg, mms)
+    stacked = {key: lp[key] for key in EXPERTS}
+    if backend is None or backend.mesh is None:
+        out = _combine(stacked, cfg, flat, weights, experts, gmm)
+    else:
+        axis = RULES["expert"]
+
+        def here(lpe, flat, weights, experts):
+            first = jax.lax.axis_index(axis) * lpe["experts_gate"].shape[0]
+            return jax.lax.psum(_combine(lpe, cfg, flat, weights, experts, gmm, first), axis)
+
+        out = jax.shard_map(
+            here,
+            mesh=backend.mesh,
+            in_specs=(dict.fromkeys(EXPERTS, P(axis)), P(), P(), P()),
+            out_specs=P(),
+            check_vma=False,
+        )(stacked, flat, weights, experts)
+    return out.astype(h.dtype).reshape(*lead, d), experts.reshape(*lead, cfg.num_experts_per_tok)

@@ -167,7 +167,12 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
 # Where a family keeps its sparse MLP in HF files: (router, experts' gate, up, down), under
 # `model.layers.{i}.`, "{}" for the expert.
 _MOE_HF = {
-    "qwen3_moe": ("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj", "mlp.experts.{}.down_proj"),
+    "qwen3_moe": (
+        "mlp.gate",
+        "mlp.experts.{}.gate_proj",
+        "mlp.experts.{}.up_proj",
+        "mlp.experts.{}.down_proj",
+    ),
     "mixtral": (
         "block_sparse_moe.gate",
         "block_sparse_moe.experts.{}.w1",
@@ -189,7 +194,9 @@ def expert_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
         return ParamSpec(("layers", i, key), shape, axes, name, True, hf_expert=hf + ".weight")
 
     return {
-        "router": ParamSpec(("layers", i, "router"), (d, e), ("embed", "expert_scores"), router + ".weight", True),
+        "router": ParamSpec(
+            ("layers", i, "router"), (d, e), ("embed", "expert_scores"), router + ".weight", True
+        ),
         "experts_gate": stacked("experts_gate", (e, d, f), ("expert", "embed", "expert_mlp"), gate),
         "experts_up": stacked("experts_up", (e, d, f), ("expert", "embed", "expert_mlp"), up),
         "experts_down": stacked("experts_down", (e, f, d), ("expert", "expert_mlp", "embed"), down),
