@@ -224,3 +224,70 @@ def test_expert_parallel_matches_one_device(tmp_path):
             np.testing.assert_allclose(a["lps"], b["lps"], atol=1e-4)
             assert a["routed"] == b["routed"]
     assert "num_experts=12" in res["odd_error"] and "tensor_parallel_size=8" in res["odd_error"]
+
+
+def test_server_returns_routed_experts(moe_dirs, tmp_path):
+    """A real `hotswap serve --enable-return-routed-experts`: SGLang's /generate (base64 int32,
+    `routed_experts_start_len` for a later turn) and vLLM's `routed_experts` on /v1/completions,
+    both HF's router top-k."""
+    import base64
+
+    import httpx
+    from api_helpers import ADMIN_KEY, admin
+    from helpers import KNOBS
+    from server_process import ServerProcess, cli_flags
+
+    model_dir = moe_dirs["qwen3-moe-8x2-norm+dense-layer"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    flags = [
+        str(model_dir),
+        "--admin-key",
+        ADMIN_KEY,
+        "--served-model-name",
+        "moe",
+        "--enable-return-routed-experts",
+    ]
+    flags += cli_flags(**{**KNOBS, "max_num_batched_tokens": 32})
+    prompt = np.random.default_rng(3).integers(4, 512, 40).tolist()
+    with ServerProcess(flags, tmp_path / "server.log") as server:
+        server.wait_healthy(300)
+        http = httpx.Client(base_url=server.base, timeout=120)
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+        first = http.post("/generate", json={**body, "return_routed_experts": True}, headers=admin()).json()
+        turn2 = prompt + first["output_ids"] + [7, 8, 9]
+        later = {
+            "input_ids": turn2,
+            "sampling_params": body["sampling_params"],
+            "return_routed_experts": True,
+        }
+        second = http.post(
+            "/generate", json={**later, "routed_experts_start_len": len(prompt)}, headers=admin()
+        ).json()
+        done = http.post(
+            "/v1/completions",
+            json={"model": "moe", "prompt": prompt, "max_tokens": 6, "temperature": 0.0},
+            headers=admin(),
+        ).json()
+
+    def hf_top(seq):
+        _, router = _hf_run(hf, seq)
+        return np.stack(
+            [torch.topk(torch.softmax(torch.tensor(r), -1), 2).indices.numpy() for r in router], 1
+        )
+
+    def decoded(meta):
+        return np.frombuffer(base64.b64decode(meta["routed_experts"]), np.int32).reshape(-1, 2, 2)
+
+    seq1 = prompt + first["output_ids"]
+    got1 = decoded(first["meta_info"])
+    assert got1.shape == (len(seq1) - 1, 2, 2)
+    assert np.mean(np.all(got1 == hf_top(seq1)[:-1], -1)) >= 0.99
+    seq2 = turn2 + second["output_ids"]
+    got2 = decoded(second["meta_info"])
+    assert second["meta_info"]["routed_experts_start_len"] == len(prompt)
+    assert got2.shape == (len(seq2) - 1 - len(prompt), 2, 2)
+    assert np.mean(np.all(got2 == hf_top(seq2)[len(prompt) : -1], -1)) >= 0.99
+    choice = done["choices"][0]
+    assert np.array_equal(np.asarray(choice["routed_experts"]), got1)

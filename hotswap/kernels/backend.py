@@ -181,8 +181,11 @@ class Backend:
     @property
     def grouped_matmul(self):
         """The experts' grouped matmul (`kernels/grouped_matmul.py`): tiles on CPU, whose XLA
-        expands `ragged_dot` into every group's work; XLA's `ragged_dot` elsewhere."""
-        return grouped_matmul.tiled if self.platform == "cpu" else grouped_matmul.ragged
+        expands `ragged_dot` into every group's work; the Pallas megablox kernel on TPU (inside
+        the experts' shard_map on a mesh); XLA's `ragged_dot` elsewhere."""
+        if self.platform == "cpu":
+            return grouped_matmul.tiled
+        return grouped_matmul.megablox if self.platform == "tpu" else grouped_matmul.ragged
 
     # ---- scoring (`forward.forward_dense`) -----------------------------------
 

@@ -3,7 +3,9 @@ expert), each group's rows times its own matrix. `Backend.grouped_matmul` picks 
 
 All take x [N, K] (rows sorted by group), w [G, K, M] and group_sizes [G] int32 (summing to at
 most N) and return [N, M], row n times w[its group] (rows past the groups' total: 0):
-- `ragged`: XLA's `jax.lax.ragged_dot` (on TPU and GPU XLA lowers it to a grouped kernel).
+- `ragged`: XLA's `jax.lax.ragged_dot` (GPU; the differentiable twin a trainer's forward uses).
+- `megablox`: the Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox.gmm`),
+  tiles of 128 rows visiting only the groups that hold rows.
 - `tiled`: each group's rows padded to whole tiles of `TILE` rows, then a loop over the tiles
   that hold rows, one [TILE, K] x [K, M] dot each against the tile's group's matrix. XLA:CPU
   expands `ragged_dot` into work over every group for every row (slower than computing all
@@ -21,6 +23,22 @@ TILE = 32  # rows per tile: a group wastes < TILE padded rows
 
 def ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+MEGABLOX_TILE = 128  # megablox's row, contraction and output tiles (TPU's 128 lanes)
+
+
+def megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    n, k = x.shape
+    m = w.shape[-1]
+    rows = -(-max(n, 1) // MEGABLOX_TILE) * MEGABLOX_TILE  # gmm takes whole row tiles
+    padded = jnp.pad(x, ((0, rows - n), (0, 0)))
+    tiling = (MEGABLOX_TILE, min(MEGABLOX_TILE, k), min(MEGABLOX_TILE, m))
+    y = gmm(padded, w, group_sizes, preferred_element_type=x.dtype, tiling=tiling)[:n]
+    # Rows past the groups' total are not written by the kernel: ragged_dot's zeros instead.
+    return jnp.where((jnp.arange(n) < jnp.sum(group_sizes))[:, None], y, jnp.zeros_like(y))
 
 
 def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = TILE) -> jax.Array:

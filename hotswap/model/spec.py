@@ -188,18 +188,33 @@ def expert_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     router, gate, up, down = (f"model.layers.{i}.{n}" for n in _MOE_HF[cfg.arch])
 
-    def stacked(key: str, shape: tuple[int, ...], axes: tuple[str, ...], hf: str) -> ParamSpec:
+    # Tunix's Qwen3 MoE layer holds the same leaves (`nnx_name`): router.kernel [D, E],
+    # gate_proj / up_proj [E, D, F], down_proj [E, F, D].
+    def stacked(key: str, shape: tuple[int, ...], axes: tuple[str, ...], hf: str, nnx: str) -> ParamSpec:
         # the stacked name drops the index: "model.layers.3.mlp.experts.gate_proj.weight"
         name = hf.replace(".{}.", ".") + ".weight"
-        return ParamSpec(("layers", i, key), shape, axes, name, True, hf_expert=hf + ".weight")
+        nnx_name = f"layers.{i}.mlp.{nnx}"
+        return ParamSpec(
+            ("layers", i, key), shape, axes, name, True, nnx_name=nnx_name, hf_expert=hf + ".weight"
+        )
 
+    router_row = ParamSpec(
+        ("layers", i, "router"),
+        (d, e),
+        ("embed", "expert_scores"),
+        router + ".weight",
+        True,
+        nnx_name=f"layers.{i}.mlp.router.kernel",
+    )
     return {
-        "router": ParamSpec(
-            ("layers", i, "router"), (d, e), ("embed", "expert_scores"), router + ".weight", True
+        "router": router_row,
+        "experts_gate": stacked(
+            "experts_gate", (e, d, f), ("expert", "embed", "expert_mlp"), gate, "gate_proj"
         ),
-        "experts_gate": stacked("experts_gate", (e, d, f), ("expert", "embed", "expert_mlp"), gate),
-        "experts_up": stacked("experts_up", (e, d, f), ("expert", "embed", "expert_mlp"), up),
-        "experts_down": stacked("experts_down", (e, f, d), ("expert", "expert_mlp", "embed"), down),
+        "experts_up": stacked("experts_up", (e, d, f), ("expert", "embed", "expert_mlp"), up, "up_proj"),
+        "experts_down": stacked(
+            "experts_down", (e, f, d), ("expert", "expert_mlp", "embed"), down, "down_proj"
+        ),
     }
 
 
