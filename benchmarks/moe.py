@@ -60,8 +60,9 @@ def main() -> None:
             },
         ),
     }
+    # warmup=False: the untimed first decode of `hotswap_decode` compiles the shapes it runs
     llms = {
-        name: LLM(d, max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64)
+        name: LLM(d, max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64, warmup=False)
         for name, d in models.items()
     }
     prompt = [np.random.default_rng(0).integers(10, 700, 32).tolist()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -37,6 +38,7 @@ def main(tmp: Path) -> dict:
     model = create_checkpoint(tmp / "moe", preset="tiny", arch="qwen3_moe", seed=0, overrides=SHAPES)
     res: dict = {"devices": jax.device_count(), "ep": {}}
     for tp in (1, 2, 4, 8):
+        t = time.monotonic()
         llm = LLM(model, tensor_parallel_size=tp, **KW)
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, SP, use_tqdm=False)]
         gate = llm.params["layers"][0]["experts_gate"]
@@ -47,6 +49,7 @@ def main(tmp: Path) -> dict:
             "expert_shard": list(gate.addressable_shards[0].data.shape),
             "expert_spec": [str(a) for a in gate.sharding.spec] if hasattr(gate.sharding, "spec") else None,
         }
+        print(f"tp={tp}: {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
     odd = create_checkpoint(
         tmp / "odd", preset="tiny", arch="qwen3_moe", seed=0, overrides={**SHAPES, "num_experts": 12}
     )

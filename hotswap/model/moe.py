@@ -8,7 +8,8 @@ weighted sum of those experts' SwiGLU MLPs. The experts' weights are stacked lea
 Two ways to run the experts, chosen by the (static) number of token-expert pairs N = T*k:
 - `_grouped`: the pairs sorted by expert, then one grouped matmul per projection over the
   contiguous groups (`group_sizes` from the routing; `kernels/grouped_matmul.py`, chosen by the
-  Backend: XLA's `ragged_dot`, or tiles on CPU): no all-experts compute and no per-expert loop.
+  Backend: tiles on CPU, the Pallas megablox kernel on TPU, XLA's `ragged_dot` elsewhere): no
+  all-experts compute and no per-expert loop.
   The shape of a prefill.
 - `_per_pair`: for few pairs (N <= E, a decode step), each pair's expert matrices are sliced
   out of the stacked weights and applied to its row, so the step reads the routed experts'
