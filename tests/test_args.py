@@ -120,6 +120,7 @@ def test_every_shared_option_reaches_the_engine_config():
         drain_timeout_s=1.5,
         max_version_lag=2,
         compilation_cache=False,
+        enable_return_routed_experts=True,
     )
     assert set(changed) == shared - {"num_pages", "max_model_len"}  # those two are resolved
     ecfg = EngineConfig.of(EngineArgs(**changed), num_pages=10, max_model_len=64)

@@ -291,3 +291,22 @@ def test_server_returns_routed_experts(moe_dirs, tmp_path):
     assert np.mean(np.all(got2 == hf_top(seq2)[len(prompt) : -1], -1)) >= 0.99
     choice = done["choices"][0]
     assert np.array_equal(np.asarray(choice["routed_experts"]), got1)
+
+
+def test_qwen3_30b_a3b_preset_has_the_published_sizes():
+    """The preset's spec table: 30.5B parameters of which 3.3B are active per token (Qwen's
+    model card), every layer sparse."""
+    import jax
+
+    from hotswap.checkpoint.create import load_preset
+    from hotswap.model.config import ModelConfig
+    from hotswap.model.spec import is_spec, param_specs
+
+    cfg = ModelConfig.from_hf(load_preset("qwen3-30b-a3b"))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (128, 8, 768)
+    assert cfg.moe_layers == tuple(range(48)) and cfg.norm_topk_prob and cfg.dtype == "bfloat16"
+    rows = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+    total = sum(int(np.prod(s.shape)) for s in rows)
+    experts = sum(int(np.prod(s.shape)) for s in rows if "expert" in s.axes)
+    active = total - experts * (1 - 8 / 128)
+    assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9, (total, active)
