@@ -190,6 +190,7 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
     assert not got[35:].any()
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_one_device(tmp_path):
     """EP 2/4/8 (experts split by expert over the tensor-parallel devices, attention by head) on
     a fake 8-device CPU mesh: the tokens, log-probs and routed experts of one device."""
@@ -210,7 +211,7 @@ def test_expert_parallel_matches_one_device(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -226,6 +227,7 @@ def test_expert_parallel_matches_one_device(tmp_path):
     assert "num_experts=12" in res["odd_error"] and "tensor_parallel_size=8" in res["odd_error"]
 
 
+@pytest.mark.slow
 def test_server_returns_routed_experts(moe_dirs, tmp_path):
     """A real `hotswap serve --enable-return-routed-experts`: SGLang's /generate (base64 int32,
     `routed_experts_start_len` for a later turn) and vLLM's `routed_experts` on /v1/completions,
