@@ -154,8 +154,8 @@ def test_checkpoint_that_does_not_fit_is_refused(moe_dirs, tmp_path):
 
 @pytest.mark.parametrize("sizes", [[0, 33, 0, 1, 31, 32, 0, 3], [1, 0, 0, 0, 0, 0, 0, 0], [0] * 7 + [64]])
 def test_grouped_matmuls_agree(sizes):
-    """The CPU's tiled grouped matmul and the per-row slices against XLA's ragged_dot, on groups
-    of 0, 1, TILE-1, TILE, TILE+1 rows and all rows in the last group."""
+    """The CPU's tiled grouped matmul against XLA's ragged_dot, on groups of 0, 1, TILE-1, TILE,
+    TILE+1 rows and all rows in the last group."""
     import jax
     import jax.numpy as jnp
 
@@ -251,10 +251,10 @@ def test_server_returns_routed_experts(moe_dirs, tmp_path):
         "moe",
         "--enable-return-routed-experts",
     ]
-    flags += cli_flags(**{**KNOBS, "max_num_batched_tokens": 32})
+    flags += cli_flags(**KNOBS)
     prompt = np.random.default_rng(3).integers(4, 512, 40).tolist()
     with ServerProcess(flags, tmp_path / "server.log") as server:
-        server.wait_healthy(300)
+        server.wait_healthy(900)
         http = httpx.Client(base_url=server.base, timeout=120)
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
         first = http.post("/generate", json={**body, "return_routed_experts": True}, headers=admin()).json()

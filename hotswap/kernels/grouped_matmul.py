@@ -67,18 +67,3 @@ def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int = TILE) 
     out = jnp.zeros((num_tiles * tile + 1, m), x.dtype)  # the spare row stays 0
     out = jax.lax.fori_loop(0, tile_end[-1], one_tile, out)  # only the tiles that hold rows
     return out[dest]
-
-
-def per_row(x: jax.Array, w: jax.Array, groups: jax.Array) -> jax.Array:
-    """Few rows in any order: x [N, K], groups [N] (each row's group) -> [N, M], each row times
-    its group's matrix sliced out of w, so only those N matrices are read (a decode step's
-    routed experts). N is static and small (a unrolled loop over the rows)."""
-    rows = [
-        jnp.dot(
-            x[i],
-            jax.lax.dynamic_index_in_dim(w, groups[i], keepdims=False),
-            preferred_element_type=jnp.float32,
-        )
-        for i in range(x.shape[0])
-    ]
-    return jnp.stack(rows).astype(x.dtype)

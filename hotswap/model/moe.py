@@ -57,13 +57,23 @@ def _grouped(lp: dict, x: jax.Array, experts: jax.Array, num_experts: int, gmm) 
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # back to pair order
 
 
-def _per_pair(lp: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
-    """As `_grouped`, for few pairs: each pair's [D, F] / [F, D] expert matrices sliced out."""
-    gate, up = (grouped_matmul.per_row(x, lp[k], experts) for k in ("experts_gate", "experts_up"))
-    return grouped_matmul.per_row(_swiglu(gate, up), lp["experts_down"], experts)
+def _per_pair(lp: dict, x: jax.Array, experts: jax.Array, mms=jnp_matmuls) -> jax.Array:
+    """As `_grouped`, for few pairs: each pair's [D, F] / [F, D] expert matrices sliced out of the
+    stacks and applied to its row with the matmul routine (`Backend.matmuls`: on CPU the C++
+    small-row kernel, gate and up in one call)."""
+
+    def expert(leaf: str, e):
+        return jax.lax.dynamic_index_in_dim(lp[leaf], e, keepdims=False)
+
+    rows = []
+    for n in range(x.shape[0]):  # N <= E pairs: a decode step's
+        e = experts[n]
+        gate, up = mms(x[n : n + 1], (expert("experts_gate", e), expert("experts_up", e)))
+        rows.append(mms(_swiglu(gate, up), (expert("experts_down", e),))[0])
+    return jnp.concatenate(rows)
 
 
-def _combine(lp: dict, cfg: ModelConfig, h: jax.Array, weights, experts, gmm, first=0) -> jax.Array:
+def _combine(lp: dict, cfg: ModelConfig, h: jax.Array, weights, experts, gmm, mms, first=0) -> jax.Array:
     """h [T, D], the routing ([T, k] each) -> the weighted sum of each token's experts' outputs
     [T, D] f32, over the experts [first, first + E_here) whose stacked weights `lp` holds
     (all of them, or one device's under expert parallelism); pairs routed elsewhere add 0."""
@@ -73,7 +83,7 @@ def _combine(lp: dict, cfg: ModelConfig, h: jax.Array, weights, experts, gmm, fi
     pairs = jnp.where(mine, local, here).reshape(-1)  # [N = T*k]; elsewhere: past the last group
     x = jnp.repeat(h, k, axis=0)  # [N, D], token t's pairs at t*k ... t*k+k-1
     if pairs.shape[0] <= cfg.num_experts:
-        ys = _per_pair(lp, x, jnp.minimum(pairs, here - 1))
+        ys = _per_pair(lp, x, jnp.minimum(pairs, here - 1), mms)
     else:
         ys = _grouped(lp, x, pairs, here, gmm)  # rows past the groups' total come back 0
     # The routing weights as HF applies them: rounded to the activations' dtype (Qwen3-MoE) or
@@ -100,13 +110,13 @@ def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, backend=None) -> tuple[
     weights, experts = route(flat, lp["router"], cfg, mms)
     stacked = {key: lp[key] for key in EXPERTS}
     if backend is None or backend.mesh is None:
-        out = _combine(stacked, cfg, flat, weights, experts, gmm)
+        out = _combine(stacked, cfg, flat, weights, experts, gmm, mms)
     else:
         axis = RULES["expert"]
 
         def here(lpe, flat, weights, experts):
             first = jax.lax.axis_index(axis) * lpe["experts_gate"].shape[0]
-            return jax.lax.psum(_combine(lpe, cfg, flat, weights, experts, gmm, first), axis)
+            return jax.lax.psum(_combine(lpe, cfg, flat, weights, experts, gmm, mms, first), axis)
 
         out = jax.shard_map(
             here,
