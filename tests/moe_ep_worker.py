@@ -12,10 +12,15 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from hotswap import LLM, SamplingParams
 from hotswap.checkpoint.create import create_checkpoint
+from hotswap.checkpoint.hf import load_hf_dir
 from hotswap.errors import ConfigError
+from hotswap.kernels.backend import Backend
+from hotswap.model import moe, sharding
 
 # 8 heads and kv heads (TP up to 8), 16 experts top-2 (EP up to 8), a dense layer among sparse.
 SHAPES = {
@@ -34,9 +39,28 @@ SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, return_route
 PROMPTS = [list(range(5, 20)), [7, 8, 9] * 4, list(range(100, 130))]
 
 
+def layer(model: Path) -> dict:
+    """One sparse layer alone (`moe.sparse_mlp`), experts split over 2/4/8 devices, against one
+    device: decode-sized (per-pair) and prefill-sized (grouped) inputs."""
+    cfg, params = load_hf_dir(model)
+    lp = params["layers"][0]
+    one = Backend.choose("reference", head_dim=cfg.head_dim, devices=jax.devices()[:1])
+    out = {}
+    for rows in (4, 48):
+        h = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, cfg.hidden_size), np.float32))
+        want, want_e = jax.jit(lambda lp, h, be=one: moe.sparse_mlp(lp, cfg, h, be))(lp, h)
+        for tp in (2, 4, 8):
+            mesh = sharding.make_mesh(tp)
+            be = Backend.choose("reference", head_dim=cfg.head_dim, mesh=mesh, head_axis="tp")
+            placed = jax.device_put(lp, sharding.param_shardings(cfg, mesh)["layers"][0])
+            got, got_e = jax.jit(lambda lp, h, be=be: moe.sparse_mlp(lp, cfg, h, be))(placed, h)
+            out[f"{rows}/{tp}"] = [float(jnp.abs(got - want).max()), bool((got_e == want_e).all())]
+    return out
+
+
 def main(tmp: Path) -> dict:
     model = create_checkpoint(tmp / "moe", preset="tiny", arch="qwen3_moe", seed=0, overrides=SHAPES)
-    res: dict = {"devices": jax.device_count(), "ep": {}}
+    res: dict = {"devices": jax.device_count(), "ep": {}, "layer": layer(model)}
     for tp in (1, 2, 4, 8):
         t = time.monotonic()
         llm = LLM(model, tensor_parallel_size=tp, **KW)

@@ -216,6 +216,8 @@ def test_expert_parallel_matches_one_device(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["devices"] == 8
+    for key, (diff, same_experts) in res["layer"].items():  # rows/devices: one sparse layer alone
+        assert diff <= 1e-5 and same_experts, (key, diff)
     base = res["ep"]["1"]["out"]
     for tp in ("2", "4", "8"):
         got = res["ep"][tp]
