@@ -228,6 +228,16 @@ class EngineArgs:
         doc_default="chosen from the chat template's markers (`smollm2` when it has none)",
         doc_default_zh="按聊天模板中的标记选择（没有标记时为 `smollm2`）",
     )
+    enable_return_routed_experts: bool = option(
+        False,
+        "a MoE model: every request returns the experts each token was routed to (vLLM's flag: "
+        "`CompletionOutput.routed_experts`, the OpenAI routes' `routed_experts`); without it a request "
+        "asks with `return_routed_experts`",
+        "MoE 模型：每个请求都返回每个词元被路由到的专家（vLLM 的同名选项：`CompletionOutput.routed_experts`，"
+        "OpenAI 路由中的 `routed_experts`）；不设置时由请求的 `return_routed_experts` 单独要求",
+        type=bool,
+        scopes=SERVING,
+    )
     revision: str | None = option(
         None,
         "branch, tag or commit of a Hub ID (`None`: `main`); not for local paths",

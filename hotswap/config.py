@@ -62,6 +62,8 @@ class EngineConfig:
     max_loras: int = _ARGS["max_loras"]
     max_lora_rank: int = _ARGS["max_lora_rank"]
 
+    enable_return_routed_experts: bool = _ARGS["enable_return_routed_experts"]
+
     def __post_init__(self):
         for name in (
             "page_size",
@@ -107,6 +109,8 @@ class EngineConfig:
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+
+            enable_return_routed_experts=args.enable_return_routed_experts,
         )
 
     @property

@@ -123,6 +123,8 @@ def test_every_shared_option_reaches_the_engine_config():
         enable_lora=True,
         max_loras=3,
         max_lora_rank=32,
+
+        enable_return_routed_experts=True,
     )
     assert set(changed) == shared - {"num_pages", "max_model_len"}  # those two are resolved
     ecfg = EngineConfig.of(EngineArgs(**changed), num_pages=10, max_model_len=64)

@@ -28,6 +28,20 @@ CASES = {
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm+head_dim": ("qwen3", {"head_dim": 24}),
 }
+# Mixtures of experts (model/moe.py): a dense layer among sparse ones; 16 experts top-4 with the
+# top-k probabilities as they are; Mixtral's names and renormalised top-2.
+MOE_CASES = {
+    "qwen3-moe-8x2-norm+dense-layer": (
+        "qwen3_moe",
+        {"num_hidden_layers": 3, "mlp_only_layers": [1], "moe_intermediate_size": 32},
+    ),
+    "qwen3-moe-16x4-unnorm": (
+        "qwen3_moe",
+        {"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False, "moe_intermediate_size": 32},
+    ),
+    "mixtral-8x2": ("mixtral", {"intermediate_size": 48}),
+}
+CASES |= MOE_CASES
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -35,7 +49,9 @@ def test_score_matches_transformers(tmp_path, name):
     arch, overrides = CASES[name]
     model_dir = create_checkpoint(tmp_path / name, preset="tiny", arch=arch, seed=11, overrides=overrides)
     llm = LLM(model_dir, max_model_len=256, warmup=False)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     rng = np.random.default_rng(0)
     # prompts of different lengths, long enough for rope scaling to matter (positions > 32)
     seqs = [rng.integers(0, llm.config.vocab_size, int(n)).tolist() for n in (2, 17, 64, 150)]

@@ -171,10 +171,11 @@ def test_llm_from_flax_and_update_weights_take_nnx():
     assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3_tied"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "llama3_tied"])
 def test_other_families_match_vanilla_rollout(family):
-    """Qwen2 (q/k/v biases), Qwen3 (q/k norms) and a tied-head Llama3: greedy tokens equal
-    Tunix's vanilla rollout's, and teacher-forced log-probs agree within 1e-5.
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Qwen3 MoE (8 experts, top-2) and a tied-head
+    Llama3: greedy tokens equal Tunix's vanilla rollout's, and teacher-forced log-probs agree
+    within 1e-5.
 
     Seed 1: Tunix's sampler treats a generated pad token as padding of the context, so the
     comparison holds only for outputs without one (asserted below); seed 0's Qwen3 emits it.
@@ -197,8 +198,9 @@ def test_other_families_match_vanilla_rollout(family):
         )
     else:
         mod, cls = (qwen2, qwen2.Qwen2) if family == "qwen2" else (qwen3, qwen3.Qwen3)
+        moe = dict(num_experts=8, num_experts_per_tok=2) if family == "qwen3_moe" else {}
         cfg = mod.ModelConfig(
-            **SIZES, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=family == "qwen2"
+            **SIZES, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=family == "qwen2", **moe
         )
         m = cls(cfg, rngs=nnx.Rngs(1))
     if family == "qwen2":  # nonzero biases, so a mis-mapped bias shows

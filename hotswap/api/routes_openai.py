@@ -184,6 +184,12 @@ def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
+def routed(c: CompletionOutput) -> dict:
+    """vLLM's `routed_experts` (`--enable-return-routed-experts`): the experts each input token
+    went to, [prompt + generated - 1][moe layers][k], on a finished choice."""
+    return {} if c.routed_experts is None else {"routed_experts": c.routed_experts.tolist()}
+
+
 # --------------------------------------------------------------------------- /v1/completions
 
 
@@ -222,7 +228,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 out["prompt_token_ids"] = prompts[ci // sp.n][1]
             out["token_ids"] = comp.token_ids[start:]
         if comp.finish_reason is not None:
-            out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
+            out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp), **routed(comp))
         return out
 
     if body.stream:
@@ -367,6 +373,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "stop_reason": c.stop_reason,
             **version_fields(c),
             **wire(c),
+            **routed(c),
         }
 
     choices = [message_choice(c) for c in outs[0].outputs]

@@ -5,7 +5,8 @@ What AReaL and slime call on an SGLang server, mapped onto hotswap's transitions
 `/pause_generation` and `/continue_generation` (Engine.pause / resume), `/flush_cache`,
 `/release_memory_occupation` and `/resume_memory_occupation` (sleep / wakeup),
 `/get_weight_version`, `/update_weight_version`, and a single-prompt `/generate` whose
-`meta_info` carries `weight_version` and per-token `weight_versions` spans. None of these
+`meta_info` carries `weight_version` and per-token `weight_versions` spans (and, asked with
+`return_routed_experts`, a MoE model's `routed_experts` in SGLang's encoding). None of these
 names is one of hotswap's own routes, so they live at the root. Every route here takes the
 admin key, `/generate` included: the api key opens `/v1/*` only, and an RL controller that
 pauses and updates holds the admin key anyway.
@@ -17,9 +18,11 @@ error table (api/errors.py); a pickled body gets 415 and is never unpickled.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -280,9 +283,24 @@ class _Generate(BaseModel):
     stream: bool = False
     return_logprob: bool = False
     rid: str | None = None
+    # A MoE model's routing (SGLang's rollout routing replay): `meta_info.routed_experts`, base64
+    # of int32 [rows, moe layers, k] for the tokens [routed_experts_start_len, seq_len - 1).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
-def _body(ctx: ServerContext, out: RequestOutput, return_logprob: bool) -> dict[str, Any]:
+def _routed_experts(c, start: int) -> dict[str, Any]:
+    """SGLang's encoding: base64 of the int32 array [rows, moe layers, k], flattened, rows from
+    `start` (`routed_experts_start_len`: a later turn skips what it already holds)."""
+    if c.routed_experts is None:
+        return {"routed_experts": None}
+    rows = np.ascontiguousarray(c.routed_experts[start:], dtype=np.int32)
+    return {"routed_experts": base64.b64encode(rows.tobytes()).decode(), "routed_experts_start_len": start}
+
+
+def _body(
+    ctx: ServerContext, out: RequestOutput, return_logprob: bool, routed_from: int | None = None
+) -> dict[str, Any]:
     c = out.outputs[0]
     finish = None if c.finish_reason is None else {"type": c.finish_reason}
     if finish is not None and c.stop_reason is not None:
@@ -300,6 +318,8 @@ def _body(ctx: ServerContext, out: RequestOutput, return_logprob: bool) -> dict[
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    if routed_from is not None:
+        meta.update(_routed_experts(c, routed_from))
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 
@@ -310,8 +330,15 @@ async def generate(body: _Generate, request: Request) -> Response:
     if (body.text is None) == (body.input_ids is None):
         raise RequestError('/generate takes exactly one of "text" or "input_ids" (one prompt)')
     _, ids = ctx.engine.tokenize(body.text if body.text is not None else body.input_ids)
+    if not 0 <= body.routed_experts_start_len <= len(ids):
+        raise RequestError(
+            f"routed_experts_start_len={body.routed_experts_start_len} must be in [0, {len(ids)}] (the prompt's tokens)"
+        )
+    params = body.sampling_params.engine()
+    params.return_routed_experts = body.return_routed_experts
+    routed_from = body.routed_experts_start_len if body.return_routed_experts else None
     queue: asyncio.Queue = asyncio.Queue()
-    rid = await ctx.submit(ids, body.sampling_params.engine(), body.stream, queue)
+    rid = await ctx.submit(ids, params, body.stream, queue)
 
     async def outputs():
         try:
@@ -333,13 +360,13 @@ async def generate(body: _Generate, request: Request) -> Response:
         async for out in outputs():
             final = out
         ended(final)
-        return JSONResponse(_body(ctx, final, body.return_logprob))
+        return JSONResponse(_body(ctx, final, body.return_logprob, routed_from))
 
     async def sse():
         async for out in outputs():
             if out.finished:
                 ended(out)
-            yield f"data: {json.dumps(_body(ctx, out, body.return_logprob))}\n\n"
+            yield f"data: {json.dumps(_body(ctx, out, body.return_logprob, routed_from))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -71,6 +71,31 @@ _ARCHS = {
             "final_logit_softcapping": None,
         },
     ),
+    # Sparse: the preset's `intermediate_size` serves the dense layers (mlp_only_layers) and,
+    # unless overridden, the experts; 8 experts, top-2, renormalised.
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        {
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.0,
+        },
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        {
+            "sliding_window": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.0,
+        },
+    ),
 }
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json model_type where it is not the family name
 
@@ -142,6 +167,8 @@ def hf_config_for(
     rope.setdefault("rope_type", "default")
     # Always explicit: Qwen3's transformers default head_dim (128) is not hidden/heads.
     head_dim = merged.pop("head_dim", None) or merged["hidden_size"] // merged["num_attention_heads"]
+    if arch == "qwen3_moe":
+        merged.setdefault("moe_intermediate_size", merged["intermediate_size"])
     hf = {
         "architectures": [cls],
         "model_type": _MODEL_TYPES.get(arch, arch),
@@ -179,6 +206,10 @@ def _random_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
             out[name] = norm_center + np.float32(0.1) * noise
         elif name.endswith(".bias"):
             out[name] = np.float32(0.1) * noise
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            # routers: scores a few units apart, so each token has clear favourites as in a
+            # trained MoE (not near-ties that a rounding difference would flip)
+            out[name] = np.float32(0.5) * noise
         else:
             out[name] = np.float32(0.02) * noise
     return out

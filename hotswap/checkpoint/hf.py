@@ -26,6 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hotswap.checkpoint import experts
 from hotswap.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
 from hotswap.model import validate
@@ -42,6 +43,8 @@ _ARCH_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json model_type, where it is not the family name
 
@@ -109,6 +112,7 @@ def params_from_hf(
         target = np.dtype(partial_base["embed"].dtype)
     else:
         target = np_dtype(dtype or cfg.dtype)
+    tensors = experts.stack(cfg, tensors, partial=partial_base is not None)
     chosen = validate.hf_tensors(cfg, tensors, target, partial=partial_base is not None)
     params = empty_tree(cfg) if partial_base is None else copy_tree(partial_base)
     for name, spec in chosen.items():
@@ -129,7 +133,7 @@ def hf_from_params(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
         if tuple(leaf.shape) != spec.shape:
             raise WeightsMismatch(f"{spec.name}: expected {spec.shape}, got {tuple(leaf.shape)}")
         out[name] = np.ascontiguousarray(spec.to_hf(leaf))
-    return out
+    return experts.unstack(cfg, out)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
@@ -157,9 +161,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "dtype": cfg.dtype,
     }
-    if cfg.arch == "mistral":
+    if cfg.arch in ("mistral", "mixtral"):
         hf["sliding_window"] = cfg.sliding_window
-    if cfg.arch in ("qwen2", "qwen3"):
+    if cfg.arch in ("qwen2", "qwen3", "qwen3_moe"):
         hf["use_sliding_window"] = False
     if cfg.is_gemma:
         hf.update(
@@ -174,6 +178,17 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rope_local_base_freq is not None:  # Gemma 3: one rope per layer type
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
         hf["rope_parameters"] = {FULL: rope, SLIDING: local}
+    if cfg.arch == "qwen3_moe":
+        hf.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+        )
+    if cfg.arch == "mixtral":
+        hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     return hf
 
 

@@ -32,6 +32,7 @@ from hotswap.engine.sequence import Request, Sequence, Sink
 from hotswap.engine.state import empty_state, new_kv_cache
 from hotswap.engine.structured import Grammars
 from hotswap.errors import (
+    ConfigError,
     EngineAsleep,
     LifecycleConflict,
     PromptTooLong,
@@ -98,6 +99,8 @@ class Engine:
         if ecfg.enable_lora:
             empty_adapters = Adapters.empty(mcfg, self.abstract, ecfg.max_loras, ecfg.max_lora_rank)
             self.state = dataclasses.replace(self.state, adapters=empty_adapters)
+        if ecfg.enable_return_routed_experts and not mcfg.num_experts:
+            raise ConfigError(f"enable_return_routed_experts: this {mcfg.arch} model has no experts")
         self.runner = Runner(mcfg, ecfg, self.backend)
         self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)
         self.requests: dict[str, Request] = {}
@@ -183,6 +186,10 @@ class Engine:
                 f"prompt has {len(ids)} tokens; max_model_len is {self.ecfg.max_model_len} "
                 "(the prompt plus at least one generated token must fit)"
             )
+        if params.return_routed_experts and not self.mcfg.num_experts:
+            raise RequestError(f"return_routed_experts: this {self.mcfg.arch} model has no experts")
+        if self.ecfg.enable_return_routed_experts and not params.return_routed_experts:
+            params = dataclasses.replace(params, return_routed_experts=True)
         matchers = self._matchers(params)
         rid = request_id or uuid.uuid4().hex
         with self._lock:

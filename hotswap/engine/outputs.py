@@ -44,6 +44,11 @@ class CompletionOutput:
     # kv_versions[i]: the weights version of the oldest KV token i was computed over (equal to
     # weights_versions[i] unless a `keep` update landed while the sample ran).
     kv_versions: list[int] = dataclasses.field(default_factory=list)
+    # With SamplingParams(return_routed_experts=True) on a MoE model: the experts each input
+    # token (the prompt's and every generated one but the last) went to in each sparse layer,
+    # int16 [prompt_len + generated - 1, moe layers, k], best first; tokens read from the prefix
+    # cache report the routing their pages were written with.
+    routed_experts: np.ndarray | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -214,7 +219,15 @@ def _completion(seq: Sequence) -> CompletionOutput:
         mixed_weights_kv=seq.tokens_over_mixed_kv,
         text_delta=delta,
         kv_versions=list(seq.output_kv_versions),
+        routed_experts=_routed(seq) if p.return_routed_experts else None,
     )
+
+
+def _routed(seq: Sequence) -> np.ndarray | None:
+    """The routing of the tokens with KV so far (all but the last one once the sample ends)."""
+    if seq.routed is None:
+        return None
+    return seq.routed[: min(seq.num_computed, seq.total_len - 1)].copy()
 
 
 def request_output(req: Request, weights_version: int) -> RequestOutput:

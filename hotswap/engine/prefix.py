@@ -40,6 +40,12 @@ class PrefixIndex:
     version: np.ndarray  # int64[num_pages]
     tick: np.ndarray  # int64[num_pages]
     adapter: np.ndarray  # int64[num_pages, 2]
+    # A MoE model's routing of each indexed page's tokens, int16[num_pages, page_size, moe
+    # layers, k] (None until a page of routed tokens is indexed): what a hit reports for the
+    # tokens it did not compute. Shared by every edit of the index and written in place on
+    # insert: a page's row is read only while the index lists the page, and `insert` is the
+    # only way a page enters it.
+    routing: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     @staticmethod
     def empty(num_pages: int) -> PrefixIndex:
@@ -73,14 +79,25 @@ class PrefixIndex:
     ) -> PrefixIndex:
         key_, ver, tk, ad = self.key.copy(), self.version.copy(), self.tick.copy(), self.adapter.copy()
         key_[page], ver[page], tk[page], ad[page] = np.uint64(key), version, tick, adapter
-        return PrefixIndex(key_, ver, tk, ad)
+        return PrefixIndex(key_, ver, tk, ad, self.routing)
+
+    def with_routing(self, page: int, experts: np.ndarray | None) -> PrefixIndex:
+        """Record the routing of an indexed page's tokens ([page_size, moe layers, k])."""
+        if experts is None:
+            return self
+        index = self
+        if self.routing is None:
+            routing = np.zeros((self.num_pages, *experts.shape), np.int16)
+            index = dataclasses.replace(self, routing=routing)
+        index.routing[page] = experts
+        return index
 
     def touch(self, pages: list[int], tick: int) -> PrefixIndex:
         tk = self.tick.copy()
         tk[pages] = tick
-        return PrefixIndex(self.key, self.version, tk, self.adapter)
+        return PrefixIndex(self.key, self.version, tk, self.adapter, self.routing)
 
     def remove(self, pages: list[int]) -> PrefixIndex:
         key_, ver, ad = self.key.copy(), self.version.copy(), self.adapter.copy()
         key_[pages], ver[pages], ad[pages] = 0, -1, 0
-        return PrefixIndex(key_, ver, self.tick, ad)
+        return PrefixIndex(key_, ver, self.tick, ad, self.routing)

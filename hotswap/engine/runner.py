@@ -182,15 +182,22 @@ class Runner:
         step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
         pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
         n_rows = len(rows)
-        tok, lp, ti, tl = jax.device_get(out)  # one host copy per call
-        return pages, (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
+        host = jax.device_get(out)  # one host copy per call
+        tok, lp, ti, tl = host[:4]
+        sampled = (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
+        if len(host) == 4:
+            return pages, (*sampled, [None] * n_rows)
+        # a MoE model's routing [B*C, moe layers, k]: each row's tokens, where the batch laid them
+        q = batch.tokens.shape[1]
+        starts = np.cumsum([0] + [-(-n // q) * q for _, n in rows[:-1]])  # each row from a fresh row of q
+        return pages, (*sampled, [host[4][b : b + n] for b, (_, n) in zip(starts, rows, strict=True)])
 
     def run(self, state: EngineState, plan: Plan):
         """Run a plan on the state's params and pages: one call for the decode batch, one for
         every prefill chunk packed together; on a ragged backend, one call for both (decode
         rows ride in the prefill's matmuls instead of streaming the weights again). Returns
         the new page buffers (the old ones are donated) and the sampled rows in `plan.rows`
-        order."""
+        order, with (last) each row's routed experts (a MoE model) or None."""
         tables, pages = state.pool.tables, state.kv.pages
         if self.buckets.ragged:
             calls = [("ragged", rows) for rows in self.pack(plan.rows)]
@@ -201,7 +208,9 @@ class Runner:
         for kind, rows in calls:
             pages, out = self._call(state.step_params, pages, rows, tables, kind)
             outs.append(out)
-        return pages, tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
+        parts = list(zip(*outs, strict=True))
+        routed = [r for rows in parts[4] for r in rows]  # per row: [n, moe layers, k] or None
+        return pages, (*(np.concatenate(p) for p in parts[:4]), routed)
 
     def warmup(self, params: Params, pages, progress: bool = True, cache: bool = False) -> None:
         """Compile every bucket now, so serving never compiles.

@@ -31,6 +31,9 @@ class SamplingParams:
     # The output must match this (JSON schema, regex, choice, grammar: engine/structured.py);
     # a dict is read as vLLM's JSON form.
     structured_outputs: StructuredOutputs | dict | None = None
+    # A MoE model: return the experts every token was routed to (`CompletionOutput.routed_experts`),
+    # what a trainer replays ("rollout routing replay").
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if self.n < 1:

@@ -29,7 +29,8 @@ from hotswap.engine.prefix import PrefixIndex, page_key
 from hotswap.engine.sequence import Sequence, Status
 from hotswap.engine.state import EngineState, KVCache
 
-StepOutput = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # tokens, logprobs, top ids, top lps
+# tokens, logprobs, top ids, top lps, and per row its tokens' routed experts (None: dense model)
+StepOutput = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]
 
 
 @dataclasses.dataclass
@@ -125,7 +126,10 @@ class Scheduler:
         parent = seq.fork_parent
         if parent is not None and not parent.is_finished and parent.num_computed >= len(seq.prompt_ids):
             # n > 1: share the parent's full prompt pages directly (works without prefix caching).
-            w.pool.share(sid, w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)])
+            shared = w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)]
+            w.pool.share(sid, shared)
+            if parent.routed is not None and shared:
+                seq.record_routing(0, parent.routed[: len(shared) * self.ps])
         table = w.pool.table(sid)
         if self.cfg.enable_prefix_caching:
             known = w.pool.seq_keys(sid)
@@ -137,6 +141,8 @@ class Scheduler:
                 if page == 0 or i < len(table):
                     break
                 hits.append((page, key))
+                if w.prefix.routing is not None:  # a MoE model: the routing the page was written with
+                    seq.record_routing(i * self.ps, w.prefix.routing[page])
             w.pool.share(sid, [p for p, _ in hits])
             w.pool.add_keys(sid, [k for _, k in hits])
             if hits:
@@ -182,6 +188,8 @@ class Scheduler:
             page = table[i]
             if w.prefix.key[page] == 0 and w.prefix.find(key, w.version, seq.adapter) == 0:
                 w.prefix = w.prefix.insert(page, key, w.version, w.pool.next_tick(), seq.adapter)
+                if seq.routed is not None:
+                    w.prefix = w.prefix.with_routing(page, seq.routed[i * self.ps : (i + 1) * self.ps])
             new.append(key)
             parent = key
         w.pool.add_keys(seq.seq_id, new)
@@ -275,9 +283,11 @@ class Scheduler:
         w = _Work.of(state)
         page_version = state.kv.page_version.copy()
         page_adapter = state.kv.page_adapter.copy()
-        tok, lp, top_ids, top_lps = out
+        tok, lp, top_ids, top_lps, routed = out
         rows = plan.rows
         for i, (seq, n) in enumerate(rows):
+            if routed[i] is not None:  # a MoE model: the experts of the row's tokens
+                seq.record_routing(seq.num_computed, routed[i])
             table = w.pool.table(seq.seq_id)
             first, last = seq.num_computed // self.ps, (seq.num_computed + n - 1) // self.ps
             page_version[list(table[first : last + 1])] = w.version

@@ -69,6 +69,22 @@ class Sequence:
     # Structured outputs: the llguidance matcher of this sample's output so far (its next
     # token's mask; engine/structured.py), None when unconstrained.
     matcher: Any = None
+    # A MoE model's routing record: routed[t] holds the experts token t went to in each sparse
+    # layer ([moe layers, k] int16), for every token that has KV (computed here, or read with
+    # the prefix pages it hit). Grown as tokens are computed; None for a dense model.
+    routed: np.ndarray | None = None
+
+    def record_routing(self, start: int, experts: np.ndarray) -> None:
+        """The experts of tokens [start, start + len(experts)) (a step's, or a prefix hit's)."""
+        end = start + len(experts)
+        if self.routed is None or len(self.routed) < end:
+            grown = np.zeros(
+                (max(end, 2 * (0 if self.routed is None else len(self.routed))), *experts.shape[1:]), np.int16
+            )
+            if self.routed is not None:
+                grown[: len(self.routed)] = self.routed
+            self.routed = grown
+        self.routed[start:end] = experts
 
     def append_token(self, token: int, logprob: float, version: int, top) -> None:
         """One sampled token, the weights version that produced it and its top-k (or None)."""

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from hotswap.errors import ConfigError
-from hotswap.kernels import cpu_attention, cpu_build, cpu_matmul, cpu_sampling, reference
+from hotswap.kernels import cpu_attention, cpu_build, cpu_matmul, cpu_sampling, grouped_matmul, reference
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,15 @@ class Backend:
         if self.deterministic:
             return cpu_matmul.fixed_matmuls
         return cpu_matmul.matmuls if self.attention == "cpu" else jnp_matmuls
+
+    @property
+    def grouped_matmul(self):
+        """The experts' grouped matmul (`kernels/grouped_matmul.py`): tiles on CPU, whose XLA
+        expands `ragged_dot` into every group's work; the Pallas megablox kernel on TPU (inside
+        the experts' shard_map on a mesh); XLA's `ragged_dot` elsewhere."""
+        if self.platform == "cpu":
+            return grouped_matmul.tiled
+        return grouped_matmul.megablox if self.platform == "tpu" else grouped_matmul.ragged
 
     # ---- scoring (`forward.forward_dense`) -----------------------------------
 

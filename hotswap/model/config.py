@@ -23,6 +23,8 @@ _ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # config.json `model_type` -> our family name (used when `architectures` is absent).
 _MODEL_TYPES = {
@@ -32,6 +34,8 @@ _MODEL_TYPES = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 GEMMA = ("gemma2", "gemma3")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -54,7 +58,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3"
+    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "qwen3_moe" | "mixtral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -84,6 +88,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_local_base_freq: float | None = None
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_pytorch_tanh" (Gemma's GeGLU)
+    # Mixture of experts (model/moe.py): 0 experts is a dense model. A layer is sparse unless it
+    # is in `mlp_only_layers` or off the `decoder_sparse_step` grid (HF Qwen3-MoE's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in (
@@ -124,6 +136,17 @@ class ModelConfig:
             if value is not None and not float(value) > 0:
                 raise ConfigError(f"config field {name} must be > 0 (or null), got {value}")
 
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ConfigError(
+                    f"moe_intermediate_size ({self.moe_intermediate_size}) and decoder_sparse_step "
+                    f"({self.decoder_sparse_step}) must be > 0"
+                )
+
     @property
     def is_gemma(self) -> bool:
         """Gemma's layer: (1 + w) norms, a norm after attention and after the MLP, scaled embeddings."""
@@ -134,6 +157,18 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[i] != SLIDING:
             return None
         return self.sliding_window
+
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer `i` routes its MLP through experts (HF Qwen3-MoE's rule; Mixtral: every layer)."""
+        return (
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The sparse layers, in order: the second axis of a routing record."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
     def q_size(self) -> int:
@@ -190,7 +225,7 @@ class ModelConfig:
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", extra.pop("rope_theta", 10000.0))))
         rope_scaling = _rope_scaling(scaling) if scaling else None
 
-        if cfg.get("attention_bias") and arch in ("llama", "mistral", "qwen3", *GEMMA):
+        if cfg.get("attention_bias") and arch != "qwen2":
             raise ConfigError(f"attention_bias=true is not supported for {arch}")
         if cfg.get("mlp_bias"):
             raise ConfigError("mlp_bias=true is not supported")
@@ -199,13 +234,13 @@ class ModelConfig:
             raise ConfigError(f"hidden_act={act!r} is not supported for {arch} (only 'silu')")
         max_pos = int(cfg.get("max_position_embeddings", extra.pop("max_position_embeddings", 4096)))
         window = cfg.get("sliding_window")
-        if arch == "mistral" and window is not None and int(window) < max_pos:
-            # Mistral slides on every layer; a window of the whole context is no window.
+        if arch in ("mistral", "mixtral") and window is not None and int(window) < max_pos:
+            # Mistral and Mixtral slide on every layer; a window of the whole context is no window.
             extra = {
                 "sliding_window": int(window),
                 "layer_types": (SLIDING,) * int(need("num_hidden_layers")),
             }
-        elif arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window is not None:
+        elif arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window") and window is not None:
             if int(window) < max_pos:
                 raise ConfigError(
                     f"sliding_window={window} < max_position_embeddings={max_pos} is not supported for {arch}"
@@ -227,12 +262,13 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
             qkv_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             max_position_embeddings=max_pos,
             dtype=dtype or str(src_dtype),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **extra,
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
@@ -337,3 +373,34 @@ def _local_rope_base(cfg: dict, default: float) -> float:
             f"rope_parameters.{SLIDING}.rope_type={local.get('rope_type')!r} is not supported (only 'default')"
         )
     return float(local.get("rope_theta", default))
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    """The experts' fields of an HF config: Qwen3-MoE's names, or Mixtral's (`num_local_experts`,
+    experts of `intermediate_size`, every layer sparse, top-k always renormalised)."""
+    if arch == "qwen3_moe":
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if key not in cfg:
+                raise ConfigError(f"config.json is missing required field {key!r}")
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+            raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+        return {
+            "num_experts": int(cfg["num_experts"]),
+            "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(sorted(only)),
+        }
+    if arch == "mixtral":
+        for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size"):
+            if key not in cfg:
+                raise ConfigError(f"config.json is missing required field {key!r}")
+        return {
+            "num_experts": int(cfg["num_local_experts"]),
+            "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
+    return {}

@@ -1,5 +1,6 @@
-"""Llama-family forward pass (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) as pure functions; Gemma's
-layer is its own module (`gemma.py`), entered from here.
+"""Llama-family forward pass (Llama 2/3, Mistral, Qwen2/2.5, Qwen3; Qwen3-MoE and Mixtral with
+sparse MLPs, `moe.py`) as pure functions; Gemma's layer is its own module (`gemma.py`), entered
+from here.
 
 Params are always an argument (layout in `params.py`), never closed over, so a
 weight swap with the same shapes reuses every compiled step. Layers are a
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
-from hotswap.model import gemma, lora
+from hotswap.model import gemma, lora, moe
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -47,11 +48,16 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms=jnp_matmuls, ms=jnp
     return apply_rope(q, rope), apply_rope(k, rope), v
 
 
-def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square) -> jax.Array:
+def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms=jnp_matmuls, ms=jnp_mean_square, backend=None):
+    """(x + MLP(x), the experts each token was routed to [..., k], or None in a dense layer).
+    `backend` runs a sparse layer's router and experts (`moe.sparse_mlp`; None: XLA's)."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ms)
+    if "router" in lp:  # a sparse layer (model/moe.py)
+        y, routed = moe.sparse_mlp(lp, cfg, h, backend)
+        return x + y, routed
     gate, up = lora.add(lp, h, ("w_gate", "w_up"), mms(h, (lp["w_gate"], lp["w_up"])))
     act = jax.nn.silu(gate) * up
-    return x + lora.add(lp, act, ("w_down",), mms(act, (lp["w_down"],)))[0]
+    return x + lora.add(lp, act, ("w_down",), mms(act, (lp["w_down"],)))[0], None
 
 
 def forward_paged(
@@ -59,8 +65,9 @@ def forward_paged(
 ):
     """One engine step over `batch` ([B, C] tokens: a decode batch or a packed prefill, batch.py).
 
-    Returns (final hidden [B, C, D], new_kv, pages) where new_kv is this step's (K, V) per
-    layer, each [B, C, Hkv, hd].
+    Returns (final hidden [B, C, D], new_kv, pages, routed) where new_kv is this step's (K, V)
+    per layer, each [B, C, Hkv, hd], and routed the experts each token went to in each sparse
+    layer, [B, C, len(cfg.moe_layers), k] int32 (None for a dense model).
 
     With a `read_then_write` backend (the jnp reference), attention reads the cache as it was
     before the step plus the step's own K/V, and `pages` come back untouched; the caller writes
@@ -70,27 +77,32 @@ def forward_paged(
     updated pages (both custom calls, so nothing fuses across them). Both return the
     updated `pages`.
     """
-    if cfg.is_gemma:
-        return gemma.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
+    if cfg.is_gemma:  # dense: no routing record
+        return (*gemma.forward_paged(params, pages, batch, cfg=cfg, backend=backend), None)
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
     x = params["embed"][batch.tokens]  # [B, C, D]
-    new_kv, new_pages = [], []
+    new_kv, new_pages, routed = [], [], []
     adapters = params.get("lora")  # adapters served by name: each row's own (model/lora.py)
     mask = None if adapters is None else lora.row_mask(batch.adapters, adapters["col_slot"], x.dtype)
     for i, (lp, layer_pages) in enumerate(zip(params["layers"], pages, strict=True)):
         if adapters is not None:
             lp = lora.with_layer(lp, adapters["layers"][i], mask)
         window = cfg.layer_window(i)  # Mistral's sliding window, else None
-        x, kv, layer_pages = _layer(lp, x, layer_pages, batch, rope, window=window, cfg=cfg, backend=backend)
+        x, kv, layer_pages, experts = _layer(
+            lp, x, layer_pages, batch, rope, window=window, cfg=cfg, backend=backend
+        )
         new_kv.append(kv)
         new_pages.append(layer_pages)
+        if experts is not None:
+            routed.append(experts)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, backend.mean_square)
-    return h, tuple(new_kv), tuple(new_pages)
+    return h, tuple(new_kv), tuple(new_pages), jnp.stack(routed, axis=-2) if routed else None
 
 
 @partial(jax.jit, static_argnames=("window", "cfg", "backend"))
 def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, window, cfg: ModelConfig, backend: Backend):
-    """One decoder layer of `forward_paged`: (x, (k, v), the layer's pages after the step).
+    """One decoder layer of `forward_paged`: (x, (k, v), the layer's pages after the step, the
+    routed experts [B, C, k] or None).
 
     A jit of its own inside the step: every layer has the same shapes, so JAX traces and
     lowers it once per step shape instead of once per layer, and XLA inlines the calls
@@ -104,7 +116,8 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, window, cfg: ModelCo
         scale = 1.0 / math.sqrt(cfg.head_dim)
         o, layer_pages = backend.attend(q, k, v, layer_pages, batch, scale, window=window)
         x = x + lora.add(lp, o, ("wo",), mms(o, (lp["wo"],), 2))[0]  # [B, C, Hq, hd] x [Hq, hd, D]
-        return _mlp(lp, cfg, x, mms, ms), (k, v), layer_pages
+        x, routed = _mlp(lp, cfg, x, mms, ms, backend)
+        return x, (k, v), layer_pages, routed
 
 
 def write_pages(pages, new_kv, slots, *, backend: Backend):
@@ -152,7 +165,7 @@ def forward_dense(
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)
         o = attention(q, k, v, lengths, scale=scale, window=cfg.layer_window(i))
         x = x + mms(o, (lp["wo"],), 2)[0]  # [B, L, Hq, hd] x [Hq, hd, D]
-        x = _mlp(lp, cfg, x, mms, ms)
+        x, _ = _mlp(lp, cfg, x, mms, ms, backend)
     return logits_from_hidden(params, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, ms), mms)
 
 

@@ -47,6 +47,12 @@ RULES: dict[str, str | None] = {
     "kv_heads": TP,  # k/v heads, and the KV cache's interleaved 2*kv_heads axis
     "mlp": TP,  # F
     "head_dim": None,  # within a head: attention never splits it
+    # Sparse layers (model/moe.py): the router's [D, E] scores are replicated (every device
+    # routes every token itself); the experts' stacked weights [E, D, F] are split by expert
+    # over the same devices as the heads (expert parallelism), each expert whole on one device.
+    "expert_scores": None,
+    "expert": TP,
+    "expert_mlp": None,
     "kv_pages": None,
     "page_slots": None,
 }
@@ -92,9 +98,21 @@ def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
             f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_heads} and "
             f"num_key_value_heads={cfg.num_kv_heads}; pick a tensor_parallel_size that divides both"
         )
-    for name, size in (("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+    sizes = [("vocab_size", cfg.vocab_size)]
+    if len(cfg.moe_layers) < cfg.num_layers:  # some layer is dense
+        sizes.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.num_experts:  # experts split over the devices (expert parallelism)
+        sizes.append(("num_experts", cfg.num_experts))
+    for name, size in sizes:
         if size % tp:
-            raise ConfigError(f"tensor_parallel_size={tp} must divide {name}={size}")
+            raise ConfigError(
+                f"tensor_parallel_size={tp} must divide {name}={size}"
+                + (
+                    " (the experts' stacked weights model.layers.*.mlp.experts are split by expert)"
+                    if name == "num_experts"
+                    else ""
+                )
+            )
 
 
 def _named(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:

@@ -19,6 +19,14 @@ tied-embedding checkpoint has no HF tensor for it (`hf_name=None`): it is derive
 from the embedding by its own row's transform (`from_hf` of the `[V, D]` embedding, its
 transpose), wherever it is made (host, device, NNX).
 
+A sparse layer (`model/moe.py`) holds its router `[D, E]` and its experts stacked, one leaf
+per projection: gate/up `[E, D, F]`, down `[E, F, D]`, on an `expert` axis. HF files hold one
+`[out, in]` tensor per expert (`hf_expert`, the name with `{}` for the expert): they are stacked
+into the row's `hf_name` (`[E, out, in]`) where a file's tensors enter the table
+(`checkpoint/experts.py`) and split again on save, so every other step sees one tensor per
+row. A row's `transpose` swaps its last two axes: the whole matrix of a 2-D row, each expert's
+of a stacked one.
+
 `nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3,
 Gemma3: `weights/nnx.py`). Llama3 and the Qwens are `[in, out]` with heads split out
 exactly as here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so
@@ -60,6 +68,7 @@ class ParamSpec:
     nnx_index: int | None = None
     nnx_perm: tuple[int, ...] | None = None
     adaptable: bool = False  # a LoRA adapter may target it (`lora_shapes`, `lora_names`; model/lora.py)
+    hf_expert: str | None = None  # stacked experts: each expert's HF name, "{}" for its index
 
     @property
     def name(self) -> str:
@@ -69,7 +78,7 @@ class ParamSpec:
     @property
     def hf_shape(self) -> tuple[int, ...]:
         m = self.matrix or self.shape
-        return tuple(reversed(m)) if self.transpose else m
+        return (*m[:-2], m[-1], m[-2]) if self.transpose else m
 
     @property
     def layout(self) -> ParamSpec:
@@ -80,13 +89,13 @@ class ParamSpec:
     def from_hf(self, a):
         """HF-layout array (numpy or jax) -> params layout: transpose, then split the heads.
         On numpy both are views; under jit the split is a free reshape of the result."""
-        m = a.T if self.transpose else a
+        m = a.swapaxes(-1, -2) if self.transpose else a
         return m.reshape(self.shape) if self.matrix is not None else m
 
     def to_hf(self, x):
         """Params-layout array -> HF layout (views on numpy): merge the heads, then transpose."""
         m = x.reshape(self.matrix) if self.matrix is not None else x
-        return m.T if self.transpose else m
+        return m.swapaxes(-1, -2) if self.transpose else m
 
     @property
     def nnx_copies(self) -> bool:
@@ -151,7 +160,7 @@ class ParamSpec:
                 group.append(dim)
                 dim += 1
             groups.append(tuple(group))
-        return tuple(reversed(groups)) if self.transpose else tuple(groups)
+        return (*groups[:-2], groups[-1], groups[-2]) if self.transpose else tuple(groups)
 
 
 def is_spec(x: Any) -> bool:
@@ -201,6 +210,10 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
             "w_down", (f, d), ("mlp", "embed"), "mlp.down_proj.weight", True, "mlp.down_proj.kernel"
         ),
     }
+    if cfg.is_moe_layer(i):
+        for key in ("w_gate", "w_up", "w_down"):
+            del rows[key]
+        rows.update(expert_specs(cfg, i))
     for key in ADAPTABLE:  # the rows a LoRA adapter may target
         if key in rows:
             rows[key] = dataclasses.replace(rows[key], adaptable=True)
@@ -272,6 +285,60 @@ def nnx_leaf_shapes(rows: list[ParamSpec]) -> dict[str, tuple[int, ...]]:
         if s.nnx_index is not None:
             counts[s.nnx_name] = max(counts.get(s.nnx_name, 0), s.nnx_index + 1)
     return {n: (counts[n], *shape) if n in counts else shape for n, shape in shapes.items()}
+
+
+# Where a family keeps its sparse MLP in HF files: (router, experts' gate, up, down), under
+# `model.layers.{i}.`, "{}" for the expert.
+_MOE_HF = {
+    "qwen3_moe": (
+        "mlp.gate",
+        "mlp.experts.{}.gate_proj",
+        "mlp.experts.{}.up_proj",
+        "mlp.experts.{}.down_proj",
+    ),
+    "mixtral": (
+        "block_sparse_moe.gate",
+        "block_sparse_moe.experts.{}.w1",
+        "block_sparse_moe.experts.{}.w3",
+        "block_sparse_moe.experts.{}.w2",
+    ),
+}
+
+
+def expert_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
+    """The rows of sparse layer `i`'s MLP (`model/moe.py`): the router [D, E] and the experts'
+    gate/up [E, D, F] and down [E, F, D], stacked on the `expert` axis."""
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    router, gate, up, down = (f"model.layers.{i}.{n}" for n in _MOE_HF[cfg.arch])
+
+    # Tunix's Qwen3 MoE layer holds the same leaves (`nnx_name`): router.kernel [D, E],
+    # gate_proj / up_proj [E, D, F], down_proj [E, F, D].
+    def stacked(key: str, shape: tuple[int, ...], axes: tuple[str, ...], hf: str, nnx: str) -> ParamSpec:
+        # the stacked name drops the index: "model.layers.3.mlp.experts.gate_proj.weight"
+        name = hf.replace(".{}.", ".") + ".weight"
+        nnx_name = f"layers.{i}.mlp.{nnx}"
+        return ParamSpec(
+            ("layers", i, key), shape, axes, name, True, nnx_name=nnx_name, hf_expert=hf + ".weight"
+        )
+
+    router_row = ParamSpec(
+        ("layers", i, "router"),
+        (d, e),
+        ("embed", "expert_scores"),
+        router + ".weight",
+        True,
+        nnx_name=f"layers.{i}.mlp.router.kernel",
+    )
+    return {
+        "router": router_row,
+        "experts_gate": stacked(
+            "experts_gate", (e, d, f), ("expert", "embed", "expert_mlp"), gate, "gate_proj"
+        ),
+        "experts_up": stacked("experts_up", (e, d, f), ("expert", "embed", "expert_mlp"), up, "up_proj"),
+        "experts_down": stacked(
+            "experts_down", (e, f, d), ("expert", "expert_mlp", "embed"), down, "down_proj"
+        ),
+    }
 
 
 def param_specs(cfg: ModelConfig) -> Params:

@@ -53,6 +53,12 @@ SAME_MODEL_FIELDS = (
     "num_kv_heads",
     "head_dim",
     "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 

@@ -194,7 +194,10 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
     # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.
     token_bytes = one_page // acfg.page_size
-    read = params_bytes + min(kv_bytes, acfg.max_num_seqs * max_len * token_bytes)
+    # A MoE step reads only the experts its rows were routed to (model/moe.py).
+    expert_bytes = catalog.params_bytes_per_chip(mcfg, target, experts_only=True)
+    unread = round(expert_bytes * (1 - catalog.active_expert_fraction(mcfg, acfg.max_num_seqs)))
+    read = params_bytes - unread + min(kv_bytes, acfg.max_num_seqs * max_len * token_bytes)
     return {
         "model": model,
         "topology": acfg.topology,
@@ -221,6 +224,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "update_bytes_per_chip": update,
         "update_fits": update <= chip.hbm_bytes,
         "decode_bytes_read_per_chip": read,
+        "expert_bytes_per_chip": expert_bytes,
+        "decode_expert_fraction": round(catalog.active_expert_fraction(mcfg, acfg.max_num_seqs), 4),
         "est_decode_tok_s": round(acfg.max_num_seqs * chip.hbm_bytes_per_s / read, 1),
         "steps": [dataclasses.asdict(s) for s in stats],
     }

@@ -255,14 +255,25 @@ def compile_stats(name: str, lower: Callable[[], Any], page: jax.ShapeDtypeStruc
         raise ProgramError(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
-def params_bytes_per_chip(mcfg: ModelConfig, target: Target) -> int:
-    """Bytes of one chip's shards of the params (the largest over the chips)."""
+def params_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> int:
+    """Bytes of one chip's shards of the params (the largest over the chips); `experts_only`:
+    of the sparse layers' stacked expert weights alone."""
     itemsize = jnp.dtype(mcfg.dtype).itemsize
     per = {}
     for spec, sh in zip(
         jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec), jax.tree.leaves(target.params), strict=True
     ):
+        if experts_only and "expert" not in spec.axes:
+            continue
         shard = sh.shard_shape(spec.shape)
         for d in sh.device_set:
             per[d] = per.get(d, 0) + int(np.prod(shard)) * itemsize
-    return max(per.values())
+    return max(per.values(), default=0)
+
+
+def active_expert_fraction(mcfg: ModelConfig, rows: int) -> float:
+    """The share of a sparse layer's experts a decode step of `rows` tokens reads, expected under
+    uniform routing (each row picks k distinct of E): 1 - (1 - k/E)^rows. 1 for a dense model."""
+    if not mcfg.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - mcfg.num_experts_per_tok / mcfg.num_experts) ** rows

@@ -18,6 +18,7 @@ import dataclasses
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 from hotswap.config import EngineConfig
 from hotswap.kernels.backend import Backend
@@ -123,11 +124,13 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
 
 
 def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
-    h, new_kv, pages = forward.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
+    h, new_kv, pages, routed = forward.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         logits = forward.logits_from_hidden(params, h_last, backend.matmuls, cfg.final_logit_softcapping)
         out = sample(logits, sa, backend.row_stats, keep_thresholds=backend.keep_thresholds)
+    if routed is not None:  # a MoE model: the experts of every token, [B*C, moe layers, k] int16
+        out = (*out, routed.reshape(-1, *routed.shape[2:]).astype(jnp.int16))
     return (new_kv if backend.read_then_write else pages), out
 
 
@@ -139,7 +142,8 @@ fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=
 
 
 def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled=None):
-    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps)).
+    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps[, routed])),
+    routed for a MoE model: the experts each of the step's B*C tokens went to.
     `compiled`: warm-up's program for this bucket, when it holds one (see `Runner.warmup`)."""
     if compiled is not None:
         return compiled(params, pages, batch, sa)

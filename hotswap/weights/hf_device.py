@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hotswap.checkpoint import hf
+from hotswap.checkpoint import experts, hf
 from hotswap.kernels import cpu_convert
 from hotswap.model import validate
 from hotswap.model.config import ModelConfig
@@ -127,8 +127,9 @@ def _on_cpu(sharding) -> bool:
 
 def _fused(x: jax.Array, dtype: np.dtype, sharding) -> bool:
     """Convert with the C++ kernel, which checks finiteness in the same pass? On one CPU
-    device, when the cast is exact (so the values it checks are the params' values)."""
-    return _on_cpu(sharding) and cpu_convert.usable(x.dtype, dtype, sharding)
+    device, when the cast is exact (so the values it checks are the params' values), for a
+    matrix or vector (the kernel transposes 2-D arrays; stacked experts go through XLA)."""
+    return x.ndim <= 2 and _on_cpu(sharding) and cpu_convert.usable(x.dtype, dtype, sharding)
 
 
 # ---- the update ---------------------------------------------------------------------------
@@ -151,6 +152,7 @@ def hf_to_device(
     embedding also rebuilds `lm_head`.
     """
     target = np.dtype(abstract["embed"].dtype)
+    tensors = experts.stack(cfg, tensors, partial=base is not None)
     chosen = validate.hf_tensors(cfg, tensors, target, partial=base is not None)
     head_want, head = abstract["lm_head"], None
     head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose

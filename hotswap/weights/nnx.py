@@ -1,4 +1,5 @@
-"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2, Qwen3 and Gemma3 models.
+"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2, Qwen3 (dense and MoE) and
+Gemma3 models.
 
 The mapping is the spec table (`model/spec.py`): each row's `nnx_name` is the
 parameter's path in the NNX model. Tunix's Llama3 / Qwen models use hotswap's params
@@ -80,9 +81,19 @@ def model_config(
             f"supported: Tunix {', '.join(sorted([*FAMILIES, 'Gemma3']))}"
         )
     c = model.config
+    moe = {}
     if getattr(c, "num_experts", None):
-        raise ConfigError(
-            f"{type(model).__name__} with num_experts={c.num_experts}: MoE models are not supported"
+        if family.arch != "qwen3":
+            raise ConfigError(
+                f"{type(model).__name__} with num_experts={c.num_experts}: only Qwen3 MoE is served"
+            )
+        # Tunix's Qwen3 MoE: every layer sparse, experts of hidden_dim, top-k renormalised.
+        moe = dict(
+            arch="qwen3_moe",
+            num_experts=int(c.num_experts),
+            num_experts_per_tok=int(c.num_experts_per_tok),
+            moe_intermediate_size=int(c.hidden_dim),
+            norm_topk_prob=True,
         )
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     dtype = np.dtype(leaves[0].dtype).name if leaves else "float32"
@@ -95,7 +106,7 @@ def model_config(
             theta,
             float(c.rope_theta),
         )
-    return ModelConfig(
+    fields = dict(
         arch=family.arch,
         vocab_size=c.vocab_size,
         hidden_size=c.embed_dim,
@@ -113,6 +124,7 @@ def model_config(
         dtype=dtype,
         eos_token_ids=tuple(eos_token_ids),
     )
+    return ModelConfig(**{**fields, **moe})
 
 
 # Tunix's Gemma 3 (`tunix.models.gemma3`): every 6th layer global (GEMMA3_ATTENTION_PATTERN),
