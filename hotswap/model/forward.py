@@ -142,10 +142,7 @@ def logits_from_hidden(params: Params, h: jax.Array, mms=jnp_matmuls) -> jax.Arr
     small model's weight bytes, and at a few rows reading it is the cost, which the threaded
     GEMV does closer to memory bandwidth than XLA's dot. A 16-bit head accumulates and emits f32:
     a bf16 logit keeps 8 bits, so a logit of 20 would be off by up to 0.06 nats."""
-    head = params["lm_head"]
-    if head.dtype != jnp.float32:
-        return jnp.matmul(h, head, preferred_element_type=jnp.float32)
-    return mms(h, (head,))[0].astype(jnp.float32)
+    return mms(h, (params["lm_head"],), out_dtype=jnp.float32)[0]
 
 
 def forward_dense(
