@@ -176,7 +176,8 @@ def test_weights_sharing_x_go_in_one_call(rows):
     x = rng.standard_normal((rows, 300)).astype(np.float32)
     ws = [rng.standard_normal((300, n)).astype(np.float32) for n in (1088, 256, 77)]
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
-    assert fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul") == 1
+    calls = fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul")
+    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 rows without AVX-512
     for y, w in zip(fn(x, *ws), ws, strict=True):
         np.testing.assert_allclose(
             np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
