@@ -49,9 +49,9 @@ def test_matches_numpy(lead, k, n):
         )
 
 
-def test_routes_only_decode_sized_f32_matmuls_to_the_kernel():
-    """More rows than max_rows() (a prefill), or another dtype, stay on XLA's dot (no custom
-    call in the program)."""
+def test_routes_only_decode_sized_f32_and_bf16_matmuls_to_the_kernel():
+    """More rows than max_rows() (a prefill), another dtype, or weights of two dtypes in one
+    call stay on XLA's dot (no custom call in the program)."""
     w = jnp.ones((64, 32), jnp.float32)
 
     def custom_calls(x, w):
@@ -63,7 +63,10 @@ def test_routes_only_decode_sized_f32_matmuls_to_the_kernel():
     assert custom_calls(jnp.ones((2, 64), jnp.float32), w) == 2
     assert custom_calls(jnp.ones((top, 64), jnp.float32), w) == 2
     assert custom_calls(jnp.ones((top + 1, 64), jnp.float32), w) == 0
-    assert custom_calls(jnp.ones((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16)) == 0
+    assert custom_calls(jnp.ones((1, 64), jnp.bfloat16), w.astype(jnp.bfloat16)) == 2
+    assert custom_calls(jnp.ones((1, 64), jnp.float16), w.astype(jnp.float16)) == 0
+    mixed = jax.jit(lambda x: cpu_matmul.matmuls(x, [w, w.astype(jnp.bfloat16)]))
+    assert mixed.lower(jnp.ones((1, 64), jnp.float32)).as_text().count("custom_call") == 0
 
 
 def _choose(attention: str, n: int | None = None, dtype: str = "float32") -> str:
@@ -173,7 +176,8 @@ def test_weights_sharing_x_go_in_one_call(rows):
     x = rng.standard_normal((rows, 300)).astype(np.float32)
     ws = [rng.standard_normal((300, n)).astype(np.float32) for n in (1088, 256, 77)]
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
-    assert fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul") == 1
+    calls = fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul")
+    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 rows without AVX-512
     for y, w in zip(fn(x, *ws), ws, strict=True):
         np.testing.assert_allclose(
             np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
@@ -193,6 +197,29 @@ def test_every_row_count_of_the_tiled_path(rows):
         np.testing.assert_allclose(
             np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
         )
+
+
+@pytest.mark.parametrize("rows", [*range(1, 11), 13, 16, 17, 23, 31, 32])
+def test_bf16_weights_at_every_row_count(rows):
+    """bf16 weights widened in registers, on the GEMV (1-2 rows) and the tiled path (3-32, with
+    AVX-512; XLA's dot above max_rows()): a
+    bf16 x gives bf16 results (XLA's dot's dtype), rounded once from the f32 sums; an f32 x
+    with `out_dtype` f32 (the LM head's logits) is exact to f32 sums. Widths with tail columns
+    and a weight of another width in the same call, as in `test_every_row_count_of_the_tiled_path`."""
+    rng = np.random.default_rng(100 + rows)
+    x = jnp.asarray(rng.standard_normal((rows, 300)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((300, n)), jnp.bfloat16) for n in (2085, 80, 35)]
+    want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in ws]
+    fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
+    calls = fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul")
+    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 without AVX-512
+    for y, ref in zip(fn(x, *ws), want, strict=True):
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2**-8, atol=1e-3 * np.sqrt(300))
+    x32 = np.asarray(x, np.float32)
+    logits = jax.jit(lambda x, w: cpu_matmul.matmuls(x, [w], out_dtype=jnp.float32)[0])(x32, ws[0])
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), want[0], rtol=1e-4, atol=1e-4 * np.sqrt(300))
 
 
 def test_all_finite_flags_each_array():

@@ -48,17 +48,19 @@ from hotswap.kernels import cpu_attention, cpu_build, cpu_matmul, cpu_sampling, 
 log = logging.getLogger(__name__)
 
 ATTENTIONS = ("pallas", "cpu", "reference")  # what "auto" resolves to
-# The dtypes the C++ attention reads and writes (activations and pages): f32 and bf16, with f32
-# softmax and accumulation either way. The C++ matmuls and sampler statistics take f32 only; a
-# bf16 step runs its matmuls on XLA's dot (f32 accumulation) and its logits are f32 (model.py).
+# The dtypes the C++ kernels take (activations, pages and weights): f32 and bf16, with f32
+# softmax, products and accumulation either way. The decode-sized matmuls read bf16 weights as
+# they are (`cpu_matmul`); prompt-sized ones run on XLA's dot. Logits are f32 in both (the
+# sampler statistics take f32 only).
 CPU_DTYPES = ("float32", "bfloat16")
 
 
-def jnp_matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+def jnp_matmuls(x: jax.Array, ws, contract: int = 1, out_dtype=None) -> list[jax.Array]:
     """The matmul routine's interface (`Backend.matmuls`): each w contracted over x's last
     `contract` dims and w's first, `[..., K...] x [K..., N...] -> [..., N...]` (one dot_general,
-    so the head-split attention weights are used in their own layout, no relayout)."""
-    return [jnp.tensordot(x, w, axes=contract) for w in ws]
+    so the head-split attention weights are used in their own layout, no relayout), in
+    `out_dtype` (None: the operands' promoted dtype; f32 for a 16-bit LM head's logits)."""
+    return [jnp.tensordot(x, w, axes=contract, preferred_element_type=out_dtype) for w in ws]
 
 
 def jnp_mean_square(x: jax.Array) -> jax.Array:

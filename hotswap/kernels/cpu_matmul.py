@@ -10,6 +10,10 @@ register tiles of up to 9 rows (on Zen 4 a tile of 5-9 rows runs at the FMA peak
 at half of it): 1.2-2x XLA's dot over a chain of bench-100m's matmuls at 8-32 rows. A
 layer's q/k/v (or gate/up) weights go in one call (`matmuls`). More rows (prefill) stay on
 XLA's dot, as do CPUs without AVX-512 from 3 rows on (`max_rows()`).
+
+bf16 weights take the same path, widened to f32 in registers (x is multiplied in f32): a decode
+step reads every weight once, so half the bytes is up to half the time, where XLA:CPU's bf16 dot
+ran a bench-100m decode step at a sixth of its f32 speed.
 """
 
 from __future__ import annotations
@@ -32,30 +36,40 @@ def max_rows() -> int:
     return int(fn())
 
 
-def matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # of x and of the weights (one per call)
+
+
+def matmuls(x: jax.Array, ws, contract: int = 1, out_dtype=None) -> list[jax.Array]:
     """Each w contracted over x's last `contract` dims and w's first (x [..., K...], w
-    [K..., N...] -> [..., N...]; `x @ w` for a 2-D w): one C++ call for all the f32 weights
-    when x has at most max_rows() rows, else XLA's dot for each. The kernel takes 2-D
-    operands; x and the weights are reshaped to [rows, K] and [K, N], which for row-major
+    [K..., N...] -> [..., N...]; `x @ w` for a 2-D w), in `out_dtype` (default: what XLA's dot
+    gives, x's and w's promoted dtype): one C++ call for all the weights when they are all f32
+    or all bf16 and x has at most max_rows() rows, else XLA's dot for each. The kernel takes
+    2-D operands; x and the weights are reshaped to [rows, K] and [K, N], which for row-major
     arrays on CPU are bitcasts, not copies. Weights that share x (a layer's q/k/v, or
     gate/up) in one call share one parallel region: +2-4% decode at batch 1 and +5% at
     batch 16 against a call per weight (same-process A/B)."""
     rows = math.prod(x.shape[: x.ndim - contract])
     ws = list(ws)
-    f32 = x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws)
-    if not f32 or rows > max_rows():
-        return [jnp.tensordot(x, w, axes=contract) for w in ws]
-    return _call("HotswapSmallMatmul", x, ws, contract)
+    out = out_dtype or jnp.result_type(x, *ws)
+    kernel = (
+        x.dtype in KERNEL_DTYPES and ws[0].dtype in KERNEL_DTYPES and all(w.dtype == ws[0].dtype for w in ws)
+    )
+    if not kernel or rows > max_rows():
+        return [jnp.tensordot(x, w, axes=contract, preferred_element_type=out_dtype) for w in ws]
+    # The kernel multiplies and sums in f32: a bf16 x widens exactly, and its f32 result is
+    # rounded once, to `out`, as XLA's dot with f32 accumulation rounds it.
+    return [y.astype(out) for y in _call("HotswapSmallMatmul", x.astype(jnp.float32), ws, contract)]
 
 
-def fixed_matmuls(x: jax.Array, ws, contract: int = 1) -> list[jax.Array]:
+def fixed_matmuls(x: jax.Array, ws, contract: int = 1, out_dtype=None) -> list[jax.Array]:
     """`matmuls`' interface, every f32 call on the kernel's fixed-order path whatever the row
     count (see the module doc). Other dtypes raise: deterministic mode is f32 on the CPU backend
     (`Backend.choose` refuses the rest before any step is traced)."""
     ws = list(ws)
     if x.dtype != jnp.float32 or any(w.dtype != jnp.float32 for w in ws):
         raise TypeError(f"the fixed-order matmul takes f32 operands, got {x.dtype} x {[w.dtype for w in ws]}")
-    return _call("HotswapFixedMatmul", x, ws, contract)
+    ys = _call("HotswapFixedMatmul", x, ws, contract)
+    return ys if out_dtype is None else [y.astype(out_dtype) for y in ys]
 
 
 def _call(symbol: str, x: jax.Array, ws: list[jax.Array], contract: int) -> list[jax.Array]:

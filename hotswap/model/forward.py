@@ -133,11 +133,7 @@ def logits_from_hidden(
     GEMV does closer to memory bandwidth than XLA's dot. A 16-bit head accumulates and emits f32:
     a bf16 logit keeps 8 bits, so a logit of 20 would be off by up to 0.06 nats.
     `softcap` (`cfg.final_logit_softcapping`, Gemma 2): logits = softcap * tanh(logits / softcap)."""
-    head = params["lm_head"]
-    if head.dtype != jnp.float32:
-        logits = jnp.matmul(h, head, preferred_element_type=jnp.float32)
-    else:
-        logits = mms(h, (head,))[0].astype(jnp.float32)
+    logits = mms(h, (params["lm_head"],), out_dtype=jnp.float32)[0]
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     return logits

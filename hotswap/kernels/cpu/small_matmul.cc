@@ -18,6 +18,11 @@
 // Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
 // at most HotswapSmallMatmulMaxRows() rows.
 //
+// Weights are f32 or bf16 (one dtype per call), x and y f32. A bf16 weight is widened to f32
+// in registers (its 16 bits are the top half of the f32) and multiplied in f32: a decode step
+// is bound by reading the weights, and bf16 halves those bytes; the products and sums are
+// what XLA's bf16 dot computes with f32 accumulation, up to the order of the sums.
+//
 // `HotswapFixedMatmul` (deterministic mode) takes any M and computes every y[r, n] as one chain
 // over k = 0 .. K-1 in order: register tiles whatever the row count, never a split over K. Tile
 // grouping, column chunks, k-blocks and prefetching decide only which values are in registers
@@ -43,44 +48,51 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using bf16 = uint16_t;  // XLA FFI's BF16 storage type
+inline float Widen(float v) { return v; }
+inline float Widen(bf16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
+
 // Rows [k0, k1) of w times columns [k0, k1) of x, into part[M, N]: each thread streams a
 // contiguous run of whole weight rows, the best access pattern for the prefetchers.
-void KSlice(const float* __restrict x, const float* __restrict w, float* __restrict part, int64_t M, int64_t K,
+template <typename W>
+void KSlice(const float* __restrict x, const W* __restrict w, float* __restrict part, int64_t M, int64_t K,
             int64_t N, int64_t k0, int64_t k1) {
   std::fill(part, part + M * N, 0.0f);
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const float* w0 = w + k * N;
-    const float *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const W* w0 = w + k * N;
+    const W *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
     for (int64_t r = 0; r < M; ++r) {
       const float *xr = x + r * K + k;
       const float a = xr[0], b = xr[1], c = xr[2], d = xr[3];
       float* pr = part + r * N;
 #pragma GCC ivdep
-      for (int64_t n = 0; n < N; ++n) pr[n] += a * w0[n] + b * w1[n] + c * w2[n] + d * w3[n];
+      for (int64_t n = 0; n < N; ++n)
+        pr[n] += a * Widen(w0[n]) + b * Widen(w1[n]) + c * Widen(w2[n]) + d * Widen(w3[n]);
     }
   }
   for (; k < k1; ++k) {
-    const float* wk = w + k * N;
+    const W* wk = w + k * N;
     for (int64_t r = 0; r < M; ++r) {
       const float a = x[r * K + k];
       float* pr = part + r * N;
-      for (int64_t n = 0; n < N; ++n) pr[n] += a * wk[n];
+      for (int64_t n = 0; n < N; ++n) pr[n] += a * Widen(wk[n]);
     }
   }
 }
 
 // Columns [n0, n1) of y = x @ w, each a chain over k = 0 .. K-1 in order (the fixed-order path
 // without AVX-512; see the header).
-void ColumnSlice(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t M, int64_t K,
+template <typename W>
+void ColumnSlice(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t M, int64_t K,
                  int64_t N, int64_t n0, int64_t n1) {
   for (int64_t r = 0; r < M; ++r) {
     float* yr = y + r * N;
     std::fill(yr + n0, yr + n1, 0.0f);
     for (int64_t k = 0; k < K; ++k) {
       const float a = x[r * K + k];
-      const float* wk = w + k * N;
-      for (int64_t n = n0; n < n1; ++n) yr[n] += a * wk[n];
+      const W* wk = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) yr[n] += a * Widen(wk[n]);
     }
   }
 }
@@ -110,11 +122,11 @@ int64_t MinKB(int64_t M) { return M <= kWideRows ? 32 : 64; }
 // Prefetches a run of weight row segments into L2, a few lines per call, spread over the
 // compute of the block before it.
 struct Prefetch {
-  const float* row;
-  int64_t stride, lines_per_row, rows_left, line = 0, per_step = 0;
+  const char* row;
+  int64_t stride, lines_per_row, rows_left, line = 0, per_step = 0;  // stride in bytes
   inline void Step() {
     for (int64_t i = 0; i < per_step && rows_left > 0; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + line * 16), _MM_HINT_T1);
+      _mm_prefetch(row + line * 64, _MM_HINT_T1);
       if (++line == lines_per_row) line = 0, row += stride, --rows_left;
     }
   }
@@ -123,8 +135,14 @@ struct Prefetch {
 // c[0:MR, 0:16V] (+)= x[0:MR, 0:kn] @ w[0:kn, 0:16V] (row strides ldx, ldw, ldc): each w
 // vector is loaded once and multiplied into MR rows, x broadcast from L1, y held in
 // registers for the whole block.
-template <int MR, int V>
-void Tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t kn,
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int MR, int V, typename W>
+void Tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw, int64_t kn,
           float* __restrict c, int64_t ldc, bool first, Prefetch& pf) {
   __m512 acc[MR][V];
   for (int r = 0; r < MR; ++r)
@@ -133,7 +151,7 @@ void Tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int
   for (int64_t k = 0; k < kn; ++k, w += ldw, ++x) {
     p.Step();
     __m512 wv[V];
-    for (int j = 0; j < V; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
+    for (int j = 0; j < V; ++j) wv[j] = Load16(w + 16 * j);
     for (int r = 0; r < MR; ++r) {
       const __m512 b = _mm512_set1_ps(x[r * ldx]);
       for (int j = 0; j < V; ++j) acc[r][j] = _mm512_fmadd_ps(b, wv[j], acc[r][j]);
@@ -143,30 +161,36 @@ void Tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < V; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
 }
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, Prefetch&);
-template <int V>
-constexpr TileFn kRow[kMR + 1] = {nullptr,     Tile<1, V>, Tile<2, V>, Tile<3, V>, Tile<4, V>,
-                                  Tile<5, V>, Tile<6, V>, Tile<7, V>, Tile<8, V>, Tile<9, V>};
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t, bool, Prefetch&);
+template <typename W, int V>
+constexpr TileFn<W> kRow[kMR + 1] = {nullptr,       Tile<1, V, W>, Tile<2, V, W>, Tile<3, V, W>, Tile<4, V, W>,
+                                     Tile<5, V, W>, Tile<6, V, W>, Tile<7, V, W>, Tile<8, V, W>, Tile<9, V, W>};
 // At most kMR4 rows (one tile), the tile is 4 zmm wide: 1.02-1.09x the 3-wide one at 3-4 rows.
 constexpr int kMR4 = 4;
-constexpr TileFn kRow4[kMR + 1] = {nullptr, Tile<1, 4>, Tile<2, 4>, Tile<3, 4>, Tile<4, 4>};
-constexpr const TileFn* kTiles[kV + 2] = {nullptr, kRow<1>, kRow<2>, kRow<3>, kRow4};  // [V][MR]
+template <typename W>
+constexpr TileFn<W> kRow4[kMR + 1] = {nullptr, Tile<1, 4, W>, Tile<2, 4, W>, Tile<3, 4, W>, Tile<4, 4, W>};
+template <typename W>
+constexpr const TileFn<W>* kTiles[kV + 2] = {nullptr, kRow<W, 1>, kRow<W, 2>, kRow<W, 3>, kRow4<W>};  // [V][MR]
 
 // One work item: c[M, 0:n1-n0] (row stride ldc) = x[:, k0:k1] @ w[k0:k1, n0:n1], n1 - n0 a
 // multiple of 16. Rows go in as few tiles as kMR allows, as even as possible (32 = 4 x 8,
 // 12 = 6 + 6), each the full height of a panel of 48 columns (the last panel 16 or 32 when
 // the width asks). Walks k in blocks, prefetching the next block's row segments (contiguous
 // runs, which the memory system streams best) while computing this one.
-void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0, int64_t k1, int64_t n0,
+template <typename W>
+void Item(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t k0, int64_t k1, int64_t n0,
           int64_t n1, float* c, int64_t ldc) {
   const int64_t vmax = M <= kMR4 ? 4 : kV, nr = 16 * vmax;  // panel width
-  const int64_t width = n1 - n0, panels = (width + nr - 1) / nr, lines = width / 16;
+  const int64_t width = n1 - n0, panels = (width + nr - 1) / nr;
+  const int64_t lines = (width * static_cast<int64_t>(sizeof(W)) + 63) / 64;  // cache lines a row
   const int64_t passes = (M + kMR - 1) / kMR;
-  const int64_t kb = std::clamp<int64_t>(kSlabBytes / (4 * width), MinKB(M), kMaxKB);
+  const int64_t kb = std::clamp<int64_t>(kSlabBytes / (static_cast<int64_t>(sizeof(W)) * width), MinKB(M), kMaxKB);
   for (int64_t kk = k0; kk < k1; kk += kb) {
     const int64_t kn = std::min(kb, k1 - kk);
     const int64_t next = std::min(k1, kk + kn);
-    Prefetch pf{w + next * N + n0, N, lines, std::min(kb, k1 - next)};
+    Prefetch pf{reinterpret_cast<const char*>(w + next * N + n0), N * static_cast<int64_t>(sizeof(W)), lines,
+                std::min(kb, k1 - next)};
     pf.per_step = (pf.rows_left * lines + panels * passes * kn - 1) / (panels * passes * kn);
     // One line of each row of the block after next: its page walks (rows of a wide weight
     // are pages apart) are done before its prefetches need them (1.03-1.13x at 4-32 rows).
@@ -176,7 +200,8 @@ void Item(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64
       const int64_t v = std::min(vmax, (width - p * nr) / 16);
       for (int64_t t = 0; t < passes; ++t) {
         const int64_t r0 = M * t / passes, mr = M * (t + 1) / passes - r0;
-        kTiles[v][mr](x + r0 * K + kk, K, w + kk * N + n0 + p * nr, N, kn, c + r0 * ldc + p * nr, ldc, kk == k0, pf);
+        kTiles<W>[v][mr](x + r0 * K + kk, K, w + kk * N + n0 + p * nr, N, kn, c + r0 * ldc + p * nr, ldc, kk == k0,
+                         pf);
       }
     }
   }
@@ -190,8 +215,9 @@ constexpr int64_t kMaxRows = 2;  // without AVX-512 only the GEMV path is faster
 // One product y = x @ w of a call, cut into work items: `chunks` column ranges of at most
 // `width` columns over [0, cols), times `ksplit` ranges of K. The first K range writes y,
 // the others write `partial`, which is then added into y.
+template <typename W>
 struct Product {
-  const float* w;
+  const W* w;
   float* y;
   int64_t N, cols = 0, width = 1, chunks = 0, ksplit = 1;
   std::unique_ptr<float[]> partial;
@@ -201,14 +227,16 @@ struct Product {
 // 1-2 rows: each item streams a contiguous run of whole weight rows (a K range) and the
 // partial products are summed. Splitting the columns instead read strided row segments and
 // reached 36 GB/s, not 40.
-void PlanGemv(Product& p, int64_t K, int64_t threads) {
+template <typename W>
+void PlanGemv(Product<W>& p, int64_t K, int64_t threads) {
   p.cols = p.width = p.N;
   p.chunks = 1;
   p.ksplit = std::min<int64_t>(2 * threads, std::max<int64_t>(K / 64, 1));
 }
 
 // The fixed-order path without AVX-512: column chunks of about one thread's share, all of K each.
-void PlanColumns(Product& p, int64_t share) {
+template <typename W>
+void PlanColumns(Product<W>& p, int64_t share) {
   p.cols = p.N;
   p.width = std::max<int64_t>(16, std::min<int64_t>(p.N, share));
   p.chunks = (p.N + p.width - 1) / p.width;
@@ -221,7 +249,8 @@ void PlanColumns(Product& p, int64_t share) {
 // stay whole, so both threads get 640 columns. A product too narrow to give every thread a
 // chunk when alone is split over K as well. Columns past the last multiple of 16 are left to
 // `Tail`.
-void PlanTiled(Product& p, int64_t M, int64_t K, int64_t threads, int64_t share, bool alone) {
+template <typename W>
+void PlanTiled(Product<W>& p, int64_t M, int64_t K, int64_t threads, int64_t share, bool alone) {
   const int64_t n16 = p.N / 16 * 16, lanes = n16 / 16;  // lanes: 16-column groups
   const int64_t most = std::max<int64_t>(16, std::min(MaxWidth(M), share));
   const int64_t chunks = std::min(lanes, (n16 + most - 1) / most);
@@ -232,11 +261,12 @@ void PlanTiled(Product& p, int64_t M, int64_t K, int64_t threads, int64_t share,
   p.ksplit = split ? std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1)) : 1;
 }
 
-void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
+template <typename W>
+void Tail(const float* xp, const Product<W>& p, int64_t M, int64_t K) {
   for (int64_t r = 0; r < M; ++r)
     for (int64_t n = p.cols; n < p.N; ++n) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += xp[r * K + k] * p.w[k * p.N + n];
+      for (int64_t k = 0; k < K; ++k) acc += xp[r * K + k] * Widen(p.w[k * p.N + n]);
       p.y[r * p.N + n] = acc;
     }
 }
@@ -247,10 +277,12 @@ void Tail(const float* xp, const Product& p, int64_t M, int64_t K) {
 // saves each call's start (waking the helper thread, the end-of-call wait for the slowest
 // item).
 // `fixed`: every row's sums in one order whatever M (see the header).
-void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std::vector<Product>& ps, bool fixed) {
+template <typename W>
+void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std::vector<Product<W>>& ps,
+              bool fixed) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (K == 0 || M == 0) {  // no item would write y
-    for (Product& p : ps) std::fill(p.y, p.y + M * p.N, 0.0f);
+    for (Product<W>& p : ps) std::fill(p.y, p.y + M * p.N, 0.0f);
     return;
   }
   bool tiled = false;
@@ -258,9 +290,9 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
   tiled = M > 2 || fixed;
 #endif
   int64_t total = 0, cols = 0;
-  for (const Product& p : ps) cols += p.N / 16 * 16;
+  for (const Product<W>& p : ps) cols += p.N / 16 * 16;
   const int64_t share = (cols / 16 + threads - 1) / threads * 16;
-  for (Product& p : ps) {
+  for (Product<W>& p : ps) {
 #if defined(__AVX512F__)
     if (tiled) {
       PlanTiled(p, M, K, threads, share, ps.size() == 1 && !fixed);
@@ -278,7 +310,7 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
   hotswap::ParallelFor(pool, total, [&](int64_t i) {
     size_t j = 0;
     while (i >= ps[j].items()) i -= ps[j++].items();
-    const Product& p = ps[j];
+    const Product<W>& p = ps[j];
     const int64_t ch = i / p.ksplit, part = i % p.ksplit;
     const int64_t n0 = ch * p.width, n1 = std::min(n0 + p.width, p.cols);
     const int64_t k0 = K * part / p.ksplit, k1 = K * (part + 1) / p.ksplit;
@@ -295,7 +327,7 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
     Item(xp, M, K, p.w, p.N, k0, k1, n0, n1, y, p.N);
 #endif
   });
-  for (Product& p : ps)
+  for (Product<W>& p : ps)
     for (int64_t part = 1; part < p.ksplit; ++part) {
       const float* pc = p.partial.get() + (part - 1) * M * p.N;
       for (int64_t r = 0; r < M; ++r)
@@ -303,29 +335,38 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
     }
 }
 
-// x [M, K] and weights w_i [K, N_i] in; y_i [M, N_i] out, one result per weight.
+// x [M, K] and weights w_i [K, N_i] of one dtype W in; y_i [M, N_i] out, one result per weight.
+template <typename W, ffi::DataType T>
+ffi::Error TypedMatmuls(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, ffi::RemainingArgs& ws,
+                        ffi::RemainingRets& ys, bool fixed) {
+  std::vector<Product<W>> ps;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<T>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("hotswap small matmul: weights of one dtype (f32 or bf16), f32 results");
+    }
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || wd[0] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[1]) {
+      return ffi::Error::InvalidArgument("hotswap small matmul: need w [K, N] and y [M, N] for x [M, K]");
+    }
+    ps.push_back(Product<W>{reinterpret_cast<const W*>(w->untyped_data()), (*y)->typed_data(), wd[1]});
+  }
+  Products(pool, x, M, K, ps, fixed);
+  return ffi::Error::Success();
+}
+
 ffi::Error Matmuls(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::RemainingArgs& ws, ffi::RemainingRets& ys,
                    bool fixed) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || ws.size() == 0 || ws.size() != ys.size()) {
     return ffi::Error::InvalidArgument("hotswap small matmul: need x [M, K] and one result per weight");
   }
-  const int64_t M = xd[0], K = xd[1];
-  std::vector<Product> ps;
-  for (size_t i = 0; i < ws.size(); ++i) {
-    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
-    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) {
-      return ffi::Error::InvalidArgument("hotswap small matmul: weights and results must be f32");
-    }
-    auto wd = w->dimensions(), yd = (*y)->dimensions();
-    if (wd.size() != 2 || wd[0] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[1]) {
-      return ffi::Error::InvalidArgument("hotswap small matmul: need w [K, N] and y [M, N] for x [M, K]");
-    }
-    ps.push_back(Product{w->typed_data(), (*y)->typed_data(), wd[1]});
+  if (ws.get<ffi::Buffer<ffi::BF16>>(0).has_value()) {
+    if (fixed) return ffi::Error::InvalidArgument("hotswap fixed matmul: f32 weights only");
+    return TypedMatmuls<bf16, ffi::BF16>(pool, x.typed_data(), xd[0], xd[1], ws, ys, fixed);
   }
-  Products(pool, x.typed_data(), M, K, ps, fixed);
-  return ffi::Error::Success();
+  return TypedMatmuls<float, ffi::F32>(pool, x.typed_data(), xd[0], xd[1], ws, ys, fixed);
 }
 
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
