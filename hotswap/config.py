@@ -109,7 +109,6 @@ class EngineConfig:
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
-
             enable_return_routed_experts=args.enable_return_routed_experts,
         )
 

@@ -299,6 +299,7 @@ def test_gemma_presets_compile_with_pallas_in_place(name, topology, tp, max_len,
     _check_in_place_pallas_decode(report, layers)
     assert _decode(report)["kv_copies"] == 0
 
+
 def test_tiny_compiles_the_low_rank_path_for_v5e():
     """`--enable-lora --max-loras 4 --max-lora-rank 64`: the decode step compiles for TPU with the
     adapters' buffers as arguments, and the report counts their bytes (A [*in, 256] and B

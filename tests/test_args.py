@@ -123,7 +123,6 @@ def test_every_shared_option_reaches_the_engine_config():
         enable_lora=True,
         max_loras=3,
         max_lora_rank=32,
-
         enable_return_routed_experts=True,
     )
     assert set(changed) == shared - {"num_pages", "max_model_len"}  # those two are resolved

@@ -158,7 +158,6 @@ class ModelConfig:
             return None
         return self.sliding_window
 
-
     def is_moe_layer(self, i: int) -> bool:
         """Layer `i` routes its MLP through experts (HF Qwen3-MoE's rule; Mixtral: every layer)."""
         return (
