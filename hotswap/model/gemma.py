@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
+from hotswap.model import lora
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -59,7 +60,7 @@ def attention_scale(cfg: ModelConfig) -> float:
 
 def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms, ms):
     """h: [..., D] -> q [..., Hq, hd], k/v [..., Hkv, hd], q/k normed (Gemma 3) and rotated."""
-    q, k, v = mms(h, (lp["wq"], lp["wk"], lp["wv"]))
+    q, k, v = lora.add(lp, h, ("wq", "wk", "wv"), mms(h, (lp["wq"], lp["wk"], lp["wv"])))
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, ms)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, ms)
@@ -68,16 +69,18 @@ def _qkv(lp: dict, cfg: ModelConfig, h: jax.Array, rope, mms, ms):
 
 def _attn_out(lp: dict, cfg: ModelConfig, x: jax.Array, o: jax.Array, mms, ms) -> jax.Array:
     """Residual add of the attention output o [..., Hq, hd] through wo and the post-attention norm."""
-    return x + rms_norm(mms(o, (lp["wo"],), 2)[0], lp["post_attn_norm"], cfg.rms_norm_eps, ms)
+    out = lora.add(lp, o, ("wo",), mms(o, (lp["wo"],), 2))[0]
+    return x + rms_norm(out, lp["post_attn_norm"], cfg.rms_norm_eps, ms)
 
 
 def _mlp(lp: dict, cfg: ModelConfig, x: jax.Array, mms, ms) -> jax.Array:
     """x + post_mlp_norm(down(gelu_tanh(gate(h)) * up(h))), h = mlp_norm(x). The gelu runs in
     f32 and rounds once, as torch's does on 16-bit tensors."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, ms)
-    gate, up = mms(h, (lp["w_gate"], lp["w_up"]))
-    act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
-    return x + rms_norm(mms(act * up, (lp["w_down"],))[0], lp["post_mlp_norm"], cfg.rms_norm_eps, ms)
+    gate, up = lora.add(lp, h, ("w_gate", "w_up"), mms(h, (lp["w_gate"], lp["w_up"])))
+    act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype) * up
+    down = lora.add(lp, act, ("w_down",), mms(act, (lp["w_down"],)))[0]
+    return x + rms_norm(down, lp["post_mlp_norm"], cfg.rms_norm_eps, ms)
 
 
 def forward_paged(
@@ -87,7 +90,11 @@ def forward_paged(
     tables = ropes(batch.positions, cfg)
     x = scaled_embed(params, batch.tokens, cfg)  # [B, C, D]
     new_kv, new_pages = [], []
+    adapters = params.get("lora")  # adapters served by name: each row's own (model/lora.py)
+    mask = None if adapters is None else lora.row_mask(batch.adapters, adapters["col_slot"], x.dtype)
     for i, (lp, layer_pages) in enumerate(zip(params["layers"], pages, strict=True)):
+        if adapters is not None:
+            lp = lora.with_layer(lp, adapters["layers"][i], mask)
         window = cfg.layer_window(i)
         x, kv, layer_pages = _layer(
             lp, x, layer_pages, batch, tables[window is not None], window=window, cfg=cfg, backend=backend
