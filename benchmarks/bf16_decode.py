@@ -1,0 +1,74 @@
+"""bf16 against f32 decode, same model, one process: what a bf16 checkpoint costs on CPU.
+
+    python -m benchmarks.bf16_decode [MODEL_DIR] [--batches 1,16] [--prompt-len 64]
+                                     [--new-tokens 32] [--rounds 3]
+
+Two engines on the same checkpoint, `dtype="float32"` and `dtype="bfloat16"`, decode the same
+random prompts at each batch size, taking turns within each round (this machine's speed drifts
+over minutes, so each is timed beside the other). A round's time runs from every row's first
+token to the last (`workloads.decode_seconds`, prefill excluded); each engine's figure is its
+best round. `bf16_vs_f32` is the figure to read. The model defaults to the bench-100m preset,
+built once in the temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from benchmarks.workloads import decode_seconds, random_prompts
+
+DTYPES = ("float32", "bfloat16")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bf16_decode", description=__doc__)
+    p.add_argument("model_dir", nargs="?")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batches.split(",")]
+
+    from hotswap import LLM
+    from hotswap.checkpoint.create import create_checkpoint
+
+    model = a.model_dir or str(
+        create_checkpoint(Path(tempfile.gettempdir()) / "hotswap-ab-100m", preset="bench-100m")
+    )
+    llms = {
+        d: LLM(
+            model,
+            dtype=d,
+            max_model_len=a.prompt_len + a.new_tokens + 64,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=256,
+        )
+        for d in DTYPES
+    }
+    prompts = random_prompts(max(batches), a.prompt_len, llms["float32"].config.vocab_size)
+    best: dict[tuple[int, str], float] = {}
+    for b in batches:
+        for llm in llms.values():  # warm-up: this batch size's programs compiled and run once
+            decode_seconds(llm, prompts[:b], a.new_tokens)
+        for _ in range(a.rounds):
+            for d, llm in llms.items():
+                t = decode_seconds(llm, prompts[:b], a.new_tokens)
+                best[(b, d)] = min(best.get((b, d), float("inf")), t)
+    steps = a.new_tokens - 1
+    result = {
+        f"batch_{b}": {
+            "tok_s": {d: round(b * steps / best[(b, d)], 1) for d in DTYPES},
+            "bf16_vs_f32": round(best[(b, "float32")] / best[(b, "bfloat16")], 2),
+        }
+        for b in batches
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
