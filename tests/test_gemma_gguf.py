@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 from gguf_files import write_gemma_gguf
+from helpers import soak
 
 from hotswap.checkpoint import gguf_io, hf
 from hotswap.checkpoint.create import create_checkpoint
@@ -45,6 +46,7 @@ def hf_gemma3_tokenizer(gemma3_gguf):
     return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
 
 
+@soak  # transformers parses the 262k-entry GGUF vocabulary for minutes
 def test_gemma3_270m_tokenizer_matches_transformers_reading_the_same_file(gemma3_gguf, hf_gemma3_tokenizer):
     theirs = hf_gemma3_tokenizer
     f = gguf_io.GGUFFile(gemma3_gguf)
@@ -87,7 +89,7 @@ def hf_gemma3(gemma3_gguf):
     return model.eval()
 
 
-@pytest.mark.slow
+@soak  # two transformers loads of the 270M GGUF and 1,300 tokens through both: tens of minutes
 def test_gemma3_270m_greedy_and_logprobs_match_transformers_past_the_window(gemma3_llm, hf_gemma3):
     """Two prompts of 600+ tokens (the window is 512), prefilled in 256-token chunks. Greedy:
     under transformers' model fed the same tokens, each of ours is its argmax (so its greedy

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import soak
 from safetensors.numpy import load_file, save_file
 from test_parity import MOE_CASES
 
@@ -186,7 +187,7 @@ def test_grouped_matmul_rows_past_the_groups_are_zero():
     assert not got[35:].any()
 
 
-@pytest.mark.slow
+@soak  # an engine per EP degree over 8 host devices: over 30 minutes on 2 cores
 def test_expert_parallel_matches_one_device(tmp_path):
     """EP 2/4/8 (experts split by expert over the tensor-parallel devices, attention by head) on
     a fake 8-device CPU mesh: the tokens, log-probs and routed experts of one device."""
@@ -225,7 +226,7 @@ def test_expert_parallel_matches_one_device(tmp_path):
     assert "num_experts=12" in res["odd_error"] and "tensor_parallel_size=8" in res["odd_error"]
 
 
-@pytest.mark.slow
+@soak  # a server process compiling its own buckets, checked against HF: about 15 minutes
 def test_server_returns_routed_experts(moe_dirs, tmp_path):
     """A real `hotswap serve --enable-return-routed-experts`: SGLang's /generate (base64 int32,
     `routed_experts_start_len` for a later turn) and vLLM's `routed_experts` on /v1/completions,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import tunix  # noqa: E402,F401  (the Makefile installs the [tunix] extra: missing, this fails, never skips)
+from helpers import soak
 
 HERE = Path(__file__).parent
 
@@ -42,6 +43,7 @@ def result():
     return _worker()
 
 
+@soak  # a second Tunix worker process with its own GRPO run: about 8 minutes on 2 cores
 def test_grpo_learner_trains_a_tunix_gemma3_with_hotswap_rollout():
     """The same GRPO loop on a tiny Tunix Gemma 3 (sliding windows shorter than the sequences,
     one global layer, GQA): one sync per step, version + 1 each, and the synced rollout scores

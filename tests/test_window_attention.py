@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import soak
 
 from hotswap.config import EngineConfig
 from hotswap.engine.runner import Runner
@@ -440,7 +441,7 @@ def test_aot_compiles_head_dim_256_in_place(tmp_path):
 # ---- the engine's paths on a Gemma 2 checkpoint (windows and both softcaps) -----------------
 
 
-@pytest.mark.slow  # each path compiles its own steps (Pallas interpreted): minutes on 2 cores
+@soak  # each path compiles its own steps (Pallas interpreted): tens of minutes on 2 cores
 @pytest.mark.parametrize(
     "kw", [dict(attention="reference"), dict(deterministic=True), dict(attention="pallas")],
     ids=["reference", "deterministic", "pallas"],
