@@ -205,7 +205,10 @@ def check_engine(smoke: bool, workdir: Path) -> dict:
 
 
 class _Seq:
-    """What `Runner.decode_batch` reads of a sequence: a decode row at position `n`."""
+    """What `Runner.decode_batch` reads of a sequence: a decode row at position `n`, on the base
+    weights (no LoRA adapter slot)."""
+
+    lora_slot = -1
 
     def __init__(self, seq_id: int, n: int):
         self.seq_id, self.num_computed = seq_id, n

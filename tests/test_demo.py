@@ -76,9 +76,13 @@ def test_demo_catches_stale_kv_from_a_broken_engine(tmp_path, capsys, monkeypatc
         "update_weights",
         lambda st, p, **kw: dataclasses.replace(update(st, p, **kw), prefix=st.prefix),
     )
-    monkeypatch.setattr(scheduler, "page_key", lambda parent, tokens, version: page_key(parent, tokens, 0))
     monkeypatch.setattr(
-        PrefixIndex, "find", lambda self, key, version: int(next(iter(np.flatnonzero(self.key == key)), 0))
+        scheduler, "page_key", lambda parent, tokens, version, *adapter: page_key(parent, tokens, 0, *adapter)
+    )
+    monkeypatch.setattr(
+        PrefixIndex,
+        "find",
+        lambda self, key, version, *adapter: int(next(iter(np.flatnonzero(self.key == key)), 0)),
     )
     rc, s = _run(capsys, ["--steps", "3", "--prompts-per-step", "4", "--n", "4", "--out", str(tmp_path)])
     assert rc == 1  # the CLI fails
