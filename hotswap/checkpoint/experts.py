@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hotswap.errors import WeightsMismatch
+from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.spec import ParamSpec, hf_specs
 
@@ -40,15 +41,13 @@ def stack(cfg: ModelConfig, tensors: Mapping[str, Any], *, partial: bool = False
         have = [n for n in names if n in out]
         if not have:
             if not partial and spec.hf_name not in out:
-                raise WeightsMismatch(f"missing tensor(s): {names[0]} (and the other experts of {spec.name})")
+                validate.names(have, names, where=f"{spec.name}: ")  # raises: every expert missing
             continue
         if spec.hf_name in out:
             raise WeightsMismatch(f"{have[0]}: sent together with the stacked {spec.hf_name}; send one form")
-        if len(have) < len(names):
-            missing = [n for n in names if n not in out]
-            raise WeightsMismatch(
-                f"missing tensor(s): {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
-                f"({len(have)} of the {cfg.num_experts} experts of {spec.name} sent; a layer's experts come together)"
+        if len(have) < len(names):  # a layer's experts come together: name the ones missing
+            validate.names(
+                have, names, where=f"{spec.name} ({len(have)} of {cfg.num_experts} experts sent): "
             )
         parts = [out.pop(n) for n in names]
         for n, p in zip(names, parts, strict=True):
