@@ -36,13 +36,13 @@ def test_two_processes_serve_one_model(tmp_path, local_devices):
     """tp = 2 processes x 1 device, and 2 x 2 (fake CPU devices): the mesh spans both processes."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "110"]
+    cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "280"]
     proc = subprocess.run(
         cmd + ["--local-devices", str(local_devices)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert re.findall(r"\[process (\d)\] exit (\d+)", proc.stdout) == [("0", "0"), ("1", "0")]
@@ -102,9 +102,9 @@ def test_each_process_pulls_its_own_shards(tmp_path):
         assert all(refs), "a trainer exited early"
         assert [r["processes"] for r in refs] == [2, 2, 2, 2]
         refs[2]["timeout_s"] = 3
-        cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "110"]
+        cmd = [sys.executable, str(EXAMPLE), "--workdir", str(tmp_path), "--timeout", "280"]
         proc = subprocess.run(
-            cmd + ["--transfer", json.dumps(refs)], env=env, capture_output=True, text=True, timeout=120
+            cmd + ["--transfer", json.dumps(refs)], env=env, capture_output=True, text=True, timeout=300
         )
     finally:
         for t in trainers:
