@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import workloads
+
 ADAPTERS, RANK, BATCH, SYNC_RANK = 4, 16, 16, 64
 
 
@@ -48,18 +50,7 @@ def adapter_tensors(llm, rank: int, seed: int, device: bool = False) -> dict:
 
 def decode_seconds(llm, prompts, new_tokens: int, names) -> float:
     """Seconds from every row's first token to the last (prefill excluded), greedy."""
-    from hotswap import SamplingParams
-
-    eng = llm.engine
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    eng.reset_prefix_cache()
-    rids = [eng.add_request(None, p, sp, lora_name=n) for p, n in zip(prompts, names, strict=True)]
-    while any(not s.output_ids for r in rids if r in eng.requests for s in eng.requests[r].seqs):
-        eng.step()
-    t = time.perf_counter()
-    while eng.has_unfinished():
-        eng.step()
-    return time.perf_counter() - t
+    return workloads.decode_seconds(llm, prompts, new_tokens, lora_names=names)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -105,9 +105,12 @@ def hotswap_decode(
     return len(prompts) * n * (new_tokens - 1) / statistics.median(times)
 
 
-def decode_seconds(llm, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None, n: int = 1):
+def decode_seconds(
+    llm, prompts: list[list[int]], new_tokens: int, sampling: dict | None = None, n: int = 1, lora_names=None
+):
     """One timed decode (`hotswap_decode`): seconds from every sequence having its first token
-    until all have `new_tokens`, i.e. `new_tokens - 1` steps of len(prompts) * n rows."""
+    until all have `new_tokens`, i.e. `new_tokens - 1` steps of len(prompts) * n rows.
+    `lora_names`: each prompt's adapter served by name (None: the base model)."""
     from hotswap import SamplingParams
 
     eng = llm.engine
@@ -115,7 +118,8 @@ def decode_seconds(llm, prompts: list[list[int]], new_tokens: int, sampling: dic
         **{"temperature": 0.0, **(sampling or {})}, n=n, max_tokens=new_tokens, ignore_eos=True
     )
     eng.reset_prefix_cache()
-    rids = [eng.add_request(None, p, sp) for p in prompts]
+    names = lora_names or [None] * len(prompts)
+    rids = [eng.add_request(None, p, sp, lora_name=a) for p, a in zip(prompts, names, strict=True)]
     while any(not s.output_ids for r in rids if r in eng.requests for s in eng.requests[r].seqs):
         eng.step()
     t = time.perf_counter()
