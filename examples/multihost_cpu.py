@@ -103,13 +103,15 @@ def serve(args) -> None:
                 driver.step()
             rounds.append(llm.weights_version)
 
-        generate("v1")
-        if args.transfer:
-            transfer_updates(llm, json.loads(args.transfer), generate, record)
-        else:
-            usual_updates(llm, driver, args, generate, record)
-        driver.reset_prefix_cache()
-        driver.stop()
+        try:
+            generate("v1")
+            if args.transfer:
+                transfer_updates(llm, json.loads(args.transfer), generate, record)
+            else:
+                usual_updates(llm, driver, args, generate, record)
+            driver.reset_prefix_cache()
+        finally:  # a failure here must end the followers too, not leave them waiting for a command
+            driver.stop()
         record["versions_served"] = rounds
     else:
         record["commands"] = multihost.follow(llm.engine, on_output=keep)

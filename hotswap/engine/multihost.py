@@ -172,7 +172,15 @@ class Driver:
             return outputs
 
     def update_weights(
-        self, source, *, policy="drain", version=None, partial=False, drain_timeout_s=None, check_finite=True
+        self,
+        source,
+        *,
+        policy="drain",
+        version=None,
+        partial=False,
+        drain_timeout_s=None,
+        check_finite=True,
+        lora_alpha=None,
     ):
         """As Engine.update_weights. Paths are read by every process (a shared filesystem or bucket);
         a per-process transfer offer (`transfer.publish(params, for_processes=N)`) is pulled by every
@@ -188,7 +196,7 @@ class Driver:
             if isinstance(source, (str, os.PathLike)):
                 # Refuse a path outside weights_root here, before any follower starts on it.
                 source = os.fspath(orbax_io.resolve_weights_path(source, self.engine.weights_root))
-                self._send("update_weights", kind="path", path=source, **args)
+                self._send("update_weights", kind="path", path=source, lora_alpha=lora_alpha, **args)
             elif isinstance(source, transfer.TransferRef) and source.processes > 1:
                 if source.processes != jax.process_count():  # refused before any follower starts
                     raise TransferError(
@@ -198,7 +206,7 @@ class Driver:
                 self._send("update_weights", kind="transfer", transfer=source.to_json(), **args)
                 return multihost_transfer.update(self.engine, source, **args)
             elif isinstance(source, (bytes, bytearray, memoryview)):
-                self._send("update_weights", kind="bytes", nbytes=len(source), **args)
+                self._send("update_weights", kind="bytes", nbytes=len(source), lora_alpha=lora_alpha, **args)
                 source = _broadcast_weights(self.engine, "bytes", bytes(source))
             else:
                 e = self.engine
@@ -207,9 +215,9 @@ class Driver:
                 # Shapes must be right before the broadcast: followers receive into engine-shaped
                 # buffers. Finiteness is checked once, by the update itself, on every process.
                 validate.tree(tree, e.abstract)
-                self._send("update_weights", kind="tree", **args)
+                self._send("update_weights", kind="tree", lora_alpha=lora_alpha, **args)
                 source = _broadcast_weights(e, "tree", tree)
-            return self.engine.update_weights(source, **args, drain_timeout_s=math.inf)
+            return self.engine.update_weights(source, **args, lora_alpha=lora_alpha, drain_timeout_s=math.inf)
 
     def update_weights_chunk(self, tensors_or_bytes, *, finished, update_id=None, **kwargs):
         """Chunks are staged here only; the merged update is broadcast as one in-memory source."""
@@ -274,6 +282,7 @@ def apply(engine: Engine, cmd: dict):
             version=cmd["version"],
             drain_timeout_s=math.inf,
             check_finite=cmd.get("check_finite", True),
+            lora_alpha=cmd.get("lora_alpha"),
         )
     if op == "sleep":
         return engine.sleep(cmd["level"], "abort")
