@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import soak
 
 from hotswap.config import EngineConfig
 from hotswap.errors import ConfigError
@@ -68,8 +69,7 @@ def _model(head_dim: int) -> ModelConfig:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("tp, head_dim", [(1, 64), (4, 128)])  # each knob once: both kernel layouts
 def test_decode_step_compiles_for_v5e_and_updates_the_cache_in_place(v5e, head_dim, tp):
     """The runner's own decode step, lowered with abstract params and pages on a v5e mesh and
     compiled by libtpu: one Mosaic call per layer, no copy of a page buffer, and the cache
@@ -103,7 +103,7 @@ def tp_result(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
+@soak  # interpreted Pallas on 8 fake devices at TP 1/2/4/8: 3-5 minutes on 2 cores
 def test_pallas_under_tensor_parallelism_matches_one_device(tp_result):
     """attention="pallas" at TP 2/4/8 (each device its kv heads, in shard_map): the same greedy
     tokens as TP 1 and log-probs within 1e-4, over chunked prefill and prefix-cache hits."""

@@ -53,17 +53,29 @@ def _start(model_dir, root, deterministic: bool = False, **env_extra):
     return json.loads(out.stdout.splitlines()[-1]), out.stderr
 
 
-@pytest.fixture
-def cache_root(tmp_path):
+def _fresh_root(path):
     """A fresh hotswap cache dir sharing the real `kernels/`, so the C++ kernels are not rebuilt."""
     kernels = cache_dir() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
-    return tmp_path
+    (path / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
+    return path
 
 
-def test_a_second_process_loads_every_step_from_the_cache_and_generates_the_same(tiny_dir, cache_root):
-    first, first_err = _start(tiny_dir, cache_root)
+@pytest.fixture
+def cache_root(tmp_path):
+    return _fresh_root(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def first_start(tiny_dir, tmp_path_factory):
+    """One default start into a fresh cache dir: what it reported, its stderr and the dir. The
+    tests below add processes to this dir (one start fewer on 2 cores)."""
+    root = _fresh_root(tmp_path_factory.mktemp("compile-cache"))
+    return (*_start(tiny_dir, root), root)
+
+
+def test_a_second_process_loads_every_step_from_the_cache_and_generates_the_same(tiny_dir, first_start):
+    first, first_err, cache_root = first_start
     assert first["warmup"]["compiled"] > 0 and first["warmup"]["from_cache"] == 0
     assert any((cache_root / "xla").iterdir())  # under the one hotswap cache dir
     second, second_err = _start(tiny_dir, cache_root)
@@ -77,9 +89,9 @@ def test_a_second_process_loads_every_step_from_the_cache_and_generates_the_same
     assert f"{n} from cache" in second_err and f"{n} compiled" in first_err  # the progress bar
 
 
-def test_a_deterministic_engine_compiles_its_own_steps(tiny_dir, cache_root):
+def test_a_deterministic_engine_compiles_its_own_steps(tiny_dir, first_start):
     """The default engine's cached steps call other kernels: deterministic mode never loads them."""
-    first, _ = _start(tiny_dir, cache_root)
+    first, _, cache_root = first_start
     det, _ = _start(tiny_dir, cache_root, deterministic=True)
     assert det["warmup"] == {"compiled": sum(first["warmup"].values()), "from_cache": 0, "in_memory": 0}
     again, _ = _start(tiny_dir, cache_root, deterministic=True)

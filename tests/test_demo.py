@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import soak
 
 from hotswap import demo
 from hotswap.cli import demo as demo_command
@@ -40,7 +41,7 @@ def test_demo_learns_and_never_serves_stale_kv(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["abort", "keep"])
+@pytest.mark.parametrize("policy", ["abort", pytest.param("keep", marks=soak)])
 def test_demo_other_policies(tmp_path, capsys, policy):
     # Same engine shapes as above: the compiled steps are reused, so this is quick.
     argv = ["--steps", "3", "--prompts-per-step", "4", "--n", "4", "--policy", policy]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import soak
 
 ROOT = Path(__file__).parent.parent
 
@@ -35,7 +36,7 @@ def test_train_and_serve():
     assert "matches_target True" in proc.stdout
 
 
-@pytest.mark.slow
+@soak  # the same GRPO loop as docs/en/tunix.md's example, which tests/test_docs.py runs
 def test_tunix_grpo():
     import tunix  # noqa: F401  (installed by the Makefile; never skipped)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import soak
 from safetensors.numpy import load_file, save_file
 from test_parity_bf16 import check_bf16
 
@@ -120,7 +121,8 @@ def test_generate_and_score_match_transformers(tmp_path, name):
     assert worst <= 1e-4, f"{name} score: max |dlogprob| {worst:.2e}"
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+# Gemma 3's bf16 run with HOTSWAP_SOAK=1: Gemma 2's has both softcaps and the same norms and GeGLU.
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("gemma3", marks=soak)])
 def test_bf16_matches_transformers_bf16(tmp_path, name):
     """The bars of test_parity_bf16.py (ours within 2x HF-bf16's own error of HF-f32, top-1).
     Gemma 2's head is untied here, with the bigram component of test_parity_bf16's `_confident`,

@@ -219,7 +219,7 @@ def test_cpu_kernel_packed_prefill(dtype, hd, ps):
 
 # The kernel folds up to 4 (head_dim 64) or 2 (128) q heads of a kv head at once: group sizes
 # that fill those, leave a remainder, or are a single head (no GQA).
-@pytest.mark.parametrize("hd,g", [(64, 1), (64, 4), (64, 5), (64, 7), (128, 1), (128, 4), (128, 5)])
+@pytest.mark.parametrize("hd,g", [(64, 1), (64, 5), (64, 7), (128, 4)])  # 1, odd, even, a 128-wide head
 def test_cpu_kernel_any_number_of_q_heads_per_kv_head(hd, g):
     _check_ragged_step(np.float32, hd, PS, g)
 

@@ -173,7 +173,11 @@ def test_llm_from_flax_and_update_weights_take_nnx():
     assert llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "llama3_tied"])
+# qwen2 and the tied head with HOTSWAP_SOAK=1: test_tunix_logps.py also runs Qwen2 through Tunix.
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param("qwen2", marks=soak), "qwen3", "qwen3_moe", pytest.param("llama3_tied", marks=soak)],
+)
 def test_other_families_match_vanilla_rollout(family):
     """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Qwen3 MoE (8 experts, top-2) and a tied-head
     Llama3: greedy tokens equal Tunix's vanilla rollout's, and teacher-forced log-probs agree
