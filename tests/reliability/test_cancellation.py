@@ -94,7 +94,10 @@ def test_half_the_clients_hang_up(main_server):
     assert delta["errored"] == delta["rejected"] == 0, delta
     assert received == delta["completed"] + delta["aborted"]
     assert len(full) <= delta["completed"] and received <= N_STREAMS
-    assert delta["aborted"] >= sum(kind == "events" and not s.done for kind, s in results)
+    # A stream cut after k events may still have completed: its 40 tokens fit in the socket's
+    # buffer, so on a loaded box the server can finish before the client reads k events and
+    # hangs up. Only that some were aborted (and the token count below) holds under any load.
+    assert delta["aborted"] > 0
     # Hung-up requests stopped early: far fewer tokens than if every one had run to the end.
     generated = after["hotswap_generation_tokens_total"] - before["hotswap_generation_tokens_total"]
     assert generated < N_STREAMS * MAX_TOKENS
