@@ -34,6 +34,7 @@ are, before any engine exists (checkpoint loads), and `finite.py` decides it per
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +44,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from hotswap.errors import ConfigError
-from hotswap.kernels import cpu_attention, cpu_build, cpu_matmul, cpu_sampling, grouped_matmul, reference
+from hotswap.kernels import (
+    cpu_attention,
+    cpu_build,
+    cpu_experts,
+    cpu_matmul,
+    cpu_sampling,
+    grouped_matmul,
+    reference,
+    routed_experts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +198,16 @@ class Backend:
         if self.platform == "cpu":
             return grouped_matmul.tiled
         return grouped_matmul.megablox if self.platform == "tpu" else grouped_matmul.ragged
+
+    @property
+    def routed_experts(self):
+        """The experts of a MoE layer for few token-expert pairs (a decode step;
+        `kernels/routed_experts.py`): on the C++ backend the kernel that reads the routed
+        experts' rows in place from the stacked weights (`cpu_experts`); elsewhere, and in
+        deterministic mode (its fixed-order matmul), each pair's slices through `matmuls`."""
+        if self.attention == "cpu" and not self.deterministic:
+            return cpu_experts.routed_experts
+        return functools.partial(routed_experts.sliced, mms=self.matmuls)
 
     # ---- scoring (`forward.forward_dense`) -----------------------------------
 

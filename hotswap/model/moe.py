@@ -11,9 +11,11 @@ Two ways to run the experts, chosen by the (static) number of token-expert pairs
   Backend: tiles on CPU, the Pallas megablox kernel on TPU, XLA's `ragged_dot` elsewhere): no
   all-experts compute and no per-expert loop.
   The shape of a prefill.
-- `_per_pair`: for few pairs (N <= E, a decode step), each pair's expert matrices are sliced
-  out of the stacked weights and applied to its row, so the step reads the routed experts'
-  bytes only.
+- the routed experts (`kernels/routed_experts.py`, chosen by the Backend): for few pairs
+  (N <= E, a decode step), each pair's expert rows applied to its token and the k outputs
+  summed with the routing weights. On one CPU device a C++ kernel reads the routed experts'
+  rows in place from the stacks (`kernels/cpu_experts.py`), elsewhere each pair's matrices are
+  sliced out; either way the step reads the routed experts' bytes only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from hotswap.kernels import grouped_matmul
+from hotswap.kernels import grouped_matmul, routed_experts
 from hotswap.kernels.backend import jnp_matmuls
 from hotswap.model.config import ModelConfig
 from hotswap.model.sharding import RULES
@@ -57,40 +59,26 @@ def _grouped(lp: dict, x: jax.Array, experts: jax.Array, num_experts: int, gmm) 
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # back to pair order
 
 
-def _per_pair(lp: dict, x: jax.Array, experts: jax.Array, mms=jnp_matmuls) -> jax.Array:
-    """As `_grouped`, for few pairs: each pair's [D, F] / [F, D] expert matrices sliced out of the
-    stacks and applied to its row with the matmul routine (`Backend.matmuls`: on CPU the C++
-    small-row kernel, gate and up in one call)."""
-
-    def expert(leaf: str, e):
-        return jax.lax.dynamic_index_in_dim(lp[leaf], e, keepdims=False)
-
-    rows = []
-    for n in range(x.shape[0]):  # N <= E pairs: a decode step's
-        e = experts[n]
-        gate, up = mms(x[n : n + 1], (expert("experts_gate", e), expert("experts_up", e)))
-        rows.append(mms(_swiglu(gate, up), (expert("experts_down", e),))[0])
-    return jnp.concatenate(rows)
-
-
-def _combine(lp: dict, cfg: ModelConfig, h: jax.Array, weights, experts, gmm, mms, first=0) -> jax.Array:
+def _combine(lp: dict, cfg: ModelConfig, h: jax.Array, weights, experts, gmm, routed, first=0) -> jax.Array:
     """h [T, D], the routing ([T, k] each) -> the weighted sum of each token's experts' outputs
     [T, D] f32, over the experts [first, first + E_here) whose stacked weights `lp` holds
     (all of them, or one device's under expert parallelism); pairs routed elsewhere add 0."""
     k, here = cfg.num_experts_per_tok, lp["experts_gate"].shape[0]
     local = experts - first
     mine = (local >= 0) & (local < here)  # [T, k]
-    pairs = jnp.where(mine, local, here).reshape(-1)  # [N = T*k]; elsewhere: past the last group
-    x = jnp.repeat(h, k, axis=0)  # [N, D], token t's pairs at t*k ... t*k+k-1
-    if pairs.shape[0] <= cfg.num_experts:
-        ys = _per_pair(lp, x, jnp.minimum(pairs, here - 1), mms)
-    else:
-        ys = _grouped(lp, x, pairs, here, gmm)  # rows past the groups' total come back 0
     # The routing weights as HF applies them: rounded to the activations' dtype (Qwen3-MoE) or
     # in f32 (Mixtral); the k weighted outputs summed in f32.
     if cfg.arch != "mixtral":
         weights = weights.astype(h.dtype)
     weights = jnp.where(mine, weights.astype(jnp.float32), 0.0)
+    if h.shape[0] * k <= cfg.num_experts:  # few pairs: a decode step's
+        # Pairs routed elsewhere read the last local expert, weighted 0.
+        return routed(
+            h, jnp.minimum(jnp.where(mine, local, here), here - 1), weights, *(lp[e] for e in EXPERTS)
+        )
+    pairs = jnp.where(mine, local, here).reshape(-1)  # [N = T*k]; elsewhere: past the last group
+    x = jnp.repeat(h, k, axis=0)  # [N, D], token t's pairs at t*k ... t*k+k-1
+    ys = _grouped(lp, x, pairs, here, gmm)  # rows past the groups' total come back 0
     return jnp.sum(ys.reshape(-1, k, h.shape[-1]).astype(jnp.float32) * weights[..., None], axis=1)
 
 
@@ -98,25 +86,26 @@ def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, backend=None) -> tuple[
     """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32).
 
     `backend` (None: XLA's dot and ragged_dot) runs the router (`Backend.matmuls`) and the
-    experts (`Backend.grouped_matmul`). On a mesh the experts are sharded by expert
+    experts (`Backend.grouped_matmul`, `Backend.routed_experts`). On a mesh the experts are sharded by expert
     (`sharding.RULES["expert"]`) and each device runs its own: the residual stream is
     replicated between layers (tensor parallelism), so every device already holds every token
     and routes it itself; it computes the pairs routed to its experts, and one all-reduce of
     [T, D] sums the devices' parts, as the dense MLP's all-reduce does. No token moves."""
     mms = jnp_matmuls if backend is None else backend.matmuls
     gmm = grouped_matmul.ragged if backend is None else backend.grouped_matmul
+    routed = routed_experts.sliced if backend is None else backend.routed_experts
     lead, d = h.shape[:-1], h.shape[-1]
     flat = h.reshape(-1, d)  # [T, D]
     weights, experts = route(flat, lp["router"], cfg, mms)
     stacked = {key: lp[key] for key in EXPERTS}
     if backend is None or backend.mesh is None:
-        out = _combine(stacked, cfg, flat, weights, experts, gmm, mms)
+        out = _combine(stacked, cfg, flat, weights, experts, gmm, routed)
     else:
         axis = RULES["expert"]
 
         def here(lpe, flat, weights, experts):
             first = jax.lax.axis_index(axis) * lpe["experts_gate"].shape[0]
-            return jax.lax.psum(_combine(lpe, cfg, flat, weights, experts, gmm, mms, first), axis)
+            return jax.lax.psum(_combine(lpe, cfg, flat, weights, experts, gmm, routed, first), axis)
 
         out = jax.shard_map(
             here,
