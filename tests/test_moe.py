@@ -314,3 +314,88 @@ def test_qwen3_30b_a3b_preset_has_the_published_sizes():
     experts = sum(int(np.prod(s.shape)) for s in rows if "expert" in s.axes)
     active = total - experts * (1 - 8 / 128)
     assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9, (total, active)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "t,k,e,d,f",
+    [
+        (3, 3, 8, 44, 70),  # tokens sharing experts (read once for all their pairs); 8-lane tails
+        (1, 2, 16, 200, 1000),  # a decode row: several column chunks per expert
+    ],
+)
+def test_routed_experts_kernel_equals_the_slices(t, k, e, d, f, dtype):
+    """The C++ kernel, reading the routed experts' rows in place, against the jnp twin that
+    slices each pair's matrices out of the stacks (f32 weights and bf16 ones as they are), one
+    pair weighted 0 as under expert parallelism."""
+    import jax
+    import jax.numpy as jnp
+
+    from hotswap.kernels import cpu_experts, routed_experts
+
+    rng = np.random.default_rng(2)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.standard_normal((t, d)), dt)
+    experts = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    assert t == 1 or len(np.unique(experts)) < t * k
+    experts = jnp.asarray(experts, jnp.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    weights[0, -1] = 0.0
+    gate, up = (jnp.asarray(rng.standard_normal((e, d, f)) / np.sqrt(d), dt) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((e, f, d)) / np.sqrt(f), dt)
+    args = (x, experts, jnp.asarray(weights), gate, up, down)
+    got = np.asarray(jax.jit(cpu_experts.routed_experts)(*args))
+    want = np.asarray(jax.jit(routed_experts.sliced)(*args))
+    assert got.dtype == want.dtype == np.float32 and got.shape == (t, d)
+    if dtype == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:  # both round gate, up, SwiGLU and each expert's output to bf16: within an ulp of the largest
+        assert np.abs(got - want).max() <= 2.0**-7 * np.abs(want).max()
+
+
+def test_decode_step_reads_the_routed_experts_in_place(tmp_path):
+    """The compiled batch-1 decode step on one CPU device passes each sparse layer's stacked
+    experts (parameters) straight to the kernel: no slice or gather of an expert's matrix and no
+    copy of a stack. The jnp path's program (the reference backend) slices them, so the check
+    sees slices where they are."""
+    import re
+
+    from hotswap.kernels.backend import Backend
+    from hotswap.programs.step import forward_jit, placeholder_inputs
+
+    d, f = 64, 48  # hidden and expert widths: an expert's matrix is [64, 48] or [48, 64]
+    model = create_checkpoint(
+        tmp_path / "m",
+        preset="tiny",
+        arch="qwen3_moe",
+        seed=0,
+        overrides={"num_hidden_layers": 2, "hidden_size": d, "moe_intermediate_size": f},
+    )
+    llm = LLM(model, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, warmup=False)
+    e = llm.engine
+    assert e.backend.attention == "cpu" and e.mcfg.num_experts == 8
+
+    def program(backend) -> str:
+        batch, sa = placeholder_inputs(1, 1, 4, backend, vocab_size=e.mcfg.vocab_size)
+        args = (e.state.params, e.state.kv.pages, batch, sa)
+        return forward_jit.lower(*args, cfg=e.mcfg, backend=backend).compile().as_text()
+
+    def expert_slices(hlo: str) -> list[str]:
+        """Slices and gathers whose result holds an expert's matrix ([.., 64, 48] or [.., 48, 64])."""
+        found = []
+        for line in hlo.splitlines():
+            m = re.search(r"= \w+\[([\d,]*)\]\S* (dynamic-slice|gather|slice)\(", line)
+            if m and {d, f} <= {int(n) for n in m.group(1).split(",") if n}:
+                found.append(line)
+        return found
+
+    hlo = program(e.backend)
+    calls = [line for line in hlo.splitlines() if "HotswapRoutedExperts" in line and "custom-call(" in line]
+    assert len(calls) == 2  # one per sparse layer
+    for layer, call in enumerate(calls):
+        for leaf in ("gate", "up", "down"):  # the parameter itself: read in place
+            assert f"%params__layers___{layer}___experts_{leaf}__" in call, call
+    assert expert_slices(hlo) == []
+    assert not re.search(r"= \w+\[8,(64,48|48,64)\]\S* copy\(", hlo)
+    sliced = program(Backend.choose("reference", head_dim=e.mcfg.head_dim))
+    assert "HotswapRoutedExperts" not in sliced and len(expert_slices(sliced)) >= 2 * 2 * 3
