@@ -349,8 +349,8 @@ def test_routed_experts_kernel_equals_the_slices(t, k, e, d, f, dtype):
     assert got.dtype == want.dtype == np.float32 and got.shape == (t, d)
     if dtype == "float32":
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    else:  # both round gate, up, SwiGLU and each expert's output to bf16: within an ulp of the largest
-        assert np.abs(got - want).max() <= 2.0**-7 * np.abs(want).max()
+    else:  # both round gate, up, SwiGLU and each expert's output to bf16; their sums differ in order
+        assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
 
 
 def test_decode_step_reads_the_routed_experts_in_place(tmp_path):

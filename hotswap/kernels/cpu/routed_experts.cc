@@ -9,15 +9,18 @@
 // argument buffers: the step reads the routed experts' bytes once and no other expert's.
 //
 // Per layer: out[t] = sum_j weights[t, j] * down_e(silu(x[t] @ gate_e) * (x[t] @ up_e)), e =
-// experts[t, j], with f32 products and sums. Two parallel regions:
-//   1. items (expert, column chunk of F): every pair routed to that expert, gate and up over
-//      the chunk's columns, then act = silu(g) * u into a scratch [N, F];
-//   2. items (expert, column chunk of D): act @ down into a scratch [N, D];
-// then each token's k rows summed with its weights in pair order. A column chunk streams its
-// weight row segments (prefetched a few rows ahead: a row of a wide expert is a page away from
-// the next, where the hardware prefetchers stop) into accumulators held in L1, four weight rows
-// per pass. A column's sum runs over k = 0 .. K-1 in order whatever the pairs or threads, so a
-// token's result does not depend on the tokens beside it.
+// experts[t, j], with f32 products and sums. The pairs are grouped by expert, and each group's
+// products are cut into items, about two per thread, claimed in two parallel regions:
+//   1. gate and up: an item per (expert, matrix, range of D) writes partial sums [N, F];
+//   2. down: an item per (expert, range of F) adds up its range's gate and up partials, takes
+//      silu(g) * u and multiplies it into partial sums [N, D];
+// then each token's k outputs (their ranges added) are summed with its weights in pair order.
+// Items split the contraction, not the columns: each streams whole weight rows, one contiguous
+// run of the expert's matrix, as the small-row GEMV does (`small_matmul.cc`); split by columns,
+// an item reads a segment of every row (a row of a [768, 1024] f32 expert is a page) and the
+// experts ran well behind the dense GEMV of the same bytes. Rows are prefetched a few ahead and
+// multiplied into accumulators held in L1, four weight rows per pass; only when many pairs share
+// an expert (their accumulators would spill L1) are the columns cut too.
 //
 // `round` (activations in bf16): gate, up, act and each expert's output rounded to bf16 where
 // the jnp twin's bf16 arrays round them (routed_experts.py), so both give the same values up to
@@ -57,11 +60,12 @@ inline float RoundBf16(float v) {
   return __builtin_bit_cast(float, u & 0xffff0000u);
 }
 
-// Accumulators per matrix an item holds (rows x columns): 8 KB, so a chunk's gate and up
-// accumulators and the four weight row segments of a pass stay in L1.
+// Accumulators an item holds (rows x columns): 8 KB, so they and the four weight rows of a pass
+// stay in L1.
 constexpr int64_t kAccFloats = 2048;
-constexpr int64_t kMinWidth = 64;  // narrower chunks read too little of a row per page visited
-constexpr int64_t kAhead = 8;      // weight rows prefetched ahead of the pass that reads them
+constexpr int64_t kAhead = 8;           // weight rows prefetched ahead of the pass that reads them
+constexpr int64_t kItemsPerThread = 2;  // a thread that starts late leaves its share to the others
+constexpr int64_t kMinRange = 64;       // rows of K an item reads at least
 
 inline void PrefetchRow(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -138,22 +142,23 @@ struct Group {
   std::vector<int64_t> pairs;
 };
 
-// Column chunks of a width: `chunks` chunks of `width` columns (the last shorter) over [0, cols).
-struct Chunks {
-  int64_t width, chunks;
+// How a product's work is cut: column chunks of `width` (the last shorter) times `ks` ranges
+// of K whose partial sums are added afterwards.
+struct Cut {
+  int64_t width, chunks, ks;
+  int64_t items() const { return chunks * ks; }
 };
 
-// Enough chunks per group for about two items per thread (the dynamic claiming then evens out
-// a thread that starts late), each at least kMinWidth columns and its accumulators within
-// kAccFloats for the group's rows.
-Chunks Plan(int64_t cols, int64_t groups, int64_t most_rows, int64_t threads) {
-  const int64_t want = (2 * threads + groups - 1) / groups;
+// The cut of `units` independent products (group x matrix) of [rows <= most_rows, K] x [K, cols]:
+// columns only as far as the accumulators need, then ranges of K up to kItemsPerThread items
+// per thread over all units.
+Cut Plan(int64_t units, int64_t K, int64_t cols, int64_t most_rows, int64_t threads) {
+  const int64_t want = (kItemsPerThread * threads + units - 1) / units;  // items per unit
   const int64_t widest = std::max<int64_t>(8, kAccFloats / std::max<int64_t>(most_rows, 1) / 8 * 8);
-  int64_t chunks = std::min(want, std::max<int64_t>(cols / kMinWidth, 1));
-  chunks = std::max(chunks, (cols + widest - 1) / widest);
-  int64_t width = (cols + chunks - 1) / chunks;
-  width = std::max<int64_t>((width + 7) / 8 * 8, 8);  // whole 8-lane vectors but the last chunk's
-  return {width, std::max<int64_t>((cols + width - 1) / width, 1)};
+  const int64_t chunks = (cols + widest - 1) / widest;
+  const int64_t ks = std::clamp<int64_t>((want + chunks - 1) / chunks, 1, std::max<int64_t>(K / kMinRange, 1));
+  const int64_t width = std::max<int64_t>(((cols + chunks - 1) / chunks + 7) / 8 * 8, 8);  // 8-lane vectors
+  return {width, std::max<int64_t>((cols + width - 1) / width, 1), ks};
 }
 
 inline float Silu(float v) { return v / (1.0f + std::exp(-v)); }
@@ -176,51 +181,67 @@ void Run(ffi::ThreadPool& pool, const float* x, const int32_t* experts, const fl
     most_rows = std::max<int64_t>(most_rows, static_cast<int64_t>(groups[slot[e]].pairs.size()));
   }
   const int64_t G = static_cast<int64_t>(groups.size());
-  std::unique_ptr<float[]> act(new float[N * F]), ys(new float[N * D]);
   auto R = [&](float v) { return round ? RoundBf16(v) : v; };
 
-  // 1. act[p] = silu(x[t] @ gate_e) * (x[t] @ up_e) for every pair p = (t, j).
-  const Chunks cf = Plan(F, G, most_rows, threads);
-  hotswap::ParallelFor(pool, G * cf.chunks, [&](int64_t item) {
-    const Group& g = groups[item / cf.chunks];
-    const int64_t n0 = item % cf.chunks * cf.width, n = std::min(cf.width, F - n0);
-    const int64_t rows = static_cast<int64_t>(g.pairs.size());
+  // 1. Partial gate and up products: part1[s][m][p] = x[t] @ {gate, up}_e over K range s.
+  const Cut c1 = Plan(2 * G, D, F, most_rows, threads);
+  std::unique_ptr<float[]> part1(new float[c1.ks * 2 * N * F]);
+  hotswap::ParallelFor(pool, 2 * G * c1.items(), [&](int64_t item) {
+    const int64_t unit = item / c1.items(), rest = item % c1.items();
+    const Group& g = groups[unit / 2];
+    const int64_t m = unit % 2, s = rest % c1.ks, n0 = rest / c1.ks * c1.width, n = std::min(c1.width, F - n0);
+    const int64_t k0 = D * s / c1.ks, k1 = D * (s + 1) / c1.ks, rows = static_cast<int64_t>(g.pairs.size());
     std::vector<const float*> xs(rows);
-    for (int64_t r = 0; r < rows; ++r) xs[r] = x + g.pairs[r] / k * D;
-    std::vector<float> acc(2 * rows * n);
-    float *ag = acc.data(), *au = ag + rows * n;
-    Segment(xs.data(), rows, gate + g.expert * D * F + n0, F, D, n, ag);
-    Segment(xs.data(), rows, up + g.expert * D * F + n0, F, D, n, au);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* a = act.get() + g.pairs[r] * F + n0;
-      for (int64_t c = 0; c < n; ++c) a[c] = R(Silu(R(ag[r * n + c])) * R(au[r * n + c]));
-    }
-  });
-
-  // 2. ys[p] = act[p] @ down_e.
-  const Chunks cd = Plan(D, G, most_rows, threads);
-  hotswap::ParallelFor(pool, G * cd.chunks, [&](int64_t item) {
-    const Group& g = groups[item / cd.chunks];
-    const int64_t n0 = item % cd.chunks * cd.width, n = std::min(cd.width, D - n0);
-    const int64_t rows = static_cast<int64_t>(g.pairs.size());
-    std::vector<const float*> xs(rows);
-    for (int64_t r = 0; r < rows; ++r) xs[r] = act.get() + g.pairs[r] * F;
+    for (int64_t r = 0; r < rows; ++r) xs[r] = x + g.pairs[r] / k * D + k0;
     std::vector<float> acc(rows * n);
-    Segment(xs.data(), rows, down + g.expert * F * D + n0, D, F, n, acc.data());
+    const W* w = (m == 0 ? gate : up) + g.expert * D * F + k0 * F + n0;
+    Segment(xs.data(), rows, w, F, k1 - k0, n, acc.data());
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(acc.data() + r * n, acc.data() + (r + 1) * n, part1.get() + ((s * 2 + m) * N + g.pairs[r]) * F + n0);
+  });
+  // 2. Partial down products: part2[s][p] = act[p] @ down_e over K range s, act[p] = silu(gate)
+  // * up over that range computed here from the partial sums (added in range order).
+  const Cut c2 = Plan(G, F, D, most_rows, threads);
+  std::unique_ptr<float[]> part2(new float[c2.ks * N * D]);
+  hotswap::ParallelFor(pool, G * c2.items(), [&](int64_t item) {
+    const Group& g = groups[item / c2.items()];
+    const int64_t rest = item % c2.items(), s = rest % c2.ks, n0 = rest / c2.ks * c2.width;
+    const int64_t n = std::min(c2.width, D - n0), k0 = F * s / c2.ks, k1 = F * (s + 1) / c2.ks;
+    const int64_t rows = static_cast<int64_t>(g.pairs.size()), kn = k1 - k0;
+    std::vector<float> act(rows * kn);
+    std::vector<const float*> xs(rows);
     for (int64_t r = 0; r < rows; ++r) {
-      float* y = ys.get() + g.pairs[r] * D + n0;
-      for (int64_t c = 0; c < n; ++c) y[c] = R(acc[r * n + c]);
+      const int64_t p = g.pairs[r];
+      float* a = act.data() + r * kn;
+      for (int64_t c = 0; c < kn; ++c) {
+        float gs = 0.0f, us = 0.0f;
+        for (int64_t q = 0; q < c1.ks; ++q) {
+          gs += part1[((q * 2) * N + p) * F + k0 + c];
+          us += part1[((q * 2 + 1) * N + p) * F + k0 + c];
+        }
+        a[c] = R(Silu(R(gs)) * R(us));
+      }
+      xs[r] = a;
     }
+    std::vector<float> acc(rows * n);
+    Segment(xs.data(), rows, down + g.expert * F * D + k0 * D + n0, D, kn, n, acc.data());
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(acc.data() + r * n, acc.data() + (r + 1) * n, part2.get() + (s * N + g.pairs[r]) * D + n0);
   });
 
   // 3. out[t] = sum_j weights[t, j] * ys[t * k + j], j in order.
-  for (int64_t t = 0; t < T; ++t)
+  hotswap::ParallelFor(pool, T, [&](int64_t t) {
+    float* o = out + t * D;
     for (int64_t j = 0; j < k; ++j) {
-      const float wt = weights[t * k + j];
-      const float* y = ys.get() + (t * k + j) * D;
-      float* o = out + t * D;
-      for (int64_t c = 0; c < D; ++c) o[c] += wt * y[c];
+      const int64_t p = t * k + j;
+      const float wt = weights[p];
+      for (int64_t c = 0; c < D; ++c) {
+        float y = 0.0f;
+        for (int64_t s = 0; s < c2.ks; ++s) y += part2[(s * N + p) * D + c];
+        o[c] += wt * R(y);
+      }
     }
+  });
 }
 
 ffi::Error RoutedExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> experts,
@@ -244,15 +265,18 @@ ffi::Error RoutedExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       (type != ffi::DataType::F32 && type != ffi::DataType::BF16)) {
     return ffi::Error::InvalidArgument("hotswap routed experts: gate, up and down all f32 or all bf16");
   }
+  const float *xp = x.typed_data(), *wp = weights.typed_data();
+  const int32_t* ep = experts.typed_data();
+  const void *g = gate.untyped_data(), *u = up.untyped_data(), *d = down.untyped_data();
   float* o = out->typed_data();
   if (type == ffi::DataType::F32) {
-    Run(pool, x.typed_data(), experts.typed_data(), weights.typed_data(), static_cast<const float*>(gate.untyped_data()),
-        static_cast<const float*>(up.untyped_data()), static_cast<const float*>(down.untyped_data()), o, T, k, E, D,
-        F, round);
+    using W = float;
+    Run(pool, xp, ep, wp, static_cast<const W*>(g), static_cast<const W*>(u), static_cast<const W*>(d), o, T, k, E,
+        D, F, round);
   } else {
-    Run(pool, x.typed_data(), experts.typed_data(), weights.typed_data(), static_cast<const bf16*>(gate.untyped_data()),
-        static_cast<const bf16*>(up.untyped_data()), static_cast<const bf16*>(down.untyped_data()), o, T, k, E, D, F,
-        round);
+    using W = bf16;
+    Run(pool, xp, ep, wp, static_cast<const W*>(g), static_cast<const W*>(u), static_cast<const W*>(d), o, T, k, E,
+        D, F, round);
   }
   return ffi::Error::Success();
 }
