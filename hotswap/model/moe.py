@@ -86,11 +86,12 @@ def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, backend=None) -> tuple[
     """h [..., D] (the normed residual) -> (MLP output [..., D], routed experts [..., k] int32).
 
     `backend` (None: XLA's dot and ragged_dot) runs the router (`Backend.matmuls`) and the
-    experts (`Backend.grouped_matmul`, `Backend.routed_experts`). On a mesh the experts are sharded by expert
-    (`sharding.RULES["expert"]`) and each device runs its own: the residual stream is
-    replicated between layers (tensor parallelism), so every device already holds every token
-    and routes it itself; it computes the pairs routed to its experts, and one all-reduce of
-    [T, D] sums the devices' parts, as the dense MLP's all-reduce does. No token moves."""
+    experts (`Backend.grouped_matmul`, or `Backend.routed_experts` for few pairs). On a mesh the
+    experts are sharded by expert (`sharding.RULES["expert"]`) and each device runs its own: the
+    residual stream is replicated between layers (tensor parallelism), so every device already
+    holds every token and routes it itself; it computes the pairs routed to its experts, and one
+    all-reduce of [T, D] sums the devices' parts, as the dense MLP's all-reduce does. No token
+    moves."""
     mms = jnp_matmuls if backend is None else backend.matmuls
     gmm = grouped_matmul.ragged if backend is None else backend.grouped_matmul
     routed = routed_experts.sliced if backend is None else backend.routed_experts
