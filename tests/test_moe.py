@@ -390,11 +390,14 @@ def test_decode_step_reads_the_routed_experts_in_place(tmp_path):
         return found
 
     hlo = program(e.backend)
+    defined = dict(re.findall(r"^\s*(?:ROOT )?(%\S+) = \S+ ([\w-]+)\(", hlo, flags=re.M))  # name -> op
     calls = [line for line in hlo.splitlines() if "HotswapRoutedExperts" in line and "custom-call(" in line]
     assert len(calls) == 2  # one per sparse layer
-    for layer, call in enumerate(calls):
-        for leaf in ("gate", "up", "down"):  # the parameter itself: read in place
-            assert f"%params__layers___{layer}___experts_{leaf}__" in call, call
+    for call in calls:
+        operands = re.findall(r"%[\w.-]+", call.split("custom-call(", 1)[1].split(")", 1)[0])
+        gate, up, down = operands[3:6]  # x, experts, weights, then the stacks: the step's parameters
+        assert [defined[name] for name in (gate, up, down)] == ["parameter"] * 3, call
+        assert "experts_gate" in gate and "experts_up" in up and "experts_down" in down, call
     assert expert_slices(hlo) == []
     assert not re.search(r"= \w+\[8,(64,48|48,64)\]\S* copy\(", hlo)
     sliced = program(Backend.choose("reference", head_dim=e.mcfg.head_dim))
