@@ -120,31 +120,37 @@ inline void Store16(bf16* p, __m256 lo, __m256 hi) {
 }
 
 // out[m0:m0+MR, n:n+16] = w + scale * a[m0:m0+MR, :] @ b[:, n:n+16], the sum in registers.
-// `panel`: b[:, n:n+16] packed, [r, 16] contiguous.
+// `panel`: b[:, n:n+16] packed, [r, 16] contiguous. The accumulators are named variables, not
+// an array: GCC kept an array of __m256 on the stack and stored all 12 every k step.
 template <int MR, typename W>
 inline void Tile(const Leaf& L, const float* panel, __m256 scale, int64_t m0, int64_t n) {
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const W* w = static_cast<const W*>(L.w) + m0 * L.N + n;
-  W* out = static_cast<W*>(L.out) + m0 * L.N + n;
-  // The tile's w lines are fetched while its FMAs run (r * MR * 2 of them: ~380 cycles at rank 64).
+  const int64_t R = L.R, N = L.N;
+  const W* w = static_cast<const W*>(L.w) + m0 * N + n;
+  W* out = static_cast<W*>(L.out) + m0 * N + n;
+  // The tile's w lines are fetched while its FMAs run (~400 cycles at rank 64).
   for (int i = 0; i < MR; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i * L.N), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + i * L.N + kNR) - 1, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i * N), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + i * N + kNR) - 1, _MM_HINT_T0);
   }
-  const float* a = L.a + m0 * L.R;
-  for (int64_t k = 0; k < L.R; ++k) {
+  const float* a = L.a + m0 * R;
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < R; ++k) {
     const __m256 b0 = _mm256_loadu_ps(panel + k * kNR), b1 = _mm256_loadu_ps(panel + k * kNR + 8);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 av = _mm256_broadcast_ss(a + i * L.R + k);
-      acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
-    }
+#define HOTSWAP_ROW(i)                                       \
+  if constexpr (MR > i) {                                    \
+    const __m256 av = _mm256_broadcast_ss(a + i * R + k);    \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);              \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);              \
   }
+    HOTSWAP_ROW(0) HOTSWAP_ROW(1) HOTSWAP_ROW(2) HOTSWAP_ROW(3) HOTSWAP_ROW(4) HOTSWAP_ROW(5)
+#undef HOTSWAP_ROW
+  }
+  const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
   for (int i = 0; i < MR; ++i) {
     __m256 w0, w1;
-    Load16(w + i * L.N, w0, w1);
-    Store16(out + i * L.N, _mm256_fmadd_ps(scale, acc[i][0], w0), _mm256_fmadd_ps(scale, acc[i][1], w1));
+    Load16(w + i * N, w0, w1);
+    Store16(out + i * N, _mm256_fmadd_ps(scale, acc[i][0], w0), _mm256_fmadd_ps(scale, acc[i][1], w1));
   }
 }
 
