@@ -12,11 +12,12 @@ from hotswap.kernels import cpu_build, cpu_lora
 from hotswap.model import lora
 
 # (W shape, number of W's leading dims A takes, rank): sizes off the kernel's 6-row and 16-column
-# tiles and its 48 x 256 work items, several leaves in one call, W of 3 dims either way round
+# tiles and its 192 x 256 work items (197 x 300: a second row block of 5 rows, a second column
+# block of two panels and 12 loose columns), several leaves in one call, W of 3 dims either way round
 # (wq [D, Hq, hd]: A [D, r]; wo [Hq, hd, D]: A [Hq, hd, r]), rank 1 and an empty rank.
 LEAVES = [
     ((53, 37), 1, 7),
-    ((97, 300), 1, 64),
+    ((197, 300), 1, 64),
     ((6, 16), 1, 1),
     ((13, 3, 5), 1, 16),
     ((3, 5, 41), 2, 9),

@@ -15,9 +15,13 @@
 //
 // Register tiles (AVX2 + FMA): kMR = 6 rows x 16 columns, 12 ymm accumulators, 2 b vectors and
 // one broadcast of a in the 16 ymm registers, so each k step is 12 FMAs for 2 loads of b.
-// A work item is a block of kRowBlock rows x kColBlock columns of one leaf; inside it a
-// 16-column panel of b (r x 64 B: 4 KB at rank 64) and the block's rows of a (12 KB) stay in
-// L1 while every row tile of the block uses them. Without AVX2 a portable scalar loop.
+// A work item is a block of kRowBlock rows x kColBlock columns of one leaf. It packs its
+// columns of b into 16-column panels first (r x 64 B each: 4 KB at rank 64, in L1 while every
+// row tile of the block uses it); its rows of a (48 KB at rank 64) stay in L2. Without AVX2 a
+// portable scalar loop.
+//
+// The merged leaves are fresh buffers, never w's: the engine keeps the base weights for the
+// next sync, so w cannot be donated.
 
 #include <algorithm>
 #include <cmath>
@@ -39,9 +43,9 @@ namespace {
 
 using bf16 = uint16_t;  // XLA FFI's BF16 storage type
 
-constexpr int64_t kMR = 6;         // rows of a register tile
-constexpr int64_t kNR = 16;        // columns of a register tile (two ymm)
-constexpr int64_t kRowBlock = 48;  // rows of a work item: 8 tiles share one panel of b
+constexpr int64_t kMR = 6;          // rows of a register tile
+constexpr int64_t kNR = 16;         // columns of a register tile (two ymm)
+constexpr int64_t kRowBlock = 192;  // rows of a work item: 32 tiles share each packed panel of b
 constexpr int64_t kColBlock = 256;  // columns of a work item: 16 panels
 
 inline float Widen(float v) { return v; }
