@@ -10,6 +10,10 @@
    the device, as Tunix's trainer holds them) merged into the kept base, against a full update
    of the same params already on the engine's sharding (`sync_s`, best of `--rounds`). Bar:
    `merged_vs_full` <= 2.
+3. The merge alone (`model/lora.merge` on the staged factors: the C++ kernel on one CPU device):
+   its GFLOP (2·r per adapted weight element), its GFLOP/s, and XLA's f32 dot on a square
+   product of the same GFLOP in the same run (`xla_matmul_gflop_s`: the rate this machine gives
+   a matmul now), so `merge_vs_xla_matmul` is the merge's fraction of it.
 
 The model defaults to the bench-100m preset, built once in the temporary directory; adapters
 are random (seeded) PEFT-named tensors. One run prints one JSON object.
@@ -51,6 +55,51 @@ def adapter_tensors(llm, rank: int, seed: int, device: bool = False) -> dict:
 def decode_seconds(llm, prompts, new_tokens: int, names) -> float:
     """Seconds from every row's first token to the last (prefill excluded), greedy."""
     return workloads.decode_seconds(llm, prompts, new_tokens, lora_names=names)
+
+
+def best_seconds(fn, rounds: int) -> float:
+    """Best wall time of `fn()` (blocked until ready) over `rounds`, after one untimed call."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def merge_rates(llm, adapter: dict, rounds: int) -> dict:
+    """The merge alone on the engine's base weights (the factors staged as an update stages
+    them), against XLA's f32 dot on a square product of the same FLOP, in this run."""
+    import jax
+    import jax.numpy as jnp
+
+    from hotswap.model import lora
+    from hotswap.weights import lora as lora_source
+
+    engine = llm.engine
+    params = engine.state.base if engine.state.base is not None else engine.state.params
+    source = lora_source.read(adapter, engine.mcfg)
+    factors = lora_source.stage(source, engine.mcfg, engine.abstract, lora_alpha=float(SYNC_RANK))
+    flop = sum(2 * a.size * b.size // a.shape[-1] for a, b in factors.values())  # 2·r per W element
+    weights = {n: lora._get(params, n) for n in factors}
+    merge_s = best_seconds(lambda: lora.merge(params, factors), rounds)
+    n = round((flop / 2) ** (1 / 3))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    dot = jax.jit(lambda x: x @ x)
+    dot_s = best_seconds(lambda: dot(x), rounds)
+    merge_rate, dot_rate = flop / merge_s / 1e9, 2 * n**3 / dot_s / 1e9
+    return {
+        "merge_kernel": lora.uses_kernel(weights, factors),
+        "merge_gflop": round(flop / 1e9, 3),
+        "merge_s": round(merge_s, 4),
+        "merge_gflop_s": round(merge_rate, 1),
+        "xla_matmul_n": n,
+        "xla_matmul_gflop_s": round(dot_rate, 1),
+        "merge_vs_xla_matmul": round(merge_rate / dot_rate, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         base.update_weights(full)
         sync["full"].append(time.perf_counter() - t)
     sync_s = {k: min(v[1:]) for k, v in sync.items()}
+    merge = merge_rates(base, adapter, a.rounds)
     result = {
         "batch": BATCH,
         "adapters": ADAPTERS,
@@ -112,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sync_rank": SYNC_RANK,
         "sync_s": {k: round(v, 4) for k, v in sync_s.items()},
         "merged_vs_full": round(sync_s["merged"] / sync_s["full"], 3),
+        **merge,
     }
     print(json.dumps(result))
     return result

@@ -169,3 +169,37 @@ def test_a_tunix_gemma3_state_maps_to_params_copying_only_q_k_v():
     back = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(hs.model(), nnx.Param))}
     for name, a in given.items():
         np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(a), err_msg=name)
+
+
+def test_gemma3_lora_sync_merges_k_and_v_from_their_one_pair():
+    """Tunix's Gemma 3 stacks k and v in one `kv_einsum` `[2, K, D, H]`, and qwix puts one LoRA
+    pair on it: A `[D, r]` and B `[r, 2, K, H]`. A LoRA-only sync serves wk + A·B[:, 0] and
+    wv + A·B[:, 1] (scaled alpha / r), and the rollout's log-probs equal Tunix's on the actor."""
+    from tunix_worker import gemma3_lora_model
+
+    adapter = tokenizer_adapter.TokenizerAdapter(tokenizer())
+    pad, eos = adapter.pad_id(), adapter.eos_id()
+    prompts, comps = _batch(pad)
+    actor = gemma3_lora_model(0, rank=4, alpha=8.0)
+    hs = HotswapRollout(rollout_actor=actor, tokenizer=adapter, max_num_seqs=4)
+    version = hs.weights_version  # the base, then its (zero) adapter merged
+    # B starts at zero (qwix's init): a trained adapter's are not.
+    lora = nnx.state(actor, nnx.LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(lora))))
+    lora = jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), lora)
+    nnx.update(actor, lora)
+    flat = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(lora)}
+    a, b = flat["layers.0.attn.kv_einsum.w_lora_a"], flat["layers.0.attn.kv_einsum.w_lora_b"]
+    assert a.shape == (32, 4) and b.shape == (4, 2, 2, 8)  # [D, r], [r, 2, K, H]
+    hs.update_params(lora)
+    assert hs.weights_version == version + 1
+    st = hs.llm.engine.state
+    kv = np.asarray(nnx.state(actor, nnx.Param)["layers"][0]["attn"]["kv_einsum"]["w"][...])
+    for key, part in (("wk", 0), ("wv", 1)):
+        want = kv[part].transpose(1, 0, 2) + 2.0 * np.einsum("dr,rkh->dkh", a, b[:, part])  # alpha / r = 2
+        np.testing.assert_allclose(np.asarray(st.params["layers"][0][key]), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(st.base["layers"][0][key]), kv[part].transpose(1, 0, 2))
+    want = np.asarray(_logps(*nnx.split(actor), prompts, comps, pad, eos))
+    got = np.asarray(hs.get_per_token_logps(prompts, comps))
+    mask = comps != pad
+    assert float(np.max(np.abs(np.where(mask, want - got, 0.0)))) <= 1e-4

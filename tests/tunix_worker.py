@@ -161,6 +161,18 @@ def lora_model(seed: int = 0, rank: int = 8, alpha: float = 16.0) -> llama3.Llam
     return qwix.apply_lora_to_model(base, provider, **base.get_model_input(), rngs=nnx.Rngs(seed + 100))
 
 
+# The same targets on Tunix's Gemma 3, whose attention is einsums: q_einsum, kv_einsum (k and v
+# stacked: one LoRA pair, B [r, 2, K, H]) and attn_vec_einsum.
+GEMMA3_LORA_MODULES = ".*q_einsum|.*kv_einsum|.*attn_vec_einsum|.*gate_proj|.*down_proj|.*up_proj"
+
+
+def gemma3_lora_model(seed: int = 0, rank: int = 4, alpha: float = 8.0) -> gemma3.Gemma3:
+    """The tiny Gemma 3 with qwix LoRA on its attention einsums and MLP."""
+    base = gemma3_model(seed)
+    provider = qwix.LoraProvider(module_path=GEMMA3_LORA_MODULES, rank=rank, alpha=alpha)
+    return qwix.apply_lora_to_model(base, provider, **base.get_model_input(), rngs=nnx.Rngs(seed + 100))
+
+
 def grpo_lora(tok) -> dict:
     """Tunix's GRPOLearner + RLCluster, unmodified, with a LoRA actor (rank 8) and HotswapRollout:
     every sync carries only `nnx.LoRAParam` leaves and lands as version + 1; the rollout's

@@ -100,6 +100,7 @@ def available() -> bool:
         register("keep_threshold", "HotswapKeepThreshold")
         register("all_finite", "HotswapAllFinite")
         register("convert_finite", "HotswapConvertFinite")
+        register("lora_merge", "HotswapLoraMerge")
     except (ConfigError, OSError):
         return False
     return True

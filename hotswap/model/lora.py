@@ -7,7 +7,9 @@ so that the adapted weight is W + (A·B).reshape(W.shape).
 Merged (`merge`): the RL case, one adapter changed every step. The engine keeps the base weights
 and serves a merged copy of the adapted leaves, built on the device from the base at each
 update: an update reads the base and writes the adapted leaves once, and decode runs at the
-base model's speed (no per-row low-rank work). Other leaves are the base's own arrays.
+base model's speed (no per-row low-rank work). Other leaves are the base's own arrays. On one
+CPU device the merge is one C++ call for every adapted leaf (`kernels/cpu_lora.py`); sharded or
+on an accelerator, one jit of XLA's dot and add.
 
 By name (`Buffers`, `add`): the serving case, several adapters in one batch (the S-LoRA /
 Punica shape). Each adaptable row has fixed buffers A `[*in, L*R]` and B `[L*R, *out]`, L =
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from hotswap.kernels import cpu_lora
 from hotswap.model.params import Params
 
 Factors = dict[str, tuple[Any, Any]]  # params name -> (A [*in, r], B [r, *out]) f32, B scaled
@@ -41,28 +44,44 @@ def delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _merge_leaves(weights: dict[str, jax.Array], factors: Factors) -> dict[str, jax.Array]:
-    """W + A·B in f32, cast back to W's dtype, for each adapted leaf."""
+    """W + A·B in f32, cast back to W's dtype, for each adapted leaf (XLA's dot and add)."""
     return {
         n: (w.astype(jnp.float32) + delta(*factors[n], w.shape)).astype(w.dtype) for n, w in weights.items()
     }
 
 
+def _kernel_leaves(weights: dict[str, jax.Array], factors: Factors) -> dict[str, jax.Array]:
+    """`_merge_leaves` as one C++ call for every leaf (`kernels/cpu_lora.py`)."""
+    names = list(weights)
+    merged = cpu_lora.merge([(weights[n], *factors[n]) for n in names])
+    return dict(zip(names, merged, strict=True))
+
+
 @functools.cache
-def _merger(shardings: tuple):
-    """One jit per set of adapted leaves' shardings, writing each merged leaf on its weight's
-    sharding (jit caches a program per adapter shape: the next update of the same ranks
-    reuses it)."""
+def _merger(shardings: tuple, kernel: bool):
+    """One jit per set of adapted leaves' shardings and route, writing each merged leaf on its
+    weight's sharding (jit caches a program per adapter shape: the next update of the same
+    ranks reuses it)."""
     names = [n for n, _ in shardings]
+    fn = _kernel_leaves if kernel else _merge_leaves
     if all(isinstance(s, (NamedSharding, SingleDeviceSharding)) for _, s in shardings):
-        return jax.jit(_merge_leaves, out_shardings={n: s for n, s in shardings}), names
-    return jax.jit(_merge_leaves), names
+        return jax.jit(fn, out_shardings={n: s for n, s in shardings}), names
+    return jax.jit(fn), names
+
+
+def uses_kernel(weights: dict[str, jax.Array], factors: Factors) -> bool:
+    """The merge's one route decision: the C++ kernel when every leaf and factor is on one CPU
+    device, W f32 or bf16 (`cpu_lora.usable`); else XLA's jit (sharded, TPU, GPU)."""
+    return cpu_lora.usable([(w, *factors[n]) for n, w in weights.items()])
 
 
 def merge(base: Params, factors: Factors) -> Params:
     """`base` with each adapted leaf replaced by W + A·B (fresh arrays on the leaf's sharding);
-    every other leaf is the base's own array. `base` is untouched."""
+    every other leaf is the base's own array. `base` is untouched: the merged leaves are new
+    buffers, never W's (the kept base serves the next sync)."""
     weights = {n: _get(base, n) for n in factors}
-    fn, _ = _merger(tuple(sorted((n, w.sharding) for n, w in weights.items())))
+    shardings = tuple(sorted((n, w.sharding) for n, w in weights.items()))
+    fn, _ = _merger(shardings, uses_kernel(weights, factors))
     new = fn(weights, factors)
     out = jax.tree.map(lambda x: x, base)  # a new tree of the same leaves
     for n, x in new.items():

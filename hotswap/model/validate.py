@@ -252,13 +252,33 @@ def nnx_variables(flat: Mapping[str, Any], cfg: ModelConfig, abstract: Params | 
 LORA_FORMS = ("peft", "nnx", "params")
 
 
-def lora_shapes(spec: ParamSpec, form: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def lora_shapes(
+    spec: ParamSpec, form: str, rank: int, parts: int | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The (A, B) shapes `form` stores a rank-`rank` pair on `spec` in: PEFT's torch Linear
-    weights `[r, in]` / `[out, r]`, else the params layout's `[*in, r]` / `[r, *out]`."""
+    weights `[r, in]` / `[out, r]`, else the params layout's `[*in, r]` / `[r, *out]`. `parts`:
+    the row is one of that many stacked in one NNX leaf (`lora_stacks`), whose one pair has
+    B `[r, parts, *out]` (Tunix's Gemma 3 kv_einsum: `[r, 2, K, H]`)."""
     a, b = spec.lora_shapes(rank)
     if form == "peft":
         return (rank, int(np.prod(a[:-1]))), (int(np.prod(b[1:])), rank)
+    if parts is not None:
+        return a, (rank, parts, *b[1:])
     return a, b
+
+
+def lora_stacks(rows: list[ParamSpec], form: str) -> dict[str, int]:
+    """NNX leaf -> how many adaptable rows it stacks (k and v in Tunix's Gemma 3 `kv_einsum`,
+    q/k/v in its `qkv_einsum`). qwix puts one LoRA pair on such a leaf: A `[D, r]`, shared by
+    its rows, and B `[r, parts, *out]`, row `nnx_index` its B[:, nnx_index]. Other forms name a
+    pair per row: none stacked."""
+    if form != "nnx":
+        return {}
+    stacks: dict[str, int] = {}
+    for s in rows:
+        if s.nnx_index is not None:
+            stacks[s.nnx_name] = max(stacks.get(s.nnx_name, 0), s.nnx_index + 1)
+    return stacks
 
 
 def lora_rank(form: str, a_shape: tuple[int, ...]) -> int:
@@ -274,8 +294,10 @@ def lora_tensors(
     """A LoRA adapter's tensors, named as `form` names them, against the spec table's adaptable
     rows (`ParamSpec.adaptable`: q/k/v/o, gate/up/down): every name an A or B factor of one,
     in pairs, float, shaped for the pair's rank, the rank within `max_rank`. Nothing is read
-    but shapes and dtypes. Returns params name -> (row, A name, B name, rank)."""
+    but shapes and dtypes. Returns params name -> (row, A name, B name, rank, part): part is the
+    row's index into a stacked pair's B (`lora_stacks`), else None."""
     rows = [s for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec) if s.adaptable]
+    stacks = lora_stacks(rows, form)
     by_name = {n: (s, i) for s in rows for i, n in enumerate(s.lora_names(form))}
     unknown = sorted(n for n in tensors if n not in by_name)
     if unknown:
@@ -301,7 +323,8 @@ def lora_tensors(
                 raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type")
         if rank < 1:
             raise WeightsMismatch(f"{a_name}: a LoRA factor of rank 0, shape {a_meta[0]}")
-        want_a, want_b = lora_shapes(s, form, rank)
+        parts = stacks.get(s.nnx_name)
+        want_a, want_b = lora_shapes(s, form, rank, parts)
         for name, want, (shape, _) in ((a_name, want_a, a_meta), (b_name, want_b, b_meta)):
             if shape != want:
                 raise WeightsMismatch(
@@ -310,7 +333,7 @@ def lora_tensors(
                 )
         if max_rank is not None and rank > max_rank:
             raise WeightsMismatch(f"{a_name}: LoRA rank {rank} is above max_lora_rank={max_rank}")
-        out[s.name] = (s, a_name, b_name, rank)
+        out[s.name] = (s, a_name, b_name, rank, s.nnx_index if parts else None)
     return out
 
 

@@ -178,16 +178,18 @@ def stage(
             "alpha; pass lora_alpha"
         )
     check = finiteness.Pass(check_finite)
-    check.add({n: adapter.tensors[n] for _, a, b, _ in chosen.values() for n in (a, b)})
-    check.raise_first([n for _, a, b, _ in chosen.values() for n in (a, b)])
+    pairs = sorted({n for _, a, b, _, _ in chosen.values() for n in (a, b)})  # a stacked pair once
+    check.add({n: adapter.tensors[n] for n in pairs})
+    check.raise_first(pairs)
     names = sorted(chosen)
     plan, shardings = [], []
     for name in names:
-        spec, _, _, rank = chosen[name]
+        spec, _, _, rank, part = chosen[name]
         a_shape, b_shape = spec.lora_shapes(rank)
         scale = float(alpha) / (math.sqrt(rank) if adapter.rslora else rank)
-        plan.append((a_shape, b_shape, scale))
+        plan.append((a_shape, b_shape, scale, part))
         shardings.extend(factor_shardings(_leaf(abstract, spec.path).sharding, len(a_shape) - 1))
+    # A stacked pair's A and B are sources of each of its rows (jit passes one buffer twice).
     sources = [adapter.tensors[n] for name in names for n in chosen[name][1:3]]
     sources = [x if isinstance(x, jax.Array) else np.asarray(x) for x in sources]
     placed = _converter(tuple(plan), adapter.form == "peft", tuple(shardings))(sources)
@@ -199,14 +201,17 @@ def _converter(plan: tuple, peft: bool, shardings: tuple):
     """One jit per adapter shape: source factors -> params-layout f32 factors on `shardings`
     (a device-side move: on CPU `jax.device_put` between device shardings goes through the host,
     which Tunix's transfer guard refuses during a sync). PEFT's torch Linear weights are A
-    `[r, in]`, B `[out, r]`: transposed here."""
+    `[r, in]`, B `[out, r]`: transposed here. A row of a stacked pair (`part` not None) takes
+    its B[:, part]."""
 
     def convert(xs):
         out = []
-        for i, (a_shape, b_shape, scale) in enumerate(plan):
+        for i, (a_shape, b_shape, scale, part) in enumerate(plan):
             a, b = (x.astype(jnp.float32) for x in xs[2 * i : 2 * i + 2])
             if peft:
                 a, b = a.T, b.T
+            if part is not None:
+                b = b[:, part]
             out += [a.reshape(a_shape), b.reshape(b_shape) * np.float32(scale)]
         return out
 
