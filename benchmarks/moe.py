@@ -1,6 +1,6 @@
 """Batch-1 decode of a seeded MoE against a dense model with the same active parameters, one run.
 
-    python benchmarks/moe.py [--layers 8] [--tokens 64] [--repeats 3]
+    python -m benchmarks.moe [--layers 8] [--tokens 64] [--repeats 3]
 
 The MoE is Qwen3-MoE with 16 experts of F=1024, top-2; the dense model is Qwen3 with F=2048:
 the same attention, embedding and head, and per token the same MLP matmul bytes (2 x 1024 =
