@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,18 +33,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16 = uint16_t;  // raw bits
+using hotswap::bf16;
+using hotswap::Widen;
 
 constexpr int64_t kCopyPiece = 1 << 20;  // bytes of x in a copy's work item
 constexpr int64_t kStrip = 16;           // rows of x in a transpose's work item
 
-inline float Widen(float v) { return v; }
-inline float Widen(bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 template <typename Out>
 Out Narrow(float v);
 template <>

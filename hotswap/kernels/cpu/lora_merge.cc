@@ -29,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,15 +42,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16 = uint16_t;  // XLA FFI's BF16 storage type
+using hotswap::bf16;
+using hotswap::Widen;
 
 constexpr int64_t kMR = 6;          // rows of a register tile
 constexpr int64_t kNR = 16;         // columns of a register tile (two ymm)
 constexpr int64_t kRowBlock = 192;  // rows of a work item: 32 tiles share each packed panel of b
 constexpr int64_t kColBlock = 256;  // columns of a work item: 16 panels
-
-inline float Widen(float v) { return v; }
-inline float Widen(bf16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
 
 template <typename W>
 W Narrow(float v);
@@ -57,12 +56,9 @@ template <>
 inline float Narrow<float>(float v) {
   return v;
 }
-// Round to nearest even, as XLA's f32 -> bf16 convert; a NaN stays a (quiet) NaN.
 template <>
 inline bf16 Narrow<bf16>(float v) {
-  const uint32_t bits = __builtin_bit_cast(uint32_t, v);
-  if (std::isnan(v)) return static_cast<bf16>((bits >> 16) | 0x40);
-  return static_cast<bf16>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+  return hotswap::ToBf16(v);
 }
 
 struct Leaf {

@@ -36,6 +36,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,17 +49,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16 = uint16_t;  // XLA FFI's BF16 storage type
-inline float Widen(float v) { return v; }
-inline float Widen(bf16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
+using hotswap::bf16;
+using hotswap::Widen;
 
-// f32 -> the nearest bf16 (ties to even), back in f32; NaN stays NaN.
-inline float RoundBf16(float v) {
-  uint32_t u = __builtin_bit_cast(uint32_t, v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return __builtin_bit_cast(float, u & 0xffff0000u);
-}
+// f32 -> the nearest bf16, back in f32: where the jnp twin rounds a bf16 activation.
+inline float RoundBf16(float v) { return Widen(hotswap::ToBf16(v)); }
 
 // Accumulators an item holds (rows x columns): 8 KB, so they and the four weight rows of a pass
 // stay in L1.

@@ -37,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,9 +49,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16 = uint16_t;  // XLA FFI's BF16 storage type
-inline float Widen(float v) { return v; }
-inline float Widen(bf16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
+using hotswap::bf16;
+using hotswap::Widen;
 
 // Rows [k0, k1) of w times columns [k0, k1) of x, into part[M, N]: each thread streams a
 // contiguous run of whole weight rows, the best access pattern for the prefetchers.
