@@ -15,11 +15,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _tensordot(x: jax.Array, ws) -> list[jax.Array]:
-    return [x @ w for w in ws]
-
-
-def sliced(x, experts, weights, gate, up, down, mms=_tensordot) -> jax.Array:
+def sliced(x, experts, weights, gate, up, down, *, mms) -> jax.Array:
     """The twin of `cpu_experts.routed_experts`. `mms` is the matmul routine (`Backend.matmuls`:
     on CPU the C++ small-row kernel, gate and up in one call; in deterministic mode its
     fixed-order kernel). XLA copies each slice before its dot: twice the routed bytes."""

@@ -20,6 +20,8 @@ Two ways to run the experts, chosen by the (static) number of token-expert pairs
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -94,7 +96,7 @@ def sparse_mlp(lp: dict, cfg: ModelConfig, h: jax.Array, backend=None) -> tuple[
     moves."""
     mms = jnp_matmuls if backend is None else backend.matmuls
     gmm = grouped_matmul.ragged if backend is None else backend.grouped_matmul
-    routed = routed_experts.sliced if backend is None else backend.routed_experts
+    routed = functools.partial(routed_experts.sliced, mms=mms) if backend is None else backend.routed_experts
     lead, d = h.shape[:-1], h.shape[-1]
     flat = h.reshape(-1, d)  # [T, D]
     weights, experts = route(flat, lp["router"], cfg, mms)
