@@ -240,6 +240,7 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
     from hotswap.checkpoint.create import load_preset
     from hotswap.config import EngineConfig
     from hotswap.engine.engine import Engine
+    from hotswap.engine.pages import PagePool
     from hotswap.engine.sampling import SamplingParams
     from hotswap.model.config import ModelConfig
     from hotswap.model.params import abstract_params
@@ -280,7 +281,7 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
             continue
         seqs = [_Seq(i, ctx) for i in range(b)]
         tables = {i: tuple(range(1 + i * pps, 1 + (i + 1) * pps)) for i in range(b)}
-        batch = run.decode_batch(seqs, tables)
+        batch = run.decode_batch(seqs, PagePool.owning(ecfg.num_pages, tables))
         sa = SamplingArrays.from_rows(
             [(SamplingParams(temperature=0.0), 0, 0)] * b, batch.sample_idx.shape[0], mcfg.vocab_size
         )

@@ -101,6 +101,15 @@ class EngineArgs:
         type=bool,
         scopes=SERVING,
     )
+    disable_hybrid_kv_cache_manager: bool = option(
+        False,
+        "a model with sliding-window layers (Gemma 2/3, Mistral with a window): give those layers as "
+        "many pages as the full layers instead of a pool bounded by the window (vLLM's flag; the "
+        "sliding windows page of the docs says what the bound saves)",
+        "含滑动窗口层的模型（Gemma 2/3、带窗口的 Mistral）：这些层与全注意力层使用同样多的页，而不是按窗口限定"
+        "大小的页池（vLLM 的同名选项；文档的滑动窗口一页说明限定能省多少）",
+        type=bool,
+    )
     dtype: str | None = option(
         None,
         '`"float32"`, `"bfloat16"` or `"float16"`: weights, activations and KV pages (see `dtype` on the '

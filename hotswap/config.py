@@ -50,6 +50,9 @@ class EngineConfig:
     max_num_seqs: int = _ARGS["max_num_seqs"]
     max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
     enable_prefix_caching: bool = _ARGS["enable_prefix_caching"]
+    # sliding-window layers' pages: a pool bounded by the window, or as many as the full layers'
+    # (programs/kv_sizing.py `window_pages` decides how many from this)
+    disable_hybrid_kv_cache_manager: bool = _ARGS["disable_hybrid_kv_cache_manager"]
     attention: str = _ARGS["attention"]  # resolved once by the Engine (kernels/backend.py)
     deterministic: bool = _ARGS["deterministic"]  # batch-invariant kernels (kernels/backend.py)
     max_waiting: int = _ARGS["max_waiting"]  # backpressure: QueueFull beyond this
@@ -100,6 +103,7 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
+            disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             attention=attention or args.attention,
             deterministic=args.deterministic,
             max_waiting=args.max_waiting,

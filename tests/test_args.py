@@ -114,6 +114,7 @@ def test_every_shared_option_reaches_the_engine_config():
         max_num_seqs=3,
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
+        disable_hybrid_kv_cache_manager=True,
         attention="reference",
         deterministic=True,
         max_waiting=7,

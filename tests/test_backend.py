@@ -81,7 +81,7 @@ def test_decode_step_compiles_for_v5e_and_updates_the_cache_in_place(v5e, head_d
     buckets = Buckets.for_config(ecfg, target.backend)
     page = catalog.abstract_inputs(mcfg, ecfg, target)[1][0]
     ((name, lower),) = catalog.step_programs(mcfg, ecfg, target, [(64, 1, buckets.pages[-1])])
-    step = catalog.compile_stats(name, lower, page)
+    step = catalog.compile_stats(name, lower, [page])
     kv = mcfg.num_layers * int(np.prod(page.sharding.shard_shape(page.shape))) * page.dtype.itemsize
     assert kv == 2 * 16384 * 16 * 2 * 4 * head_dim * 2 // tp
     assert step.pallas_calls == 2 and step.kv_copies == 0, step

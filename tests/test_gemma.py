@@ -90,6 +90,7 @@ def test_generate_and_score_match_transformers(tmp_path, name):
         model_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, page_size=8, warmup=False
     )
     assert llm.config.sliding_window == 16 and "sliding_attention" in llm.config.layer_types
+    assert llm.engine.state.pool.window is not None  # the window layers' own, bounded pool
     hf = _hf(model_dir)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, llm.config.vocab_size, n).tolist() for n in LENGTHS]

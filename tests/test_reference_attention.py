@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hotswap.config import EngineConfig
+from hotswap.engine.pages import PagePool
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
@@ -81,7 +82,7 @@ def test_decode_reads_each_rows_pages_only():
     ecfg = EngineConfig(
         page_size=PS, num_pages=len(pages), max_model_len=128, max_num_seqs=8, attention="reference"
     )
-    batch = Runner(None, ecfg, REFERENCE).decode_batch(seqs, tables)
+    batch = Runner(None, ecfg, REFERENCE).decode_batch(seqs, PagePool.owning(len(pages), tables))
     b = batch.tokens.shape[0]
     q = rng.standard_normal((b, 1, HKV * G, HD)).astype(np.float32)
     k = rng.standard_normal((b, 1, HKV, HD)).astype(np.float32)
@@ -119,7 +120,7 @@ def test_packed_prefill_keeps_sequences_apart():
         attention="reference",
     )
     rows = [(s, n) for s, (_, n) in zip(seqs, chunks, strict=True)]
-    batch = Runner(None, ecfg, REFERENCE).prefill_batch(rows, tables)
+    batch = Runner(None, ecfg, REFERENCE).prefill_batch(rows, PagePool.owning(len(pages), tables))
     nb = batch.tokens.shape[0]
     assert batch.tokens.shape[1] == PREFILL_ROW and nb >= 3 + 1 + 1 + 3
     assert int((batch.page_rows < nb).sum()) == 2 + 3 + 5  # each sequence's cached pages listed once
@@ -156,7 +157,9 @@ def _cpu_step(rows, tables, pages, ecfg, rng, decode: bool, dtype=np.float32, pa
     from hotswap.kernels import cpu_attention
 
     runner = Runner(None, dataclasses.replace(ecfg, attention="cpu"), Backend("cpu", "cpu"))
-    batch = runner.ragged_batch(rows, tables)  # [T, 1]: decode rows are chunks of one token
+    batch = runner.ragged_batch(
+        rows, PagePool.owning(len(pages), tables)
+    )  # [T, 1]: decode rows are chunks of one token
     b, c = batch.tokens.shape
     assert batch.block_tables.shape[1] == ecfg.pages_per_seq  # one full-width table per shape
     hd = pages.shape[-1]

@@ -19,6 +19,7 @@ import pytest
 from helpers import soak
 
 from hotswap.config import EngineConfig
+from hotswap.engine.pages import PagePool
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
@@ -132,7 +133,7 @@ def test_reference_prefill_and_decode(window, softcap):
     pages = jnp.asarray(world.pages)
     kw = dict(scale=SCALE, window=window, softcap=softcap)
     rows = [(s, n) for s, (_, n) in zip(world.seqs, CHUNKS, strict=True)]
-    batch = runner.prefill_batch(rows, world.tables)
+    batch = runner.prefill_batch(rows, PagePool.owning(len(world.pages), world.tables))
     q, k, v, firsts = step_inputs(world, batch, rows)
     out = reference.prefill_attention(
         q, pages, k, v, batch.page_ids, batch.page_rows, batch.page_cols, batch.positions,
@@ -141,7 +142,7 @@ def test_reference_prefill_and_decode(window, softcap):
     check_rows(np.asarray(out), q, world, rows, firsts, window=window, softcap=softcap, tol=1e-5)
 
     decode = [(s, n) for s, n in rows if n == 1]
-    batch = runner.decode_batch([s for s, _ in decode], world.tables)
+    batch = runner.decode_batch([s for s, _ in decode], PagePool.owning(len(world.pages), world.tables))
     sub = dataclasses.replace(world, keys=[], values=[], queries=[])
     for s, _ in decode:
         sub.keys.append(world.keys[s.seq_id])
@@ -299,7 +300,9 @@ def cpu_step(world, rows, *, window, softcap, dtype=np.float32, fixed=False, pag
         first = 0 if window is None else max(0, seq.num_computed - window + 1)
         table[: first // ps] = [len(pages) + 1000] * (first // ps)
         tables[seq.seq_id] = table
-    batch = Runner(None, ecfg, Backend("cpu", "cpu")).ragged_batch(rows, tables)
+    batch = Runner(None, ecfg, Backend("cpu", "cpu")).ragged_batch(
+        rows, PagePool.owning(len(pages) + 1001, tables)
+    )
     q, k, v, firsts = step_inputs(world, batch, rows)
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
     out, written = cpu_attention.paged_attention(

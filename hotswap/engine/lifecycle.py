@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from hotswap.config import EngineConfig
-from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.engine.state import EngineState, KVCache, new_kv_cache
 from hotswap.errors import ConfigError, EngineAsleep, HotswapError, LifecycleConflict
@@ -85,7 +84,7 @@ def update_weights(
         )
     staged = params if isinstance(params, StagedParams) and params.abstract is abstract else None
     staged = staged or stage_params(params, abstract)
-    pool = PagePool.holding(state.num_pages, {s: state.pool.table(s) for s in keep}, tick=state.pool.tick)
+    pool = state.pool.holding(keep)
     kv = state.kv
     if kv is not None:
         page_version = np.full_like(kv.page_version, -1)
@@ -134,7 +133,7 @@ def sleep(state: EngineState, level: int = 1) -> EngineState:
         base=base,
         kv=None,
         prefix=PrefixIndex.empty(state.num_pages),
-        pool=PagePool.empty(state.num_pages),
+        pool=state.pool.emptied(),
         asleep=SLEEP_TAGS,
     )
 
@@ -167,7 +166,7 @@ def wakeup(
 def reset_prefix_cache(state: EngineState) -> EngineState:
     """Empty index. Never corrupts running sequences: they keep their tables and refcounts; their
     registered keys are forgotten, so full pages are indexed again as they complete."""
-    pool = PagePool(state.pool.refcount.copy(), dict(state.pool.tables), {}, state.pool.tick)
+    pool = state.pool.forgetting_keys()
     return dataclasses.replace(state, prefix=PrefixIndex.empty(state.num_pages), pool=pool)
 
 
@@ -175,5 +174,5 @@ def fresh_cache(state: EngineState, kv: KVCache) -> EngineState:
     """Same weights over a new, empty cache (after a step failed with its buffers donated):
     every page free, nothing indexed, no provenance."""
     return dataclasses.replace(
-        state, kv=kv, prefix=PrefixIndex.empty(state.num_pages), pool=PagePool.empty(state.num_pages)
+        state, kv=kv, prefix=PrefixIndex.empty(state.num_pages), pool=state.pool.emptied()
     )

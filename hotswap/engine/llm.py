@@ -359,7 +359,8 @@ class LLM:
             "weights_version": st.weights_version,
             "params": f"{nbytes / 2**20:.1f} MiB" + (" (on host)" if "weights" in st.asleep else ""),
             "asleep": ", ".join(sorted(st.asleep)) or "no",
-            "KV pages": f"{u['owned']} owned · {u['cached']} cached · {u['free']} free of {u['pages']}",
+            "KV pages": f"{u['owned']} owned · {u['cached']} cached · {u['free']} free of {u['pages']}"
+            + (f" · sliding-window layers: {u['window_held']} held of {u['window_pages']}" if "window_pages" in u else ""),
             "running / waiting": f"{self.engine.num_running()} / {self.engine.num_waiting()}",
         }
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
@@ -385,6 +386,8 @@ def _start_engine(mcfg, params, tokenizer, args: EngineArgs, mesh: jax.sharding.
         page_size=args.page_size,
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         num_pages=args.num_pages,
         gpu_memory_utilization=args.gpu_memory_utilization,
         devices=sorted(target.kv.device_set, key=lambda d: d.id),

@@ -14,6 +14,9 @@ copy (`edit()`) and returns it inside the new `EngineState`; a pool that a state
 holds is never edited again, so an old state stays a valid value. The copy is
 O(sequences) plus the refcounts: tables and keys are immutable and replaced,
 not extended, when they grow (once per page of tokens).
+
+A model with sliding-window layers keeps those layers' pages in a smaller pool of twins
+(`window`, `window_pages.py`), bounded by the window; every edit here keeps it in step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import collections
 import numpy as np
 
 from hotswap.engine.prefix import PrefixIndex
+from hotswap.engine.window_pages import WindowPages
 
 
 class PagePool:
@@ -32,27 +36,49 @@ class PagePool:
         tables: dict[int, tuple[int, ...]] | None = None,
         keys: dict[int, tuple[int, ...]] | None = None,
         tick: int = 0,
+        window: WindowPages | None = None,
     ):
         self.refcount = refcount  # int32[num_pages]; refcount[0] stays 0 (null page)
         self.tables = tables if tables is not None else {}
         self.keys = keys if keys is not None else {}
         self.tick = tick  # LRU clock of the prefix index
+        self.window = window  # the sliding-window layers' twins; None: they use these pages
 
     @staticmethod
-    def empty(num_pages: int) -> PagePool:
-        return PagePool(np.zeros(num_pages, np.int32))
+    def empty(num_pages: int, window: WindowPages | None = None) -> PagePool:
+        return PagePool(np.zeros(num_pages, np.int32), window=window)
+
+    def emptied(self) -> PagePool:
+        """An empty pool of the same sizes (after an update, a sleep, a failed step)."""
+        w = self.window
+        return PagePool.empty(
+            self.num_pages,
+            None if w is None else WindowPages.empty(self.num_pages, w.num_pages, w.window, w.ps),
+        )
 
     @staticmethod
-    def holding(num_pages: int, tables: dict[int, tuple[int, ...]], tick: int = 0) -> PagePool:
-        """A pool whose only owners are `tables` (refcounts counted from them), no keys."""
+    def owning(num_pages: int, tables: dict[int, tuple[int, ...]], tick: int = 0) -> PagePool:
+        """A pool (no window pool) whose only owners are `tables` (refcounts counted from them), no keys."""
         refcount = np.zeros(num_pages, np.int32)
         for table in tables.values():
             np.add.at(refcount, np.asarray(table, np.int64), 1)
-        return PagePool(refcount, dict(tables), {}, tick)
+        return PagePool(refcount, {s: tuple(t) for s, t in tables.items()}, {}, tick)
+
+    def holding(self, keep: list[int] | tuple[int, ...]) -> PagePool:
+        """A pool whose only owners are the sequences `keep`, with no keys: what an update's
+        `keep` policy leaves."""
+        pool = PagePool.owning(self.num_pages, {s: self.table(s) for s in keep}, self.tick)
+        pool.window = None if self.window is None else self.window.keeping(pool.tables)
+        return pool
+
+    def forgetting_keys(self) -> PagePool:
+        """The same owners with no registered keys (the prefix index was emptied)."""
+        return PagePool(self.refcount.copy(), dict(self.tables), {}, self.tick, self.window)
 
     def edit(self) -> PagePool:
         """A private copy for one transition to edit in place."""
-        return PagePool(self.refcount.copy(), dict(self.tables), dict(self.keys), self.tick)
+        window = None if self.window is None else self.window.copy()
+        return PagePool(self.refcount.copy(), dict(self.tables), dict(self.keys), self.tick, window)
 
     @property
     def num_pages(self) -> int:
@@ -60,6 +86,16 @@ class PagePool:
 
     def table(self, seq_id: int) -> tuple[int, ...]:
         return self.tables.get(seq_id, ())
+
+    def window_table(self, seq_id: int) -> tuple[int, ...]:
+        """seq's block table for the sliding-window layers: its twins, or its pages when they
+        have no pool of their own."""
+        table = self.table(seq_id)
+        return table if self.window is None else self.window.twins(seq_id, table)
+
+    def window_holds(self, pages: list[int] | tuple[int, ...], n: int) -> bool:
+        """The sliding-window layers can continue after `pages[:n]` (always, without a window pool)."""
+        return self.window is None or self.window.holds(pages, n)
 
     def seq_keys(self, seq_id: int) -> tuple[int, ...]:
         return self.keys.get(seq_id, ())
@@ -87,7 +123,7 @@ class PagePool:
         unowned = np.flatnonzero(self.refcount[1:] == 0) + 1
         cached = prefix.key[unowned] != 0
         free, evictable = unowned[~cached], unowned[cached]
-        if len(free) + len(evictable) < n:
+        if len(free) + len(evictable) < n or (self.window is not None and self.window.num_obtainable() < n):
             return False, prefix
         pages = free[:n]
         if len(pages) < n:
@@ -95,19 +131,32 @@ class PagePool:
             prefix = prefix.remove(lru.tolist())
             pages = np.concatenate([pages, lru])
         self.refcount[pages] = 1
+        if self.window is not None:
+            self.window.take(pages, prefix.key != 0)
         self.tables[seq_id] = self.table(seq_id) + tuple(int(p) for p in pages)
         return True, prefix
 
     def share(self, seq_id: int, pages: list[int] | tuple[int, ...]) -> None:
-        """Append pages another owner (or the prefix index) holds to seq's table."""
+        """seq, holding no pages yet, lists pages another owner (or the prefix index) holds, and
+        the twins of those its next query sees (`window_holds` checked)."""
         if not pages:
             return
+        assert not self.table(seq_id), f"seq {seq_id} shares pages after holding some"
         for page in pages:
             self.refcount[page] += 1
-        self.tables[seq_id] = self.table(seq_id) + tuple(pages)
+        self.tables[seq_id] = tuple(pages)
+        if self.window is not None:
+            self.window.hold(seq_id, self.tables[seq_id])
+
+    def advance(self, seq_id: int, num_tokens: int) -> None:
+        """seq has computed `num_tokens`: the window twins behind its next query are released."""
+        if self.window is not None:
+            self.window.advance(seq_id, self.table(seq_id), num_tokens)
 
     def release(self, seq_id: int) -> None:
         """Drop seq's table and keys; its pages lose one reference each."""
+        if self.window is not None:
+            self.window.release(seq_id, self.table(seq_id))
         table = self.tables.pop(seq_id, ())
         self.keys.pop(seq_id, None)
         if table:
@@ -122,7 +171,11 @@ class PagePool:
         rc, key = self.refcount[1:], prefix.key[1:]
         owned = int(np.count_nonzero(rc > 0))
         cached = int(np.count_nonzero((key != 0) & (rc == 0)))
-        return {"owned": owned, "cached": cached, "free": len(rc) - owned - cached}
+        usage = {"owned": owned, "cached": cached, "free": len(rc) - owned - cached}
+        if self.window is not None:  # the window layers' twins: held by a sequence, or not
+            held = int(np.count_nonzero(self.window.refcount[1:]))
+            usage |= {"window_pages": self.window.num_pages - 1, "window_held": held}
+        return usage
 
     def check(self, prefix: PrefixIndex) -> None:
         """Invariant: refcounts equal the owners the tables list; page 0 is never handed out."""
@@ -134,3 +187,5 @@ class PagePool:
             assert rc == owners.get(page, 0), f"page {page}: refcount {rc} != owners {owners.get(page, 0)}"
         for seq_id, table in self.tables.items():
             assert len(set(table)) == len(table), f"seq {seq_id}: a page listed twice in its table"
+        if self.window is not None:
+            self.window.check(self.tables)

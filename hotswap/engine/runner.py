@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from hotswap.config import EngineConfig
 from hotswap.engine import structured
+from hotswap.engine.pages import PagePool
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import EngineState
@@ -29,7 +29,6 @@ from hotswap.programs import compile_cache, step_cache
 from hotswap.programs.sampler import SamplingArrays, mask_words
 from hotswap.programs.step import PREFILL_ROW, Buckets, compile_step, pick, placeholder_inputs, run_step
 
-Tables = Mapping[int, tuple[int, ...]]  # seq_id -> block table (the state's page pool)
 WARMUP_THREADS = 4  # warm-up compiles at most this many steps at once (memory: one program each)
 
 
@@ -54,12 +53,14 @@ class Runner:
         return np.asarray(table)[pos // self.ps] * self.ps + pos % self.ps
 
     @staticmethod
-    def _list_pages(bt: Batch, reads: list[tuple[tuple[int, ...], int]]) -> None:
-        """Fill the flat page list: for each (block table, k), its first k pages, tagged with the
-        sequence's index in `reads` (its row in a decode batch, its segment in a prefill)."""
+    def _list_pages(bt: Batch, pool: PagePool, reads: list[tuple[int, int]]) -> None:
+        """Fill the flat page lists: for each (seq_id, k), the first k pages of its table (and of
+        its window table), tagged with the sequence's index in `reads` (its row in a decode
+        batch, its segment in a prefill)."""
         at = 0
-        for r, (table, k) in enumerate(reads):
-            bt.page_ids[at : at + k] = table[:k]
+        for r, (seq_id, k) in enumerate(reads):
+            bt.page_ids[at : at + k] = pool.table(seq_id)[:k]
+            bt.window_page_ids[at : at + k] = pool.window_table(seq_id)[:k]
             bt.page_rows[at : at + k] = r
             bt.page_cols[at : at + k] = np.arange(k)
             at += k
@@ -83,10 +84,11 @@ class Runner:
             listed += pages
         return calls + [cur] if cur else calls
 
-    def decode_batch(self, seqs: list[Sequence], tables: Tables) -> Batch:
+    def decode_batch(self, seqs: list[Sequence], pool: PagePool) -> Batch:
         """[B, 1]: one new token per sequence."""
         n = len(seqs)
-        seq_tables = [tables[s.seq_id] for s in seqs]
+        seq_tables = [pool.table(s.seq_id) for s in seqs]
+        window_tables = [pool.window_table(s.seq_id) for s in seqs]
         b = pick(self.buckets.batch, n)
         start = np.array([s.num_computed for s in seqs], np.int32)
         need = [self._pages_needed(int(x), int(x) + 1) for x in start]
@@ -94,15 +96,17 @@ class Runner:
             # P is the *average* pages per row: the flat list holds b * P pages.
             p = pick(self.buckets.pages, -(-sum(need) // b))
             bt = Batch.zeros(b, 1, 0, b, n=b * p)
-            self._list_pages(bt, list(zip(seq_tables, need, strict=True)))
+            self._list_pages(bt, pool, [(s.seq_id, k) for s, k in zip(seqs, need, strict=True)])
         else:
             p = pick(self.buckets.pages, max(need))
             bt = Batch.zeros(b, 1, p, b)
-            for i, (table, k) in enumerate(zip(seq_tables, need, strict=True)):
-                bt.block_tables[i, :k] = table[:k]
-        for i, (s, table) in enumerate(zip(seqs, seq_tables, strict=True)):
+            for i, k in enumerate(need):
+                bt.block_tables[i, :k] = seq_tables[i][:k]
+                bt.window_block_tables[i, :k] = window_tables[i][:k]
+        for i, s in enumerate(seqs):
             bt.tokens[i, 0] = s.token_slice(int(start[i]), 1)[0]
-            bt.slots[i, 0] = self._slots(table, start[i])
+            bt.slots[i, 0] = self._slots(seq_tables[i], start[i])
+            bt.window_slots[i, 0] = self._slots(window_tables[i], start[i])
         bt.positions[:n, 0] = start
         bt.kv_lens[:n] = start + 1
         bt.chunk_starts[:n] = start
@@ -111,16 +115,16 @@ class Runner:
         bt.adapters[:n] = [s.lora_slot for s in seqs]
         return bt
 
-    def ragged_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
+    def ragged_batch(self, rows: list[tuple[Sequence, int]], pool: PagePool) -> Batch:
         """[T, 1]: every row's tokens end to end, one token per batch row, decode rows being
         chunks of one token (a ragged backend's step: `Backend.ragged_steps`)."""
-        return self._chunks(rows, tables, 1, self.buckets.batch)
+        return self._chunks(rows, pool, 1, self.buckets.batch)
 
-    def prefill_batch(self, rows: list[tuple[Sequence, int]], tables: Tables) -> Batch:
+    def prefill_batch(self, rows: list[tuple[Sequence, int]], pool: PagePool) -> Batch:
         """[Nb, PREFILL_ROW]: each chunk laid out from a fresh row, padded to whole rows."""
-        return self._chunks(rows, tables, PREFILL_ROW, self.buckets.blocks)
+        return self._chunks(rows, pool, PREFILL_ROW, self.buckets.blocks)
 
-    def _chunks(self, rows: list[tuple[Sequence, int]], tables: Tables, q: int, row_buckets) -> Batch:
+    def _chunks(self, rows: list[tuple[Sequence, int]], pool: PagePool, q: int, row_buckets) -> Batch:
         """[Nb, q]: each chunk laid out from a fresh row of q tokens, padded to whole rows;
         Nb from `row_buckets`."""
         need = [-(-n // q) for _, n in rows]
@@ -130,20 +134,24 @@ class Runner:
         if self._flat:  # every sequence's cached pages once, end to end
             p = pick(self.buckets.prefill_pages, sum(cached))
             bt = Batch.zeros(nb, q, 0, samples, n=p)
-            self._list_pages(bt, [(tables[seq.seq_id], k) for (seq, _), k in zip(rows, cached, strict=True)])
+            self._list_pages(bt, pool, [(seq.seq_id, k) for (seq, _), k in zip(rows, cached, strict=True)])
         else:
             p = pick(self.buckets.prefill_pages, max(cached))
             bt = Batch.zeros(nb, q, p, samples)
         tokens, positions, slots = bt.tokens.reshape(-1), bt.positions.reshape(-1), bt.slots.reshape(-1)
+        window_slots = bt.window_slots.reshape(-1)
         row = 0
         for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
-            start, base, table = seq.num_computed, row * q, np.asarray(tables[seq.seq_id], np.int32)
+            start, base = seq.num_computed, row * q
+            table, window_table = pool.table(seq.seq_id), pool.window_table(seq.seq_id)
             pos = np.arange(start, start + n)
             tokens[base : base + n] = seq.token_slice(start, n)
             positions[base : base + k * q] = np.arange(start, start + k * q)  # padding continues the run
             slots[base : base + n] = self._slots(table, pos)
+            window_slots[base : base + n] = self._slots(window_table, pos)
             cols = min(len(table), bt.block_tables.shape[1])
             bt.block_tables[row : row + k, :cols] = table[:cols]
+            bt.window_block_tables[row : row + k, :cols] = window_table[:cols]
             bt.kv_lens[row : row + k] = start + n
             bt.chunk_starts[row : row + k] = start
             bt.segments[row : row + k] = r
@@ -163,15 +171,15 @@ class Runner:
         structured.fill_masks(sampling, mask)
         return mask
 
-    def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], tables: Tables, kind: str):
+    def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], pool: PagePool, kind: str):
         """One jitted call for `rows`: a decode batch, prefill chunks packed together, or (ragged)
         both in one [T, 1] block."""
         if kind == "ragged":
-            batch = self.ragged_batch(rows, tables)
+            batch = self.ragged_batch(rows, pool)
         elif kind == "decode":
-            batch = self.decode_batch([s for s, _ in rows], tables)
+            batch = self.decode_batch([s for s, _ in rows], pool)
         else:
-            batch = self.prefill_batch(rows, tables)
+            batch = self.prefill_batch(rows, pool)
         s = batch.sample_idx.shape[0]
         sa = SamplingArrays.from_rows(
             [(q.params, q.seed, len(q.output_ids)) for q, _ in rows],
@@ -198,7 +206,7 @@ class Runner:
         rows ride in the prefill's matmuls instead of streaming the weights again). Returns
         the new page buffers (the old ones are donated) and the sampled rows in `plan.rows`
         order, with (last) each row's routed experts (a MoE model) or None."""
-        tables, pages = state.pool.tables, state.kv.pages
+        pages = state.kv.pages
         if self.buckets.ragged:
             calls = [("ragged", rows) for rows in self.pack(plan.rows)]
         else:
@@ -206,7 +214,7 @@ class Runner:
             calls += [("prefill", rows) for rows in self.pack(plan.prefill)]
         outs = []
         for kind, rows in calls:
-            pages, out = self._call(state.step_params, pages, rows, tables, kind)
+            pages, out = self._call(state.step_params, pages, rows, state.pool, kind)
             outs.append(out)
         parts = list(zip(*outs, strict=True))
         routed = [r for rows in parts[4] for r in rows]  # per row: [n, moe layers, k] or None

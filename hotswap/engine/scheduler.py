@@ -120,34 +120,40 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _match_prefix(self, w: _Work, seq: Sequence) -> None:
-        """Share cached full pages of seq's tokens (current version only); keep >= 1 token to compute."""
+        """Share cached full pages of seq's tokens (current version only); keep >= 1 token to compute.
+        A share is cut back to where the sliding-window layers' twins are all there (`window_holds`)."""
         ids, sid = seq.all_ids, seq.seq_id
         max_pages = (len(ids) - 1) // self.ps
         parent = seq.fork_parent
+        pages, keys = [], []
         if parent is not None and not parent.is_finished and parent.num_computed >= len(seq.prompt_ids):
             # n > 1: share the parent's full prompt pages directly (works without prefix caching).
-            shared = w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)]
-            w.pool.share(sid, shared)
-            if parent.routed is not None and shared:
-                seq.record_routing(0, parent.routed[: len(shared) * self.ps])
-        table = w.pool.table(sid)
-        if self.cfg.enable_prefix_caching:
-            known = w.pool.seq_keys(sid)
-            key = known[-1] if known else 0
-            hits = []
-            for i in range(len(known), max_pages):
+            pages = list(w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)])
+        elif self.cfg.enable_prefix_caching:
+            key = 0
+            for i in range(max_pages):
                 key = page_key(key, ids[i * self.ps : (i + 1) * self.ps], w.version, seq.adapter)
                 page = w.prefix.find(key, w.version, seq.adapter)
-                if page == 0 or i < len(table):
+                if page == 0:
                     break
-                hits.append((page, key))
-                if w.prefix.routing is not None:  # a MoE model: the routing the page was written with
+                pages.append(page)
+                keys.append(key)
+        n = len(pages)
+        while n and not w.pool.window_holds(pages, n):
+            n -= 1
+        w.pool.share(sid, pages[:n])
+        if keys[:n]:
+            w.pool.add_keys(sid, keys[:n])
+            w.prefix = w.prefix.touch(pages[:n], w.pool.next_tick())
+        if n:
+            if parent is not None and parent.routed is not None and not keys:
+                seq.record_routing(0, parent.routed[: n * self.ps])
+            elif (
+                w.prefix.routing is not None and keys
+            ):  # a MoE model: the routing the pages were written with
+                for i, page in enumerate(pages[:n]):
                     seq.record_routing(i * self.ps, w.prefix.routing[page])
-            w.pool.share(sid, [p for p, _ in hits])
-            w.pool.add_keys(sid, [k for _, k in hits])
-            if hits:
-                w.prefix = w.prefix.touch([p for p, _ in hits], w.pool.next_tick())
-        seq.num_computed = len(w.pool.table(sid)) * self.ps
+        seq.num_computed = n * self.ps
 
     def _prompt_keys(self, seq: Sequence, version: int) -> list[int]:
         """Chain keys of seq's full prompt pages under `version` (computed once per version)."""
@@ -295,6 +301,7 @@ class Scheduler:
             seq.num_computed += n
             # Index newly full pages before a finish can release them (then they stay cached).
             self._register_full_pages(w, seq)
+            w.pool.advance(seq.seq_id, seq.num_computed)
             if seq.num_computed < seq.total_len:
                 continue  # a prompt chunk short of the prompt's end: nothing sampled
             k = seq.params.logprobs

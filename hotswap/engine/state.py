@@ -20,9 +20,11 @@ import numpy as np
 from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex
+from hotswap.engine.window_pages import WindowPages
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
+from hotswap.programs import kv_sizing
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +37,9 @@ class KVCache:
     `page_version[p]` is the weights version that last wrote page p (-1: never), and
     `page_adapter[p]` the (adapter id, adapter version) it was computed under ((0, 0): the
     base model). Host metadata, kept beside the device buffers so a page's provenance
-    travels with the cache value.
+    travels with the cache value. Sliding-window layers' buffers hold fewer pages when they
+    have a pool of their own (`window_pages.py`): their pages are twins of the page ids these
+    arrays index, written with them, so provenance stays on the page id.
     """
 
     pages: tuple[jax.Array, ...]
@@ -48,7 +52,7 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.pages[0].shape[0]
+        return len(self.page_version)
 
     @property
     def page_size(self) -> int:
@@ -108,15 +112,31 @@ def new_kv_cache(
     sharding=None,
     backend: Backend | None = None,
 ) -> KVCache:
-    """Empty pages in `backend`'s layout (None: `[.., 2*kv_heads, head_dim]`, the CPU paths')."""
-    dims = (ecfg.num_pages, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
-    shape = backend.page_shape(*dims) if backend is not None else (*dims[:2], 2 * dims[2], dims[3])
+    """Empty pages in `backend`'s layout (None: `[.., 2*kv_heads, head_dim]`, the CPU paths'):
+    `num_pages` per layer, `kv_sizing.window_pages` for a sliding-window layer when it bounds them."""
+    window = kv_sizing.window_pages(mcfg, ecfg)
     dt = jnp.dtype(dtype or mcfg.dtype)
     # Always committed to a sharding: uncommitted buffers would key a separate jit
     # cache entry from the step's own (committed) outputs and recompile once.
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    pages = tuple(jnp.zeros(shape, dt, device=sharding) for _ in range(mcfg.num_layers))
+
+    def buffer(i: int) -> jax.Array:
+        rows = window if window is not None and mcfg.layer_window(i) is not None else ecfg.num_pages
+        dims = (rows, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
+        shape = backend.page_shape(*dims) if backend is not None else (*dims[:2], 2 * dims[2], dims[3])
+        return jnp.zeros(shape, dt, device=sharding)
+
+    pages = tuple(buffer(i) for i in range(mcfg.num_layers))
     return KVCache(pages=pages, page_version=np.full(ecfg.num_pages, -1, np.int64))
+
+
+def empty_pool(mcfg: ModelConfig, ecfg: EngineConfig) -> PagePool:
+    """No page held, with the sliding-window layers' pool when they have one (`kv_sizing.window_pages`)."""
+    window = kv_sizing.window_pages(mcfg, ecfg)
+    if window is None:
+        return PagePool.empty(ecfg.num_pages)
+    twins = WindowPages.empty(ecfg.num_pages, window, mcfg.sliding_window, ecfg.page_size)
+    return PagePool.empty(ecfg.num_pages, twins)
 
 
 def empty_state(mcfg: ModelConfig, ecfg: EngineConfig, kv_sharding=None, backend=None) -> EngineState:
@@ -127,5 +147,5 @@ def empty_state(mcfg: ModelConfig, ecfg: EngineConfig, kv_sharding=None, backend
         weights_version=0,
         kv=new_kv_cache(mcfg, ecfg, sharding=kv_sharding, backend=backend),
         prefix=PrefixIndex.empty(ecfg.num_pages),
-        pool=PagePool.empty(ecfg.num_pages),
+        pool=empty_pool(mcfg, ecfg),
     )

@@ -12,6 +12,11 @@ the cached pages it reads flat (page_ids / page_rows / page_cols), each sequence
 a short decode row does not pay for the longest, and a prefill chunk's rows share one
 read of their prefix.
 
+Sliding-window layers read and write their own pages when they have a pool of their own
+(`engine/window_pages.py`): `window_block_tables`, `window_slots` and `window_page_ids` are the
+same tables, slots and page list in that pool (equal to the others when there is none), and
+`windowed()` is the batch those layers see.
+
 All arrays are host-built int32 (runner.py) and padded to bucket shapes, so the step
 compiles once per bucket. Padding tokens sit at positions >= their row's kv_len, write
 to slot 0 (the null page) and are never sampled.
@@ -41,6 +46,18 @@ class Batch:
     segments: jax.Array  # [B] which sequence of this call the row belongs to (-1: padding)
     sample_idx: jax.Array  # [S] flat index (b * C + c) of the token each sequence samples from
     adapters: jax.Array  # [B] the row's LoRA adapter slot (-1: the base model; model/lora.py)
+    window_block_tables: jax.Array  # [B, P] block_tables in the window pool (0: a page behind the window)
+    window_slots: jax.Array  # [B, C] slots in the window pool
+    window_page_ids: jax.Array  # [N] page_ids in the window pool
+
+    def windowed(self) -> Batch:
+        """What a sliding-window layer reads and writes: the window pool's tables, slots and pages."""
+        return dataclasses.replace(
+            self,
+            block_tables=self.window_block_tables,
+            slots=self.window_slots,
+            page_ids=self.window_page_ids,
+        )
 
     @staticmethod
     def zeros(b: int, c: int, p: int, s: int, n: int = 0) -> Batch:
@@ -59,4 +76,7 @@ class Batch:
             segments=np.full(b, -1, np.int32),
             sample_idx=z(s, np.int32),
             adapters=np.full(b, -1, np.int32),
+            window_block_tables=z((b, p), np.int32),
+            window_slots=z((b, c), np.int32),
+            window_page_ids=z(n, np.int32),
         )

@@ -88,8 +88,9 @@ def forward_paged(
         if adapters is not None:
             lp = lora.with_layer(lp, adapters["layers"][i], mask)
         window = cfg.layer_window(i)  # Mistral's sliding window, else None
+        seen = batch if window is None else batch.windowed()  # the window pool's pages
         x, kv, layer_pages, experts = _layer(
-            lp, x, layer_pages, batch, rope, window=window, cfg=cfg, backend=backend
+            lp, x, layer_pages, seen, rope, window=window, cfg=cfg, backend=backend
         )
         new_kv.append(kv)
         new_pages.append(layer_pages)
@@ -120,9 +121,13 @@ def _layer(lp: dict, x, layer_pages, batch: Batch, rope, *, window, cfg: ModelCo
         return x, (k, v), layer_pages, routed
 
 
-def write_pages(pages, new_kv, slots, *, backend: Backend):
-    """Write a step's K/V (per layer, [B, C, Hkv, hd]) into the page buffers (donate `pages`)."""
-    return tuple(backend.write(p, k, v, slots) for p, (k, v) in zip(pages, new_kv, strict=True))
+def write_pages(pages, new_kv, batch: Batch, *, cfg: ModelConfig, backend: Backend):
+    """Write a step's K/V (per layer, [B, C, Hkv, hd]) into the page buffers (donate `pages`):
+    a sliding-window layer's at the window pool's slots (`Batch.windowed`)."""
+    return tuple(
+        backend.write(p, k, v, batch.slots if cfg.layer_window(i) is None else batch.window_slots)
+        for i, (p, (k, v)) in enumerate(zip(pages, new_kv, strict=True))
+    )
 
 
 def logits_from_hidden(

@@ -96,8 +96,9 @@ def forward_paged(
         if adapters is not None:
             lp = lora.with_layer(lp, adapters["layers"][i], mask)
         window = cfg.layer_window(i)
+        seen = batch if window is None else batch.windowed()  # the window pool's pages
         x, kv, layer_pages = _layer(
-            lp, x, layer_pages, batch, tables[window is not None], window=window, cfg=cfg, backend=backend
+            lp, x, layer_pages, seen, tables[window is not None], window=window, cfg=cfg, backend=backend
         )
         new_kv.append(kv)
         new_pages.append(layer_pages)

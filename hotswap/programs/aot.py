@@ -148,7 +148,13 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         if acfg.enable_lora
         else 0
     )
-    one_page = kv_sizing.page_bytes(mcfg, acfg.page_size, tp)
+    window = kv_sizing.window_bound(
+        mcfg,
+        acfg.page_size,
+        acfg.max_num_seqs,
+        acfg.max_num_batched_tokens,
+        acfg.disable_hybrid_kv_cache_manager,
+    )
     stats: list[catalog.StepStats] = []
     n_steps = compiled_pages = 0
 
@@ -165,13 +171,13 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
             "largest": catalog.largest_shapes(ecfg, backend),
             "decode": catalog.largest_shapes(ecfg, backend)[:1],
         }[acfg.buckets]
-        page = catalog.abstract_inputs(mcfg, ecfg, target)[1][0]
+        pages = set(catalog.abstract_inputs(mcfg, ecfg, target)[1])  # a full and a window layer's
         todo = list(catalog.step_programs(mcfg, ecfg, target, shapes))
         n_steps = len(todo)
-        todo += [catalog.kv_init_program(mcfg, ecfg, target), *catalog.update_programs(mcfg, target)]
+        todo += [*catalog.kv_init_programs(mcfg, ecfg, target), *catalog.update_programs(mcfg, target)]
         for i, (name, lower) in enumerate(todo):
             t = time.perf_counter()
-            stats.append(catalog.compile_stats(name, lower, page))
+            stats.append(catalog.compile_stats(name, lower, pages))
             if progress is not None:
                 progress(f"[{i + 1}/{len(todo)}] {name}: {time.perf_counter() - t:.1f} s")
         return max(s.temp_bytes for s in stats[:n_steps])
@@ -180,11 +186,19 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         num_pages, temps = acfg.num_pages, compile_all(acfg.num_pages)
     else:  # as the engine sizes a real chip's pool, from the chip's HBM size
         num_pages, temps = kv_sizing.accelerator_pages(
-            chip.hbm_bytes, acfg.gpu_memory_utilization, params_bytes + lora_bytes, one_page, compile_all
+            mcfg,
+            chip.hbm_bytes,
+            acfg.gpu_memory_utilization,
+            params_bytes + lora_bytes,
+            compile_all,
+            page_size=acfg.page_size,
+            tp=tp,
+            window=window,
         )
     steps, others = stats[:n_steps], stats[n_steps:]
     check_pages_fit(num_pages, acfg.page_size, max_len)
-    kv_bytes = num_pages * one_page
+    window = window if window is not None and window < num_pages else None  # kv_sizing.window_pages
+    kv_bytes = kv_sizing.pool_bytes(mcfg, num_pages, window, acfg.page_size, tp)
     # While serving: params + cache + the worst step's temporaries and unaliased outputs.
     extra = max(s.temp_bytes + s.output_bytes - s.alias_bytes for s in steps)
     serving = params_bytes + lora_bytes + kv_bytes + extra
@@ -193,7 +207,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     update = 2 * params_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
     # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
     # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.
-    token_bytes = one_page // acfg.page_size
+    token_bytes = kv_sizing.page_bytes(mcfg, acfg.page_size, tp) // acfg.page_size
     # A MoE step reads only the experts its rows were routed to (model/moe.py).
     expert_bytes = catalog.params_bytes_per_chip(mcfg, target, experts_only=True)
     unread = round(expert_bytes * (1 - catalog.active_expert_fraction(mcfg, acfg.max_num_seqs)))
@@ -215,6 +229,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "max_lora_rank": acfg.max_lora_rank if acfg.enable_lora else 0,
         "kv_cache_bytes_per_chip": kv_bytes,
         "num_pages": num_pages,
+        "window_pages": window or 0,
         "compiled_num_pages": compiled_pages,
         "step_temp_bytes": temps,
         "hbm_bytes_per_chip": chip.hbm_bytes,

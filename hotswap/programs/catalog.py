@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +37,7 @@ from hotswap.model import lora, sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.model.spec import is_spec, param_specs
+from hotswap.programs import kv_sizing
 from hotswap.programs.step import Buckets, lower_step, placeholder_inputs
 from hotswap.weights import hf_device
 
@@ -65,8 +66,9 @@ class StepStats:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @staticmethod
-    def of(name: str, compiled, page: jax.ShapeDtypeStruct | None = None) -> StepStats:
-        """`compiled`'s stats; `page`: one layer's page buffer, to count copies of it."""
+    def of(name: str, compiled, pages: Iterable[jax.ShapeDtypeStruct] = ()) -> StepStats:
+        """`compiled`'s stats; `pages`: the distinct layer page buffers (a full layer's, a
+        sliding-window layer's), to count copies of them."""
         m = compiled.memory_analysis()
         text = compiled.as_text()
         return StepStats(
@@ -76,7 +78,7 @@ class StepStats:
             temp_bytes=int(m.temp_size_in_bytes),
             alias_bytes=int(m.alias_size_in_bytes),
             pallas_calls=text.count(MOSAIC_CALL),
-            kv_copies=0 if page is None else _page_copies(text, page),
+            kv_copies=sum(_page_copies(text, page) for page in pages),
         )
 
 
@@ -137,9 +139,12 @@ def abstract_inputs(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
     )
     if ecfg.enable_lora:  # the adapters' buffers ride in the step's params (EngineState.step_params)
         params = {**params, "lora": lora_buffers(mcfg, ecfg.max_loras, ecfg.max_lora_rank, target)}
-    shape = _page_shape(mcfg, ecfg, target.backend)
-    page = jax.ShapeDtypeStruct(shape, jnp.dtype(mcfg.dtype), sharding=target.kv)
-    return params, (page,) * mcfg.num_layers
+    dtype = jnp.dtype(mcfg.dtype)
+    pages = tuple(
+        jax.ShapeDtypeStruct(shape, dtype, sharding=target.kv)
+        for shape in _page_shapes(mcfg, ecfg, target.backend)
+    )
+    return params, pages
 
 
 def lora_buffers(mcfg: ModelConfig, max_loras: int, max_rank: int, target: Target) -> dict:
@@ -173,8 +178,15 @@ def lora_bytes_per_chip(mcfg: ModelConfig, max_loras: int, max_rank: int, target
     return max(per.values())
 
 
-def _page_shape(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> tuple[int, ...]:
-    return backend.page_shape(ecfg.num_pages, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim)
+def _page_shapes(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> list[tuple[int, ...]]:
+    """Each layer's page buffer shape (a sliding-window layer's pool may be smaller,
+    `kv_sizing.window_pages`), as `state.new_kv_cache` makes them."""
+    window = kv_sizing.window_pages(mcfg, ecfg)
+    rows = [
+        window if window is not None and mcfg.layer_window(i) is not None else ecfg.num_pages
+        for i in range(mcfg.num_layers)
+    ]
+    return [backend.page_shape(n, ecfg.page_size, mcfg.num_kv_heads, mcfg.head_dim) for n in rows]
 
 
 def step_name(b: int, c: int, p: int) -> str:
@@ -221,11 +233,16 @@ def _abstract(tree, where) -> Any:
     )
 
 
-def kv_init_program(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
-    """(name, lower) of the program that makes one empty layer buffer (`state.new_kv_cache`)."""
-    shape = _page_shape(mcfg, ecfg, target.backend)
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(mcfg.dtype)), out_shardings=target.kv)
-    return "kv init", zeros.lower
+def kv_init_programs(
+    mcfg: ModelConfig, ecfg: EngineConfig, target: Target
+) -> list[tuple[str, Callable[[], Any]]]:
+    """(name, lower) of the programs that make one empty layer buffer (`state.new_kv_cache`):
+    one per distinct shape (a full layer's, a sliding-window layer's)."""
+    programs = []
+    for shape in dict.fromkeys(_page_shapes(mcfg, ecfg, target.backend)):
+        zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.dtype(mcfg.dtype)), out_shardings=target.kv)
+        programs.append((f"kv init {shape[0]} pages", zeros.lower))
+    return programs
 
 
 def update_programs(mcfg: ModelConfig, target: Target) -> Iterator[tuple[str, Callable[[], Any]]]:
@@ -246,11 +263,13 @@ def update_programs(mcfg: ModelConfig, target: Target) -> Iterator[tuple[str, Ca
         yield f"update finite {dims}", lambda out=out: finite.lower_xla_check(out)
 
 
-def compile_stats(name: str, lower: Callable[[], Any], page: jax.ShapeDtypeStruct | None = None) -> StepStats:
-    """Lower and compile one program (`page`: a layer's page buffer, to count copies of it);
-    errors propagate with the program's name (`ProgramError`)."""
+def compile_stats(
+    name: str, lower: Callable[[], Any], pages: Iterable[jax.ShapeDtypeStruct] = ()
+) -> StepStats:
+    """Lower and compile one program (`pages`: the distinct layer page buffers, to count copies
+    of them); errors propagate with the program's name (`ProgramError`)."""
     try:
-        return StepStats.of(name, lower().compile(), page)
+        return StepStats.of(name, lower().compile(), pages)
     except Exception as e:  # any lowering or compiler error: say which program
         raise ProgramError(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 

@@ -19,6 +19,11 @@
   (the budget with no temporaries), and the largest temporary of those is subtracted. A
   step's temporaries grow with the pool if anything (a copy of it would be one), so the
   smaller pool that results needs no more than was measured.
+
+A model with sliding-window layers gives those layers a pool of their own bounded by the
+window (`window_pages`; `engine/window_pages.py`), sized from the scheduler's limits, not from
+memory: the pages above are then one page of the full layers only, and on an accelerator
+the window pool's bytes come off the budget first.
 """
 
 from __future__ import annotations
@@ -29,17 +34,64 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from hotswap.config import EngineConfig
 from hotswap.errors import DeviceMemoryError
 from hotswap.model.config import ModelConfig
 
 PARAM_COPIES = 2  # the serving params and an update's staged ones (module doc)
 
 
-def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1) -> int:
-    """Bytes one page takes on one chip: every layer's K and V of `page_size` tokens, this
-    chip's `num_kv_heads / tp` heads (`sharding.KV_AXES`: the cache is split by kv head)."""
+def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1, layers: int | None = None) -> int:
+    """Bytes one page takes on one chip: `layers` layers' (default: every layer's) K and V of
+    `page_size` tokens, this chip's `num_kv_heads / tp` heads (`sharding.KV_AXES`: the cache
+    is split by kv head)."""
     heads = 2 * mcfg.num_kv_heads // tp
-    return mcfg.num_layers * page_size * heads * mcfg.head_dim * jnp.dtype(mcfg.dtype).itemsize
+    layers = mcfg.num_layers if layers is None else layers
+    return layers * page_size * heads * mcfg.head_dim * jnp.dtype(mcfg.dtype).itemsize
+
+
+def window_layers(mcfg: ModelConfig) -> int:
+    """How many layers have a sliding window."""
+    return sum(mcfg.layer_window(i) is not None for i in range(mcfg.num_layers))
+
+
+def window_bound(
+    mcfg: ModelConfig, page_size: int, max_num_seqs: int, max_num_batched_tokens: int, disable: bool = False
+) -> int | None:
+    """Pages (the null page included) the sliding-window layers can ever need at once; None when
+    they have no pool of their own (no sliding layer, or `disable_hybrid_kv_cache_manager`).
+    Every running sequence holds the pages its next query sees (`ceil(window / page_size) + 1`)
+    and, during a step, those its chunk writes; a step's chunks write at most
+    `max_num_batched_tokens` tokens. Bounded by the scheduler's limits, whatever the context."""
+    if disable or window_layers(mcfg) == 0:
+        return None
+    per_seq = math.ceil(mcfg.sliding_window / page_size) + 2
+    return max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / page_size) + 1
+
+
+def window_pages(mcfg: ModelConfig, ecfg: EngineConfig) -> int | None:
+    """The sliding-window layers' own pool (`engine/window_pages.py`), in pages; None: those
+    layers use the full layers' pages, as every layer did before the pool existed (see
+    `window_bound`, or a bound no smaller than the full pool: a twin per page can never run
+    out, so a larger pool would save nothing)."""
+    bound = window_bound(
+        mcfg,
+        ecfg.page_size,
+        ecfg.max_num_seqs,
+        ecfg.max_num_batched_tokens,
+        ecfg.disable_hybrid_kv_cache_manager,
+    )
+    return bound if bound is not None and bound < ecfg.num_pages else None
+
+
+def pool_bytes(mcfg: ModelConfig, num_pages: int, window: int | None, page_size: int, tp: int = 1) -> int:
+    """One chip's KV cache: `num_pages` pages of the full layers (of every layer when `window` is
+    None) and `window` pages of the sliding-window layers."""
+    if window is None:
+        return num_pages * page_bytes(mcfg, page_size, tp)
+    local = window_layers(mcfg)
+    full = page_bytes(mcfg, page_size, tp, mcfg.num_layers - local)
+    return num_pages * full + window * page_bytes(mcfg, page_size, tp, local)
 
 
 def cpu_pages(max_model_len: int, page_size: int, max_num_seqs: int) -> int:
@@ -60,16 +112,20 @@ def free_bytes(devices: Sequence[jax.Device]) -> int | None:
     return min(free) if free else None
 
 
-def pages_that_fit(free: int, utilization: float, params: int, temps: int, one_page: int) -> int:
-    """(free × utilization − PARAM_COPIES × params − temps) ÷ one_page, all bytes per chip.
-    Raises DeviceMemoryError when not even the null page and one more fit."""
-    budget = int(free * utilization) - PARAM_COPIES * params - temps
+def pages_that_fit(
+    free: int, utilization: float, params: int, temps: int, one_page: int, reserved: int = 0
+) -> int:
+    """(free × utilization − PARAM_COPIES × params − temps − reserved) ÷ one_page, all bytes per
+    chip (`reserved`: the sliding-window layers' pool). Raises DeviceMemoryError when not even
+    the null page and one more fit."""
+    budget = int(free * utilization) - PARAM_COPIES * params - temps - reserved
     pages = budget // one_page if budget > 0 else 0
     if pages < 2:
         gib = 2**30
         raise DeviceMemoryError(
             f"no room for the KV cache: {free / gib:.2f} GiB free x gpu_memory_utilization {utilization} "
-            f"- params {params / gib:.2f} GiB x {PARAM_COPIES} (serving + an update's staged copy) - step temporaries {temps / gib:.2f} GiB leaves "
+            f"- params {params / gib:.2f} GiB x {PARAM_COPIES} (serving + an update's staged copy) - step temporaries {temps / gib:.2f} GiB "
+            f"- the sliding-window layers' pages {reserved / gib:.2f} GiB leaves "
             f"{budget / gib:.2f} GiB, under 2 pages of {one_page / 2**20:.2f} MiB; use more chips "
             "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, or a higher "
             "gpu_memory_utilization"
@@ -78,15 +134,32 @@ def pages_that_fit(free: int, utilization: float, params: int, temps: int, one_p
 
 
 def accelerator_pages(
+    mcfg: ModelConfig,
     free: int,
     utilization: float,
     params: int,
-    one_page: int,
     temps_at: Callable[[int], int],
+    *,
+    page_size: int,
+    tp: int,
+    window: int | None,
 ) -> tuple[int, int]:
-    """(pages, temps): the pool that fits once the steps' temporaries are subtracted.
+    """(pages, temps): the full layers' pool that fits once the sliding-window layers' pool
+    (`window` pages, `window_bound`; None: none) and the steps' temporaries are subtracted.
     `temps_at(n)` compiles the largest steps for an n-page pool and returns their largest
-    temporary (bytes per chip); it is asked once, at the pool that would fit without them."""
+    temporary (bytes per chip); it is asked once, at the pool that would fit without them.
+    A pool no larger than the window's would make it moot (`window_pages`), so then the window
+    layers take pages of their own size and the pool is sized again without it."""
+    if window is not None:
+        local = window_layers(mcfg)
+        one_page = page_bytes(mcfg, page_size, tp, mcfg.num_layers - local)
+        reserved = window * page_bytes(mcfg, page_size, tp, local)
+        first = pages_that_fit(free, utilization, params, 0, one_page, reserved)
+        temps = int(temps_at(first))
+        pages = pages_that_fit(free, utilization, params, temps, one_page, reserved)
+        if pages > window:
+            return pages, temps
+    one_page = page_bytes(mcfg, page_size, tp)
     first = pages_that_fit(free, utilization, params, 0, one_page)
     temps = int(temps_at(first))
     return pages_that_fit(free, utilization, params, temps, one_page), temps
@@ -98,6 +171,8 @@ def engine_pages(
     page_size: int,
     max_model_len: int,
     max_num_seqs: int,
+    max_num_batched_tokens: int,
+    disable_hybrid_kv_cache_manager: bool,
     num_pages: int | None,
     gpu_memory_utilization: float,
     devices: Sequence[jax.Device],
@@ -112,5 +187,16 @@ def engine_pages(
     free = None if devices[0].platform == "cpu" else free_bytes(devices)
     if free is None:
         return cpu_pages(max_model_len, page_size, max_num_seqs)
-    one_page = page_bytes(mcfg, page_size, len(devices))
-    return accelerator_pages(free, gpu_memory_utilization, params_bytes, one_page, temps_at)[0]
+    window = window_bound(
+        mcfg, page_size, max_num_seqs, max_num_batched_tokens, disable_hybrid_kv_cache_manager
+    )
+    return accelerator_pages(
+        mcfg,
+        free,
+        gpu_memory_utilization,
+        params_bytes,
+        temps_at,
+        page_size=page_size,
+        tp=len(devices),
+        window=window,
+    )[0]

@@ -136,7 +136,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
 
 # read_then_write (the reference): read-only forward, then a separate in-place write of the K/V.
 forward_jit = partial(jax.jit, static_argnames=("cfg", "backend"))(_step)
-write_jit = partial(jax.jit, static_argnames=("backend",), donate_argnums=(0,))(forward.write_pages)
+write_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=(0,))(forward.write_pages)
 # kernels (C++ and Pallas): write and read inside one program, pages donated.
 fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=(1,))(_step)
 
@@ -149,7 +149,7 @@ def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled
         return compiled(params, pages, batch, sa)
     if backend.read_then_write:
         new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
-        return write_jit(pages, new_kv, batch.slots, backend=backend), out
+        return write_jit(pages, new_kv, batch, cfg=cfg, backend=backend), out
     return fused_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
 
 
@@ -162,7 +162,7 @@ def lower_step(
         return [("step", fused_jit.lower(params, pages, batch, sa, cfg=cfg, backend=backend))]
     forward = forward_jit.lower(params, pages, batch, sa, cfg=cfg, backend=backend)
     new_kv = forward.out_info[0]
-    return [("step", forward), ("write", write_jit.lower(pages, new_kv, batch.slots, backend=backend))]
+    return [("step", forward), ("write", write_jit.lower(pages, new_kv, batch, cfg=cfg, backend=backend))]
 
 
 def compile_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend) -> jax.stages.Compiled | None:
