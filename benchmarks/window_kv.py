@@ -82,7 +82,11 @@ def main() -> None:
                 llm = LLM(model, warmup=False, disable_hybrid_kv_cache_manager=disable, **kw)
                 tokens, pages, twins = held(llm, prompt)
                 outs[name] = tokens
-                kv = pages * full_bytes + twins * window_bytes if twins else pages * (full_bytes + window_bytes)
+                kv = (
+                    pages * full_bytes + twins * window_bytes
+                    if twins
+                    else pages * (full_bytes + window_bytes)
+                )
                 row[name] = {
                     "full_layer_pages_held": pages,
                     "window_pages_held": twins,
@@ -91,7 +95,9 @@ def main() -> None:
                 }
                 del llm
             row["same_tokens"] = outs["bounded"] == outs["full"]
-            row["saved_fraction"] = round(1 - row["bounded"]["kv_bytes_per_seq"] / row["full"]["kv_bytes_per_seq"], 4)
+            row["saved_fraction"] = round(
+                1 - row["bounded"]["kv_bytes_per_seq"] / row["full"]["kv_bytes_per_seq"], 4
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(json.dumps({"window_kv": rows}, indent=1))

@@ -360,7 +360,11 @@ class LLM:
             "params": f"{nbytes / 2**20:.1f} MiB" + (" (on host)" if "weights" in st.asleep else ""),
             "asleep": ", ".join(sorted(st.asleep)) or "no",
             "KV pages": f"{u['owned']} owned · {u['cached']} cached · {u['free']} free of {u['pages']}"
-            + (f" · sliding-window layers: {u['window_held']} held of {u['window_pages']}" if "window_pages" in u else ""),
+            + (
+                f" · sliding-window layers: {u['window_held']} held of {u['window_pages']}"
+                if "window_pages" in u
+                else ""
+            ),
             "running / waiting": f"{self.engine.num_running()} / {self.engine.num_waiting()}",
         }
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
