@@ -83,8 +83,8 @@ class FakeDevice(SimpleNamespace):
         return self.stats
 
 
-def _pages(devices, *, num_pages=None, params=GIB, temps=0, seen=None):
-    cfg = ModelConfig.from_hf(load_preset("llama-3-8b"))
+def _pages(devices, *, num_pages=None, params=GIB, temps=0, seen=None, preset="llama-3-8b", disable=False):
+    cfg = ModelConfig.from_hf(load_preset(preset), dtype="bfloat16")
 
     def temps_at(n):
         if seen is not None:
@@ -96,6 +96,8 @@ def _pages(devices, *, num_pages=None, params=GIB, temps=0, seen=None):
         page_size=16,
         max_model_len=2048,
         max_num_seqs=32,
+        max_num_batched_tokens=256,
+        disable_hybrid_kv_cache_manager=disable,
         num_pages=num_pages,
         gpu_memory_utilization=0.9,
         devices=devices,
@@ -123,6 +125,29 @@ def test_kv_sizing_from_memory_stats():
     assert _pages([cpu]) == kv_sizing.cpu_pages(2048, 16, 32) == 128 * 32 // 2 + 1
     with pytest.raises(DeviceMemoryError, match="no room for the KV cache"):
         _pages([chip(0)], params=15 * GIB)
+
+
+def test_kv_sizing_takes_the_window_pool_off_the_budget_first():
+    """Gemma 3 12B (40 of 48 layers sliding, window 1,024): the sliding layers get the pages 32
+    sequences' windows and a step's chunks can need; the full layers take what is left."""
+    cfg = ModelConfig.from_hf(load_preset("gemma-3-12b"), dtype="bfloat16")
+    assert kv_sizing.window_layers(cfg) == 40
+    window = kv_sizing.window_bound(cfg, 16, 32, 256)
+    assert window == 32 * (1024 // 16 + 2) + 256 // 16 + 1
+    assert kv_sizing.window_bound(cfg, 16, 32, 256, disable=True) is None
+    one = kv_sizing.page_bytes(cfg, 16)
+    full, local = kv_sizing.page_bytes(cfg, 16, layers=8), kv_sizing.page_bytes(cfg, 16, layers=40)
+    assert full + local == one
+    chip = FakeDevice(platform="tpu", stats={"bytes_limit": 80 * GIB, "bytes_in_use": 0})
+    budget = int(80 * GIB * 0.9) - 2 * GIB
+    pages = _pages([chip], preset="gemma-3-12b")
+    assert pages == (budget - window * local) // full
+    assert kv_sizing.pool_bytes(cfg, pages, window, 16) <= budget
+    # Without the bound every layer takes every page: about 5x fewer tokens fit.
+    assert _pages([chip], preset="gemma-3-12b", disable=True) == budget // one < pages / 4
+    # Memory for fewer pages than the window pool would hold: no window pool (a twin per page).
+    small = FakeDevice(platform="tpu", stats={"bytes_limit": 4 * GIB, "bytes_in_use": 0})
+    assert _pages([small], preset="gemma-3-12b") == (int(4 * GIB * 0.9) - 2 * GIB) // one <= window
 
 
 def test_engine_config_checks_gpu_memory_utilization():

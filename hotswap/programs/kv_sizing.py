@@ -148,19 +148,21 @@ def accelerator_pages(
     (`window` pages, `window_bound`; None: none) and the steps' temporaries are subtracted.
     `temps_at(n)` compiles the largest steps for an n-page pool and returns their largest
     temporary (bytes per chip); it is asked once, at the pool that would fit without them.
-    A pool no larger than the window's would make it moot (`window_pages`), so then the window
-    layers take pages of their own size and the pool is sized again without it."""
-    if window is not None:
-        local = window_layers(mcfg)
-        one_page = page_bytes(mcfg, page_size, tp, mcfg.num_layers - local)
-        reserved = window * page_bytes(mcfg, page_size, tp, local)
-        first = pages_that_fit(free, utilization, params, 0, one_page, reserved)
-        temps = int(temps_at(first))
-        pages = pages_that_fit(free, utilization, params, temps, one_page, reserved)
-        if pages > window:
-            return pages, temps
+
+    The window pool pays off only when the memory holds more pages than it: otherwise a twin
+    per page is all the window layers could use (`window_pages`), and every layer takes the
+    same pages, sized as before the window pool existed."""
     one_page = page_bytes(mcfg, page_size, tp)
     first = pages_that_fit(free, utilization, params, 0, one_page)
+    if window is not None and first > window:
+        local = window_layers(mcfg)
+        full = page_bytes(mcfg, page_size, tp, mcfg.num_layers - local)
+        reserved = window * page_bytes(mcfg, page_size, tp, local)
+        temps = int(temps_at(pages_that_fit(free, utilization, params, 0, full, reserved)))
+        pages = pages_that_fit(free, utilization, params, temps, full, reserved)
+        if pages > window:
+            return pages, temps
+        return pages_that_fit(free, utilization, params, temps, one_page), temps
     temps = int(temps_at(first))
     return pages_that_fit(free, utilization, params, temps, one_page), temps
 
