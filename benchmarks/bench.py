@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import bench_peers
+from benchmarks import bench_peers, rollout
 from benchmarks.limits import GemvProbe, probe_matmul_flops
 from benchmarks.sampled_decode import MODES
 from benchmarks.workloads import (
@@ -42,13 +42,14 @@ HELP = "start-up / decode / serving / prefix / update benchmarks vs HF transform
 WORKLOAD_ENGINE = {"max_model_len": 1088, "max_num_batched_tokens": 512}
 # Sampled decode timed beside greedy at each batch size (`benchmarks/sampled_decode.py` has them all).
 SAMPLED = ("temperature_1", "top_k_50", "top_p_0.95")
+NEW_TOKENS_DEFAULT = 32  # decode rows; the rollout's own default is rollout.NEW_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", help="HF model dir (default: create the bench-100m preset)")
     p.add_argument("--batches", default="1,16,32")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS_DEFAULT, help="(rollout: default 512)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--serving-requests", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
@@ -60,7 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers-dir", default="benchmarks/peers", help="peer drivers and their .venv-* dirs")
     p.add_argument("--out", default="runs/bench")
     p.add_argument(
-        "--only", choices=("startup",), help="run only this part (startup: cold and warm LLM start)"
+        "--only",
+        choices=("startup", "rollout"),
+        help="run only this part (startup: cold and warm LLM start; rollout: a GRPO rollout and an RL "
+        "step, bf16, hotswap and vLLM A-B-A, benchmarks/rollout.py)",
     )
     # The engine options, as `hotswap serve` has them; one given here replaces the workload's own
     # setting (`WORKLOAD_ENGINE`), e.g. `--dtype bfloat16` or `--attention reference`.
@@ -101,6 +105,14 @@ def run(args) -> int:
         print(json.dumps(result))
         return 0
     peers = bench_peers.select_peers(args.peers, Path(args.peers_dir))  # before the long runs: fail early
+    if args.only == "rollout":
+        new_tokens = args.new_tokens if args.new_tokens != NEW_TOKENS_DEFAULT else rollout.NEW_TOKENS
+        result = {
+            "rollout": rollout.run(model_dir, engine, peers, Path(args.peers_dir), out / "peers", new_tokens)
+        }
+        (out / "bench.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result))
+        return 0
     starts = _startup(model_dir, engine)  # first: its processes compete with nothing of ours
     gemv = GemvProbe()
     limits = {**gemv(), "matmul_flops": probe_matmul_flops()}

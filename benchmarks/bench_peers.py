@@ -60,6 +60,8 @@ class PeerRequest:
     decode: list[list[list[int]]]  # one prompt list per decode batch size: [batch][seq][token]
     serving_prompts: list[list[int]] = dataclasses.field(default_factory=list)  # all submitted at once
     serving_outputs: list[int] = dataclasses.field(default_factory=list)  # max_tokens per serving prompt
+    # a GRPO rollout (benchmarks/rollout.py `spec`, plus "prompts"): the peer runs only that
+    rollout: dict | None = None
 
     def __post_init__(self) -> None:
         if len(self.serving_prompts) != len(self.serving_outputs):
@@ -67,7 +69,7 @@ class PeerRequest:
                 f"serving_prompts has {len(self.serving_prompts)} prompts but serving_outputs "
                 f"{len(self.serving_outputs)} lengths; give one output length per prompt"
             )
-        if self.new_tokens < 2:
+        if self.rollout is None and self.new_tokens < 2:
             raise PeerError(f"new_tokens={self.new_tokens}: decode timing needs at least 2 tokens")
 
 

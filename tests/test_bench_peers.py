@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from matplotlib.axes import Axes
 
-from benchmarks import bench, bench_peers
+from benchmarks import bench, bench_peers, rollout
 from benchmarks.bench_peers import PeerError, PeerNotInstalled, PeerRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,15 @@ if mode == "silent":
     sys.exit(0)
 if mode == "sleep":
     time.sleep(60)
+if req.rollout is not None:
+    spec = req.rollout
+    tokens = len(spec["prompts"]) * spec["n"] * spec["max_tokens"]
+    emit_result({
+        "peer": "fake", "version": "0",
+        "rollout": {"seconds": 2.0, "tokens": tokens, "tok_s": tokens / 2.0},
+        "rl_step": {"update_s": 1.0, "rollout_s": 2.0, "step_s": 3.0},
+    })
+    sys.exit(0)
 emit_result({
     "peer": "fake",
     "version": "0",
@@ -208,3 +217,24 @@ def test_hf_reference_is_hf_greedy_with_its_margins(tiny_dir):
     assert ref.tokens == hf_greedy(tiny_dir, prompts, 6)
     assert np.array(ref.margins).shape == (2, 6) and min(min(m) for m in ref.margins) >= 0
     assert bench_peers.hf_agreement(ref.tokens, ref) == 1.0
+
+
+def test_rollout_runs_hotswap_around_the_vllm_peer(tiny_dir, tmp_path, monkeypatch):
+    """`hotswap bench --only rollout` on a tiny model (4 new tokens): the group rollout and an RL
+    step through hotswap, the peer's through its driver, hotswap again, ratios to the mean."""
+    monkeypatch.setenv("FAKE_PEER", "ok")
+    _install_fake(tmp_path, "vllm")
+    _install_fake(tmp_path, "llama_cpp")
+    peers = ["vllm", "llama_cpp"]
+    result = rollout.run(tiny_dir, {"warmup": False}, peers, tmp_path, tmp_path / "w", 4, shape=(2, 3, 16))
+    tokens = 2 * 3 * 4
+    runs = result["hotswap"]
+    assert len(runs) == 2 and all(r["rollout"]["tokens"] == tokens for r in runs)
+    assert all(r["rl_step"]["step_s"] == r["rl_step"]["update_s"] + r["rl_step"]["rollout_s"] for r in runs)
+    mine = sum(r["rollout"]["tok_s"] for r in runs) / 2
+    assert result["vllm"]["ratio_vs_vllm"] == pytest.approx(mine / (tokens / 2.0))
+    assert result["vllm"]["rl_step_ratio"] == pytest.approx(
+        3.0 / (sum(r["rl_step"]["step_s"] for r in runs) / 2)
+    )
+    assert "skipped" in result["llama_cpp"]
+    assert result["workload"]["dtype"] == "bfloat16" and result["workload"]["max_num_seqs"] == 6

@@ -56,12 +56,57 @@ def run_requests(engine, prompts: list[list[int]], outputs: list[int]) -> tuple[
     return [first[r] for r in rids], [done[r] for r in rids], [tokens[r] for r in rids]
 
 
+def rollout(req) -> dict:
+    """The GRPO rollout of benchmarks/rollout.py: prefix caching on, n samples a prompt, seeded;
+    then an RL step through vLLM's own reload path (`reload_weights` from the checkpoint dir)."""
+    import vllm
+
+    spec = req.rollout
+    llm = vllm.LLM(
+        model=req.model_dir,
+        dtype=spec["dtype"],
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=req.max_num_seqs,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+
+    def sample(prompts, max_tokens) -> tuple[float, int]:
+        sp = vllm.SamplingParams(
+            n=spec["n"], temperature=1.0, seed=spec["seed"], max_tokens=max_tokens, ignore_eos=True
+        )
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    sample(prompts[:1], 8)  # warm
+    seconds, tokens = sample(prompts, spec["max_tokens"])
+    result = {"peer": "vllm", "version": vllm.__version__, "threads": req.threads}
+    result["rollout"] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
+    print(f"vllm rollout: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
+    try:
+        t0 = time.perf_counter()
+        llm.collective_rpc("reload_weights")
+        update = time.perf_counter() - t0
+    except Exception as e:  # an older vLLM without the RPC: say so instead of a step time
+        result["rl_step_error"] = f"{type(e).__name__}: {e}"[:500]
+    else:
+        roll, _ = sample(prompts, spec["max_tokens"])
+        result["rl_step"] = {"update_s": update, "rollout_s": roll, "step_s": update + roll}
+    return result
+
+
 def main() -> None:
     req = read_request()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{req.threads - 1}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory; never reach for a hub
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if req.rollout is not None:
+        emit_result(rollout(req))
+        return
     import vllm
 
     llm = vllm.LLM(
