@@ -95,6 +95,7 @@ def available() -> bool:
         register("paged_attention", "HotswapPagedAttention")
         register("paged_attention", "HotswapPagedAttentionWrite")
         register("small_matmul", "HotswapSmallMatmul")
+        register("small_matmul", "HotswapFixedMatmul")
         register("routed_experts", "HotswapRoutedExperts")
         register("row_stats", "HotswapRowStats")
         register("keep_threshold", "HotswapKeepThreshold")
