@@ -73,9 +73,9 @@ def rollout(req) -> dict:
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 
     def sample(prompts, max_tokens) -> tuple[float, int]:
-        sp = vllm.SamplingParams(
-            n=spec["n"], temperature=1.0, seed=spec["seed"], max_tokens=max_tokens, ignore_eos=True
-        )
+        # No per-request seed: vLLM's CPU sampler refuses one ("CPU Generator does not use
+        # offset"); the engine's own seed (LLM(seed=0)) makes the run repeatable instead.
+        sp = vllm.SamplingParams(n=spec["n"], temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
