@@ -284,8 +284,8 @@ def test_gemma_presets_have_the_published_shapes(name, want):
 # other four with HOTSWAP_SOAK=1. gemma-3-27b on v5e:2x4 is the case whose small pool (19 MB a
 # layer a chip) XLA copied into VMEM and back around the kernel before the pool was pinned to HBM.
 # Its temporaries stay above 5%: two copies of its params leave 1.17 GB of cache on a v5e chip
-# (2.36 GB on v6e), and the step's temporaries do not depend on the pool (79 MB at 400 pages as at
-# 1,150 on v5e; 140 MB on v6e: the sampler's [32, V/tp] f32 rows and XLA's bookkeeping of its
+# (2.36 GB on v6e), and the step's temporaries do not depend on the pool (80.5 MB at 400 pages as at
+# 1,146 on v5e; 140 MB on v6e: the sampler's [32, V/tp] f32 rows and XLA's bookkeeping of its
 # async copies, no page-sized buffer).
 GEMMA_AOT = [
     pytest.param("gemma-3-27b", "v5e:2x4", 8, 16384, 62, 0.07, id="gemma-3-27b-v5e"),
