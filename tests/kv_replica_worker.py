@@ -6,9 +6,11 @@ A tiny Llama with 8 q heads and 2 kv heads generates at TP 1 and at the TP sizes
 (e.g. "4,8": kv replicas 2 and 4),
 with a prompt long enough to prefill in two chunks and a second round that hits its cached
 pages. `attention` is argv[2]: "auto" (the jnp reference on a CPU mesh) or "pallas"
-(interpreted, in shard_map). Prints one JSON object on the last line of stdout.
+(interpreted, in shard_map). argv[4] (optional): the architecture, "llama" (default) or
+"gemma2" (windows, softcaps, its own layer code). Prints one JSON object on the last line of
+stdout.
 
-usage: python tests/kv_replica_worker.py TMPDIR ATTENTION TP[,TP...]
+usage: python tests/kv_replica_worker.py TMPDIR ATTENTION TP[,TP...] [ARCH]
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from hotswap.checkpoint.create import create_checkpoint
 
 # 8 q heads, 2 kv heads (GQA groups of 4), head_dim 16.
 SHAPES = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 128, "intermediate_size": 256}
+# Gemma 2: a window shorter than the long prompt on its sliding layers, both softcaps.
+ARCH = {
+    "llama": {},
+    "gemma2": {"sliding_window": 16, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 30.0},
+}
 # Chunks of 16 tokens: the 30-token prompt prefills in two steps, the second over the first's
 # pages; pages of 8, so round 2 hits 3 cached pages of it.
 KW = dict(max_model_len=48, page_size=8, max_num_seqs=2, max_num_batched_tokens=16, warmup=False)
@@ -45,8 +52,8 @@ def shard_info(x) -> dict:
     }
 
 
-def main(tmp: Path, attention: str, sizes: list[int]) -> dict:
-    path = create_checkpoint(tmp / "m", preset="tiny", arch="llama", seed=0, overrides=SHAPES)
+def main(tmp: Path, attention: str, sizes: list[int], arch: str = "llama") -> dict:
+    path = create_checkpoint(tmp / "m", preset="tiny", arch=arch, seed=0, overrides={**SHAPES, **ARCH[arch]})
     res: dict = {"devices": jax.device_count(), "tp": {}, "timings": {}}
     for tp in (1, *sizes):
         t = time.monotonic()
@@ -78,4 +85,5 @@ def main(tmp: Path, attention: str, sizes: list[int]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]), sys.argv[2], [int(t) for t in sys.argv[3].split(",")])))
+    sizes = [int(t) for t in sys.argv[3].split(",")]
+    print(json.dumps(main(Path(sys.argv[1]), sys.argv[2], sizes, *sys.argv[4:])))

@@ -24,7 +24,7 @@ from hotswap.programs import kv_sizing
 HERE = Path(__file__).parent
 
 
-def _run(tmp: Path, attention: str, sizes: str) -> dict:
+def _run(tmp: Path, attention: str, sizes: str, arch: str = "llama") -> dict:
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
@@ -32,7 +32,7 @@ def _run(tmp: Path, attention: str, sizes: str) -> dict:
         "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
     }
     proc = subprocess.run(
-        [sys.executable, str(HERE / "kv_replica_worker.py"), str(tmp), attention, sizes],
+        [sys.executable, str(HERE / "kv_replica_worker.py"), str(tmp), attention, sizes, arch],
         env=env,
         capture_output=True,
         text=True,
@@ -71,6 +71,11 @@ def test_replicated_kv_heads_match_one_device(tmp_path):
     result = _run(tmp_path, "auto", "8")
     assert result["tp"]["8"]["attention"] == "reference"
     _matches_one_device(result, [8])
+
+
+@soak  # Gemma 2's layer code (windows shorter than the prompt, both softcaps): the same check
+def test_replicated_kv_heads_match_one_device_on_gemma2(tmp_path):
+    _matches_one_device(_run(tmp_path, "auto", "8", "gemma2"), [8])
 
 
 @soak  # interpreted Pallas in shard_map on 8 fake devices: minutes on 2 cores
