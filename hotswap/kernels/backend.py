@@ -21,6 +21,13 @@ KV write run in `shard_map` over the kv-head mesh axis: Mosaic calls cannot be p
 automatically, and each chip owns whole (K, V) pairs of its heads, so no collective touches a
 KV-sized array.
 
+With more devices than kv heads (`kv_replicas` r = tp / num_kv_heads > 1, as vLLM and
+tpu-inference do it) the cache holds each kv head r times, `r * num_kv_heads = tp` cached heads,
+one per device: `page_shape` counts them, and `attend` / `write` repeat the step's K/V heads r
+times first (`cache_heads`). Cached head c is kv head c // r, and device c's q heads
+[c*Hq/tp, (c+1)*Hq/tp) all belong to kv head c // r (GQA groups of Hq/num_kv_heads), so every
+device attends with its own head's pages and the result is the unreplicated attention's.
+
 Deterministic mode (`deterministic=True`) keeps the C++ backend and selects its fixed-order
 kernels: every matmul on `cpu_matmul.fixed_matmuls` (a row's sums one chain over K, whatever the
 row count), attention in 16-key blocks at fixed positions (`cpu_attention`'s `fixed`), and
@@ -95,6 +102,7 @@ class Backend:
     mesh: Mesh | None = None  # the cache's mesh when it spans more than one device
     head_axis: str | None = None  # the mesh axis kv heads are split over (with mesh)
     deterministic: bool = False  # batch-invariant kernels (module doc)
+    kv_replicas: int = 1  # devices holding each kv head's pages (module doc)
     reason: str = dataclasses.field(default="", compare=False)
 
     @staticmethod
@@ -107,10 +115,11 @@ class Backend:
         mesh: Mesh | None = None,
         head_axis: str | None = None,
         deterministic: bool = False,
+        kv_replicas: int = 1,
     ) -> Backend:
         """`attention` ("auto" or one of ATTENTIONS) for a model of `head_dim` and `dtype` on
         `devices` (default: the first of `jax.devices()`) or on `mesh` (its devices; kv heads
-        split over `head_axis`).
+        split over `head_axis`; each kv head held by `kv_replicas` of them).
         An explicit choice that cannot run here raises ConfigError saying why, as does
         `deterministic` anywhere but on the C++ kernels in f32."""
         if mesh is not None:
@@ -135,6 +144,7 @@ class Backend:
             mesh=mesh if mesh is not None and mesh.size > 1 else None,
             head_axis=head_axis if mesh is not None and mesh.size > 1 else None,
             deterministic=deterministic,
+            kv_replicas=kv_replicas,
             reason=why,
         )
         log.info("hotswap backend: attention=%s on %s: %s", attention, where, why)
@@ -177,6 +187,8 @@ class Backend:
         return self.attention == "pallas"
 
     def page_shape(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """A layer's page buffer for a model of `kv_heads`: `kv_replicas` copies of each (module doc)."""
+        kv_heads *= self.kv_replicas
         if self.folded_pages:
             return (num_pages, page_size, 2 * kv_heads * head_dim)
         return (num_pages, page_size, 2 * kv_heads, head_dim)
@@ -275,9 +287,13 @@ class Backend:
 
     # ---- the step's attention -----------------------------------------------
 
+    def cache_heads(self, x: jax.Array) -> jax.Array:
+        """The step's K or V [..., Hkv, hd] as the cache holds them: each head `kv_replicas` times."""
+        return x if self.kv_replicas == 1 else jnp.repeat(x, self.kv_replicas, axis=-2)
+
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         """A layer's K/V into its pages, for `read_then_write` (run as its own donated program)."""
-        return reference.write_kv(pages, k, v, slots)
+        return reference.write_kv(pages, self.cache_heads(k), self.cache_heads(v), slots)
 
     def attend(self, q, k, v, pages, batch, scale: float, *, window: int | None = None, softcap=None):
         """One layer's attention for the step: (output [B, C, Hq, hd], the layer's pages after
@@ -286,6 +302,7 @@ class Backend:
         reference leaves the pages as they were (the engine writes k/v after the step,
         `write`); the C++ kernel reads, then writes k/v into its aliased page buffer; Pallas
         writes first and reads the written pages."""
+        k, v = self.cache_heads(k), self.cache_heads(v)
         if self.attention == "cpu":
             return cpu_attention.paged_attention(
                 q,

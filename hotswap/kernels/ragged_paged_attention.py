@@ -46,7 +46,7 @@ multiples of (8, 128)):
   16-bit dtypes); the wrapper pads rows `C*G` up to a multiple of `tq` (padded rows get position
   -1: they see nothing and are sliced off). w is the full dim.
 - row positions `[B, R_pad, 1]` blocks `(., tq, 1)`: 1 is the full dim.
-- pages are not blocked (pl.ANY); a page DMA reads lanes `[h*2*hpb*hd, (h+1)*2*hpb*hd)`, and
+- pages are not blocked (pl.ANY) and are pinned to HBM (`with_memory_space_constraint`); a page DMA reads lanes `[h*2*hpb*hd, (h+1)*2*hpb*hd)`, and
   the VMEM page buffer `[2, ppb, ps, 2*hpb*hd]` ends in `(ps, 2*hpb*hd)`: 2*hpb*hd is a multiple
   of 128 when hd is a multiple of 64 (`_heads_per_block` keeps it so), ps a multiple of 8/16.
 - m / l scratch `[hpb, tq, 128]` (lane-replicated, as jax's TPU flash kernels do).
@@ -282,6 +282,11 @@ def paged_attention(
     )
     keys = p_cols * ps if window is None else min(p_cols * ps, (_cdiv(window + c, ps) + 1) * ps)
     kv_bytes = b * nq * keys * lanes * pages.dtype.itemsize  # upper bound (P bucket, or the window)
+    if not interpret:
+        # The pool stays in HBM. Left to XLA, a layer's buffer small enough for VMEM (a 27B
+        # model's ~19 MB a chip) is prefetched there whole for the KV write and this call and
+        # evicted back after: two copies of the pool per layer, where the kernel reads a few pages.
+        pages = pltpu.with_memory_space_constraint(pages, pltpu.HBM)
     out = pl.pallas_call(
         functools.partial(_kernel, p_cols=p_cols, nq=nq, hd=hd, scale=scale, window=window, softcap=softcap),
         grid_spec=grid_spec,

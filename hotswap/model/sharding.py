@@ -9,6 +9,14 @@ down by input row, so each layer needs one
 all-reduce after attention and one after the MLP, and the KV cache is split by
 kv head, so attention itself never leaves the device that holds its heads.
 
+With more devices than kv heads (tp a multiple of num_kv_heads), each kv head is replicated
+over `kv_replicas` = tp / num_kv_heads devices, as vLLM and tpu-inference do: every device
+holds one kv head's pages (the cache has tp cached heads, `Backend.kv_replicas`) and its q
+heads are that head's. wk/wv (and their biases) are then replicated, `KV_REPLICATED` in place
+of `RULES`: their [D, Hkv, hd] cannot be split over more devices than heads on a 1-D mesh, and
+they are small (Hkv * hd columns); every device computes the step's few K/V rows for all
+heads and keeps its own.
+
 Params stay a plain pytree; shardings are a params-shaped tree of
 `NamedSharding` that `Engine(shardings=..., kv_sharding=...)` places them on.
 The jitted step is an ordinary `jax.jit`: GSPMD propagates these input
@@ -65,9 +73,9 @@ KV_AXES = ("kv_pages", "page_slots", "kv_heads", "head_dim")
 KV_FOLDED_AXES = ("kv_pages", "page_slots", "kv_heads")
 
 
-def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
-    """Logical axis names -> PartitionSpec through `RULES`."""
-    return PartitionSpec(*(RULES[a] if a is not None else None for a in axes))
+def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] = RULES) -> PartitionSpec:
+    """Logical axis names -> PartitionSpec through `rules` (default `RULES`)."""
+    return PartitionSpec(*(rules[a] if a is not None else None for a in axes))
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -84,6 +92,10 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     return jax.make_mesh((tensor_parallel_size,), (TP,), (AxisType.Auto,), devices=chosen)
 
 
+# The rules when kv heads are replicated (module doc): k/v projections on every device.
+KV_REPLICATED: dict[str, str | None] = {**RULES, "kv_heads": None}
+
+
 def tp_size(mesh: Mesh) -> int:
     missing = {a for a in RULES.values() if a is not None} - set(mesh.axis_names)
     if missing:
@@ -91,13 +103,21 @@ def tp_size(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in set(RULES.values()) if a is not None]))
 
 
+def kv_replicas(cfg: ModelConfig, tp: int) -> int:
+    """Devices holding each kv head's pages at tensor parallelism `tp` (module doc): 1 when tp
+    divides num_kv_heads, tp / num_kv_heads when it is a multiple of it."""
+    if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+        raise ConfigError(
+            f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_heads}, and divide "
+            f"num_key_value_heads={cfg.num_kv_heads} or be a multiple of it (each kv head then "
+            "replicated over tp / num_key_value_heads devices); pick such a tensor_parallel_size"
+        )
+    return max(tp // cfg.num_kv_heads, 1)
+
+
 def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
     tp = tp_size(mesh)
-    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} must divide num_attention_heads={cfg.num_heads} and "
-            f"num_key_value_heads={cfg.num_kv_heads}; pick a tensor_parallel_size that divides both"
-        )
+    kv_replicas(cfg, tp)
     sizes = [("vocab_size", cfg.vocab_size)]
     if len(cfg.moe_layers) < cfg.num_layers:  # some layer is dense
         sizes.append(("intermediate_size", cfg.intermediate_size))
@@ -115,19 +135,22 @@ def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
             )
 
 
-def _named(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes))
+def _named(mesh: Mesh, axes: Sequence[str | None], rules: dict[str, str | None] = RULES) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules))
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> Params:
-    """A params-shaped tree of NamedSharding: each leaf's logical axes (the spec table) through `RULES`."""
+    """A params-shaped tree of NamedSharding: each leaf's logical axes (the spec table) through `RULES`
+    (`KV_REPLICATED` when kv heads are replicated)."""
     check_divisible(cfg, mesh)
-    return jax.tree.map(lambda s: _named(mesh, s.axes), param_specs(cfg), is_leaf=is_spec)
+    rules = RULES if kv_replicas(cfg, tp_size(mesh)) == 1 else KV_REPLICATED
+    return jax.tree.map(lambda s: _named(mesh, s.axes, rules), param_specs(cfg), is_leaf=is_spec)
 
 
 def kv_sharding(cfg: ModelConfig, mesh: Mesh, folded: bool = False) -> NamedSharding:
     """Sharding of each per-layer KV page buffer: split over the interleaved 2*kv_heads axis
-    (folded: the lane axis of the Pallas layout, `Backend.folded_pages`)."""
+    (folded: the lane axis of the Pallas layout, `Backend.folded_pages`); with replicated kv
+    heads that axis holds tp cached heads, one per device."""
     check_divisible(cfg, mesh)
     return _named(mesh, KV_FOLDED_AXES if folded else KV_AXES)
 
@@ -167,6 +190,7 @@ def engine_backend(
         mesh=mesh,
         head_axis=RULES["kv_heads"],
         deterministic=deterministic,
+        kv_replicas=1 if mesh is None else kv_replicas(cfg, tp_size(mesh)),
     )
     if mesh is not None:  # split by kv head, in the backend's page layout
         kv = kv_sharding(cfg, mesh, folded=backend.folded_pages)

@@ -27,6 +27,7 @@ import jax
 from hotswap.args import EngineArgs
 from hotswap.config import EngineConfig, check_pages_fit, default_dtype
 from hotswap.errors import ConfigError
+from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.programs import catalog, kv_sizing
 from hotswap.programs.step import Buckets
@@ -217,6 +218,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "topology": acfg.topology,
         "chips": len(devices),
         "tensor_parallel_size": tp,
+        # chips holding each kv head's pages: tp / num_kv_heads when tp exceeds it (model/sharding.py)
+        "kv_replicas": sharding.kv_replicas(mcfg, tp),
         "dtype": mcfg.dtype,
         "attention": target.backend.attention,
         "max_model_len": max_len,
@@ -261,7 +264,8 @@ def table(report: dict) -> str:
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     lines = [
         f"{report['model']} on {report['topology']} ({report['chips']} chips), TP {report['tensor_parallel_size']}, "
-        f"{report['dtype']}, attention {report['attention']}",
+        f"{report['dtype']}, attention {report['attention']}"
+        + (f", each kv head on {report['kv_replicas']} chips" if report.get("kv_replicas", 1) > 1 else ""),
         f"per chip: params {g(report['params_bytes_per_chip'])}, KV cache {g(report['kv_cache_bytes_per_chip'])} "
         f"({report['num_pages']} pages of {report['page_size']} at {report['gpu_memory_utilization']}), "
         f"serving {g(report['serving_bytes_per_chip'])} of {g(report['hbm_bytes_per_chip'])} HBM: "

@@ -44,8 +44,9 @@ PARAM_COPIES = 2  # the serving params and an update's staged ones (module doc)
 def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1, layers: int | None = None) -> int:
     """Bytes one page takes on one chip: `layers` layers' (default: every layer's) K and V of
     `page_size` tokens, this chip's `num_kv_heads / tp` heads (`sharding.KV_AXES`: the cache
-    is split by kv head)."""
-    heads = 2 * mcfg.num_kv_heads // tp
+    is split by kv head), or one head when tp exceeds num_kv_heads (each replicated over
+    tp / num_kv_heads chips)."""
+    heads = 2 * max(mcfg.num_kv_heads // tp, 1)
     layers = mcfg.num_layers if layers is None else layers
     return layers * page_size * heads * mcfg.head_dim * jnp.dtype(mcfg.dtype).itemsize
 
