@@ -25,6 +25,7 @@ from flax import nnx
 from grain import python as grain
 from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
+from tunix.models.gemma import model as gemma
 from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
@@ -75,6 +76,31 @@ def gemma3_model(seed: int = 0) -> gemma3.Gemma3:
         param_dtype=jnp.float32,
     )
     return gemma3.Gemma3(cfg, rngs=nnx.Rngs(seed))
+
+
+def gemma2_model(seed: int = 0) -> gemma.Gemma:
+    """A tiny Tunix Gemma 2 in f32: 4 layers alternating sliding (a window of 4 tokens, shorter
+    than the prompts) and global, GQA (4 query heads, 2 KV heads), both softcaps low enough to
+    bite. Tunix starts its norms and MLP at zero; seeded noise on every leaf makes each one count,
+    so a mis-mapped or missing one shows."""
+    sizes = {k: v for k, v in SIZES.items() if k not in ("vocab_size", "num_layers")}
+    kinds = (gemma.AttentionType.LOCAL_SLIDING, gemma.AttentionType.GLOBAL)
+    cfg = gemma.ModelConfig(
+        **sizes,
+        num_layers=4,
+        num_embed=SIZES["vocab_size"],
+        attention_types=kinds * 2,
+        sliding_window_size=4,
+        attn_logits_soft_cap=2.0,
+        final_logit_softcap=3.0,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+    )
+    m = gemma.Gemma(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(m, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(seed + 10), len(jax.tree.leaves(state))))
+    nnx.update(m, jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), state))
+    return m
 
 
 def grpo(tok, make_model=model) -> dict:
