@@ -57,7 +57,7 @@ def test_grpo_learner_trains_a_tunix_gemma3_with_hotswap_rollout():
     assert g["trained_logp_max_diff"] <= 1e-4, g["trained_logp_max_diff"]
 
 
-@soak  # its own Tunix worker process and GRPO run: about 1-2 minutes on 2 cores
+@soak  # its own Tunix worker process and GRPO run: about 3 minutes on 2 cores
 def test_grpo_learner_trains_a_tunix_gemma2_with_hotswap_rollout():
     """The same GRPO loop on the tiny Tunix Gemma 2 (window 4, GQA, softcaps), on prompts of
     `max_prompt_length` tokens: Tunix's Gemma 2 widens its sliding window by a row's left
