@@ -1,7 +1,8 @@
 """Writing GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, with the
 `gguf` package, from an HF checkpoint directory: Llama files (q/k rows permuted for ggml's
 rope) and Gemma 2 / Gemma 3 files (Gemma's norm names, every `*norm.weight` stored as w + 1,
-the metadata the converter writes and nothing more).
+the metadata the converter writes and nothing more), and Qwen3-MoE files (each projection's
+experts stacked in one tensor, the expert counts in the metadata).
 
 `encode(gguf_name, array) -> (data, qtype)` chooses how each tensor is stored (default: 2-D
 weights in one block type via `gguf.quants.quantize`, 1-D tensors in F32, as llama.cpp).
@@ -16,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from hotswap.checkpoint import gguf_io, hf
+from hotswap.checkpoint import experts, gguf_io, hf
 from hotswap.model.config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
@@ -144,4 +145,32 @@ def write_gemma_gguf(
         if name.endswith("norm.weight"):
             a = a + np.float32(1.0)  # Gemma's (1 + w) RMSNorm, folded in by the converter
         w.add_tensor(gguf_name(name, arch), a, raw_dtype=Q.F32)
+    return _finish(w, out)
+
+
+def write_qwen3moe_gguf(model_dir: Path, out: Path, *, expert_count: int | None = None) -> Path:
+    """An HF Qwen3-MoE checkpoint directory (every layer sparse) -> a qwen3moe GGUF in F32, as
+    `Qwen3MoeModel` of convert_hf_to_gguf.py writes it: each projection's experts stacked into
+    `ffn_{gate,up,down}_exps` (`[E, out, in]` in numpy order), the router as `ffn_gate_inp`, and
+    `expert_count`, `expert_used_count`, `expert_feed_forward_length` in the metadata.
+    `expert_count` overrides the metadata's count (a file that contradicts its tensors)."""
+    cfg = ModelConfig.from_hf(hf.read_hf_config(model_dir))
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts if expert_count is None else expert_count)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_file_type(0)
+    _tokenizer_from_dir(w, model_dir)
+    for name, a in experts.stack(cfg, hf.read_hf_tensors(model_dir)).items():
+        w.add_tensor(gguf_name(name, "qwen3moe"), np.asarray(a, np.float32), raw_dtype=Q.F32)
     return _finish(w, out)

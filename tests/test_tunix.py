@@ -57,6 +57,35 @@ def test_grpo_learner_trains_a_tunix_gemma3_with_hotswap_rollout():
     assert g["trained_logp_max_diff"] <= 1e-4, g["trained_logp_max_diff"]
 
 
+@soak  # its own Tunix worker process and GRPO run: about 3 minutes on 2 cores
+def test_grpo_learner_trains_a_tunix_gemma2_with_hotswap_rollout():
+    """The same GRPO loop on the tiny Tunix Gemma 2 (window 4, GQA, softcaps), on prompts of
+    `max_prompt_length` tokens: Tunix's Gemma 2 widens its sliding window by a row's left
+    padding, hotswap does not (docs/en/tunix.md)."""
+    g = _worker("grpo_gemma2", timeout=900)["grpo_gemma2"]
+    assert g["arch"] == "gemma2" and g["should_sync"] and g["steps"] == 3
+    v0 = g["first_version"]
+    assert g["synced"] == [v0 + 1, v0 + 2, v0 + 3]
+    assert g["generate_versions"] == [[v0 + k, [v0 + k]] for k in range(3)]
+    assert len(g["loss"]) == 3 and all(math.isfinite(x) for x in g["loss"])
+    assert g["trained_logp_max_diff"] <= 1e-4, g["trained_logp_max_diff"]
+
+
+def test_grpo_learner_trains_a_tunix_qwen3_moe_with_hotswap_rollout(result):
+    """The same GRPO loop on a tiny Tunix Qwen3 MoE (one sparse layer, 4 experts, top-2):
+    served as qwen3_moe, one sync per step, version + 1 each, every token of a step from the
+    version synced before it, and the synced rollout scores as Tunix scores the trained actor."""
+    g = result["grpo_qwen3_moe"]
+    assert (g["arch"], g["num_experts"]) == ("qwen3_moe", 4)
+    assert g["should_sync"] and g["steps"] == 3
+    v0 = g["first_version"]
+    assert g["synced"] == [v0 + 1, v0 + 2, v0 + 3]
+    assert g["generate_versions"] == [[v0 + k, [v0 + k]] for k in range(3)]
+    assert len(g["loss"]) == 3 and all(math.isfinite(x) for x in g["loss"])
+    assert g["rewards"] and all(math.isfinite(r) for step in g["rewards"] for r in step)
+    assert g["trained_logp_max_diff"] <= 1e-4, g["trained_logp_max_diff"]
+
+
 def test_grpo_learner_trains_with_hotswap_rollout(result):
     """Tunix's GRPOLearner + RLCluster, unmodified: 3 adam steps, one sync per step, version + 1
     each; the last synced version's log-probs are the trained actor's."""
@@ -145,9 +174,10 @@ def test_bad_state_is_refused_and_the_old_version_serves(result, case, error, na
 
 
 def test_tunix_part_is_fast(result):
-    """The dense checks together, and the LoRA learner (its own GRPO run) alone."""
+    """The dense checks together, and the LoRA and MoE learners (their own GRPO runs) alone."""
     seconds = dict(result["seconds"])
     assert seconds.pop("grpo_lora") < 120, result["seconds"]
+    assert seconds.pop("grpo_qwen3_moe") < 150, result["seconds"]
     assert sum(seconds.values()) < 120, result["seconds"]
 
 

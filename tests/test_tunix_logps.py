@@ -19,7 +19,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.models.qwen2 import model as qwen2
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import common
-from tunix_worker import SIZES, gemma3_model, tokenizer
+from tunix_worker import SIZES, gemma2_model, gemma3_model, tokenizer
 
 from hotswap.integrations.tunix import HotswapRollout
 
@@ -139,23 +139,25 @@ def test_deterministic_rollout_logps_are_its_generations_bit_for_bit():
     )
 
 
-def test_a_tunix_gemma3_state_maps_to_params_copying_only_q_k_v():
-    """Gemma 3's q/k/v are Tunix einsum weights `[N, D, H]` (k and v stacked): taken by index and
-    transposed, a copy each. Every other leaf (embedding, norms, attn_vec_einsum, MLP kernels)
-    is the trainer's own array; the head is the embedding's transpose. A sync serves them."""
+@pytest.mark.parametrize("make", [gemma2_model, gemma3_model], ids=["gemma2", "gemma3"])
+def test_a_tunix_gemma_state_maps_to_params_copying_only_q_k_v(make):
+    """The Gemmas' q/k/v are Tunix einsum weights `[N, D, H]` (k and v stacked): taken by index
+    and transposed, a copy each. Every other leaf (embedding, norms, attn_vec_einsum, MLP
+    kernels) is the trainer's own array; the head is the embedding's transpose. A sync serves them."""
     from hotswap.model.spec import is_spec, param_specs
     from hotswap.weights import nnx as nnx_params
 
     adapter = tokenizer_adapter.TokenizerAdapter(tokenizer())
-    hs = HotswapRollout(rollout_actor=gemma3_model(0), tokenizer=adapter, max_num_seqs=2)
-    state = nnx.state(gemma3_model(1), nnx.Param)
+    hs = HotswapRollout(rollout_actor=make(0), tokenizer=adapter, max_num_seqs=2)
+    state = nnx.state(make(1), nnx.Param)
     given = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(state)}
     cfg = hs.llm.config
     params = nnx_params.params_from_state(state, cfg)
     rows = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
     mapped = dict(zip((s.name for s in rows), jax.tree.leaves(params), strict=True))
     copied = [s.name for s in rows if s.nnx_name and mapped[s.name] is not given[s.nnx_name]]
-    assert sorted(copied) == sorted(f"layers.{i}.{k}" for i in range(6) for k in ("wq", "wk", "wv"))
+    layers = range(cfg.num_layers)
+    assert sorted(copied) == sorted(f"layers.{i}.{k}" for i in layers for k in ("wq", "wk", "wv"))
     assert [s.name for s in rows if s.nnx_copies] == copied
     kv = np.asarray(given["layers.0.attn.kv_einsum.w"])  # [2, K, D, H] -> wk, wv [D, K, H]
     np.testing.assert_array_equal(mapped["layers.0.wv"], kv[1].transpose(1, 0, 2))

@@ -25,6 +25,7 @@ from flax import nnx
 from grain import python as grain
 from jax.sharding import AxisType
 from tunix.generate import tokenizer_adapter
+from tunix.models.gemma import model as gemma
 from tunix.models.gemma3 import model as gemma3
 from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
@@ -44,6 +45,13 @@ SIZES = dict(
 )
 CFG = llama3.ModelConfig(**SIZES, rope_theta=10000, norm_eps=1e-5)
 PROMPTS = ["hello world", "My name is", "input string", "the cat sat"]
+# 11 tokens each under `tokenizer()`: no left padding at max_prompt_length=11 (Tunix's Gemma 2).
+GEMMA2_PROMPTS = [
+    "hello world, how are",
+    "input string of text",
+    "the cat sat on the mat",
+    "hello world, how are",
+]
 AUTO = (AxisType.Auto, AxisType.Auto)
 
 
@@ -77,8 +85,50 @@ def gemma3_model(seed: int = 0) -> gemma3.Gemma3:
     return gemma3.Gemma3(cfg, rngs=nnx.Rngs(seed))
 
 
-def grpo(tok, make_model=model) -> dict:
-    """Tunix's own GRPOLearner + RLCluster, unmodified, with rollout_engine=HotswapRollout."""
+def qwen3_moe_model(seed: int = 0) -> qwen3.Qwen3:
+    """A tiny Tunix Qwen3 MoE in f32: one sparse layer, 4 experts of hidden_dim, top-2. Tunix's
+    CPU path unrolls a loop over the experts in every layer, and each one adds to the compile
+    of its train step, the bulk of the GRPO run's time."""
+    sizes = {**SIZES, "num_layers": 1}
+    cfg = qwen3.ModelConfig(
+        **sizes,
+        rope_theta=1_000_000,
+        norm_eps=1e-6,
+        use_tied_embedding=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+
+
+def gemma2_model(seed: int = 0) -> gemma.Gemma:
+    """A tiny Tunix Gemma 2 in f32: 4 layers alternating sliding (a window of 4 tokens, shorter
+    than the prompts) and global, GQA (4 query heads, 2 KV heads), both softcaps low enough to
+    bite. Tunix starts its norms and MLP at zero; seeded noise on every leaf makes each one count,
+    so a mis-mapped or missing one shows."""
+    sizes = {k: v for k, v in SIZES.items() if k not in ("vocab_size", "num_layers")}
+    kinds = (gemma.AttentionType.LOCAL_SLIDING, gemma.AttentionType.GLOBAL)
+    cfg = gemma.ModelConfig(
+        **sizes,
+        num_layers=4,
+        num_embed=SIZES["vocab_size"],
+        attention_types=kinds * 2,
+        sliding_window_size=4,
+        attn_logits_soft_cap=2.0,
+        final_logit_softcap=3.0,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+    )
+    m = gemma.Gemma(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(m, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(seed + 10), len(jax.tree.leaves(state))))
+    nnx.update(m, jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype), state))
+    return m
+
+
+def grpo(tok, make_model=model, prompts: list[str] = PROMPTS, prompt_len: int = 16) -> dict:
+    """Tunix's own GRPOLearner + RLCluster, unmodified, with rollout_engine=HotswapRollout.
+    `prompt_len`: the rollouts' `max_prompt_length` (prompts are left-padded to it)."""
     synced: list[int] = []
 
     class Recording(HotswapRollout):  # records the version each sync lands
@@ -103,7 +153,7 @@ def grpo(tok, make_model=model) -> dict:
             actor_optimizer=optax.adam(1e-2), eval_every_n_steps=10, max_steps=3
         ),
         rollout_config=base_rollout.RolloutConfig(
-            max_tokens_to_generate=8, max_prompt_length=16, kv_cache_size=256, temperature=0.9, seed=0
+            max_tokens_to_generate=8, max_prompt_length=prompt_len, kv_cache_size=256, temperature=0.9, seed=0
         ),
     )
     cluster = rl_cluster_lib.RLCluster(
@@ -115,16 +165,20 @@ def grpo(tok, make_model=model) -> dict:
         algo_config=grpo_lib.GRPOConfig(num_generations=2, num_iterations=1),
     )
     first = cluster.rollout.weights_version
-    data = grain.MapDataset.source(PROMPTS * 4).batch(2).map(lambda x: {"prompts": x, "answer": x})
+    data = grain.MapDataset.source(prompts * 4).batch(2).map(lambda x: {"prompts": x, "answer": x})
     learner.train(data)
     loss = cluster.actor_trainer.metrics_logger.get_metric_history("actor", "loss", "train")
     generate_versions = [[v, sorted(s)] for v, s in cluster.rollout.version_log]
     # the trained actor's log-probs (Tunix's own) against the rollout's, on the rollout's tokens
     actor, pad = cluster.actor_trainer.model, tok.pad_token_id
     rc = base_rollout.RolloutConfig(
-        max_tokens_to_generate=12, max_prompt_length=16, kv_cache_size=256, top_p=None, temperature=0.0
+        max_tokens_to_generate=12,
+        max_prompt_length=prompt_len,
+        kv_cache_size=256,
+        top_p=None,
+        temperature=0.0,
     )
-    out = cluster.rollout.generate(PROMPTS, rc)
+    out = cluster.rollout.generate(prompts, rc)
     comp = padded_completions(out.tokens, pad)
     want = common.compute_per_token_logps(
         *nnx.split(actor),
@@ -135,7 +189,10 @@ def grpo(tok, make_model=model) -> dict:
     )
     got = cluster.rollout.get_per_token_logps(out.left_padded_prompt_tokens, comp)
     valid = np.cumprod(comp != pad, axis=1).astype(bool)  # up to a generated pad id, as Tunix masks
+    config = cluster.rollout.llm.config
     return {
+        "arch": config.arch,
+        "num_experts": config.num_experts,
         "should_sync": bool(learner.should_sync_weights),
         "first_version": first,
         "synced": synced,
@@ -460,9 +517,14 @@ CHECKS = {
     "sync": after_sync,
     "zero_copy": zero_copy,
     "bad": bad_inputs,
+    "grpo_qwen3_moe": lambda tok: grpo(tok, qwen3_moe_model),
 }
-# Run alone (`tunix_worker.py grpo_gemma3`): the same GRPO loop on a tiny Tunix Gemma 3.
-OTHER_CHECKS = {"grpo_gemma3": lambda tok: grpo(tok, gemma3_model)}
+# Run alone (`tunix_worker.py grpo_gemma3`): the same GRPO loop on a tiny Tunix Gemma 3 or Gemma 2.
+OTHER_CHECKS = {
+    "grpo_gemma3": lambda tok: grpo(tok, gemma3_model),
+    # unpadded prompts of 11 tokens: Tunix's Gemma 2 widens its window by a row's left padding
+    "grpo_gemma2": lambda tok: grpo(tok, gemma2_model, GEMMA2_PROMPTS, 11),
+}
 
 
 def main() -> None:

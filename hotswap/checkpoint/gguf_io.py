@@ -10,7 +10,9 @@ in one place; the engine checks the values for NaN/Inf where it places them. The
 What llama.cpp's converter changes, undone here:
 - tensor names (`blk.3.attn_q.weight` for `model.layers.3.self_attn.q_proj.weight`);
   Gemma's four norms per layer have their own (`post_attention_norm`, `ffn_norm` for
-  the pre-FFN norm, `post_ffw_norm`);
+  the pre-FFN norm, `post_ffw_norm`); Qwen3-MoE's experts are stacked per projection
+  (`ffn_gate_exps` ...), in the spec table's stacked HF order, and its expert counts
+  are metadata (`expert_count`, `expert_used_count`, `expert_feed_forward_length`);
 - for Llama, the rows of q and k are permuted per head so that ggml's rope, which
   rotates adjacent pairs (x0, x1), (x2, x3)..., computes what HF's `rotate_half`
   computes on the halves (x0, x_{d/2})...: `_unpermute` is its inverse. Qwen and Gemma
@@ -40,7 +42,7 @@ import numpy as np
 from hotswap.checkpoint import converted, gguf_gemma, gguf_header, hf
 from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
 from hotswap.checkpoint.tokenizer import Tokenizer
-from hotswap.errors import CheckpointError, ConfigError
+from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
 from hotswap.model.config import ModelConfig
 from hotswap.model.spec import EMBED, LM_HEAD, Params
 
@@ -67,6 +69,16 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Qwen3-MoE: the router (`ffn_gate_inp`, HF `[E, D]`) and each projection's experts stacked in
+# one tensor (`ffn_gate_exps` ... , `[E, out, in]` in HF's order): the spec table's stacked rows
+# (`model/spec.py`), taken under their stacked HF names as they are.
+_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 
 
 class _Arch(NamedTuple):
@@ -84,6 +96,7 @@ _ARCHS = {
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", False, _LAYER_NAMES, 0.0),
     "gemma2": _Arch("Gemma2ForCausalLM", "gemma2", False, _GEMMA_LAYER_NAMES, 1.0),
     "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA_LAYER_NAMES, 1.0),
+    "qwen3moe": _Arch("Qwen3MoeForCausalLM", "qwen3_moe", False, _MOE_LAYER_NAMES, 0.0),
 }
 
 _GLOBAL_NAMES = {
@@ -206,7 +219,9 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "model_type": _ARCHS[arch].model_type,
         "vocab_size": int(f.tensors[EMBED_GGUF].shape[-1]),  # ggml lists dims innermost first
         "hidden_size": hidden,
-        "intermediate_size": int(f.need(p + "feed_forward_length")),
+        "intermediate_size": int(
+            f.metadata.get(p + "feed_forward_length") or f.need(p + "expert_feed_forward_length")
+        ),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -220,12 +235,25 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "eos_token_id": None if eos is None else int(eos),
         "dtype": _FILE_DTYPES.get(file_type, "float32"),
     }
+    if arch == "qwen3moe":
+        cfg.update(_moe_config(f, p))
     if arch.startswith("gemma"):
         cfg.pop("hidden_act")
         cfg.update(
             gguf_gemma.hf_config(f.metadata, arch, layers, hidden // heads, head_dim, rope, where=f.path)
         )
     return cfg
+
+
+def _moe_config(f: GGUFFile, p: str) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields. llama.cpp makes every layer sparse and always renormalises the
+    top-k weights (its `qwen3moe` graph), whatever the HF config said (`norm_topk_prob`)."""
+    return {
+        "num_experts": int(f.need(p + "expert_count")),
+        "num_experts_per_tok": int(f.need(p + "expert_used_count")),
+        "moe_intermediate_size": int(f.need(p + "expert_feed_forward_length")),
+        "norm_topk_prob": True,
+    }
 
 
 def _llama3_rope(f: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
@@ -312,6 +340,21 @@ def hf_tensors(f: GGUFFile, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.n
     return out
 
 
+def _in_gguf_terms(f: GGUFFile, e: WeightsMismatch) -> WeightsMismatch:
+    """The validator's error (HF names) with the file, the GGUF name of its tensor and, for an
+    expert tensor, the metadata its expected shape came from."""
+    message = str(e)
+    gguf_names = {hf_name(n, f.arch): n for n in f.tensors}
+    hf_tensor = message.split(":", 1)[0]
+    name = gguf_names.get(hf_tensor)
+    if name is None:
+        return WeightsMismatch(f"{f.path}: {message}")
+    said = ""
+    if name.endswith(("_exps.weight", "ffn_gate_inp.weight")):
+        said = f" ({f.arch}.expert_count={f.metadata.get(f.arch + '.expert_count')} in the metadata)"
+    return WeightsMismatch(f"{f.path}: {name}{said}: {message}")
+
+
 def read_gguf(
     path: str | os.PathLike, *, dtype: str | None = None
 ) -> tuple[GGUFFile, ModelConfig, dict[str, np.ndarray]]:
@@ -332,7 +375,10 @@ def load_gguf(
     params = converted.load(f.path, cfg, target)
     if params is None:
         start = time.perf_counter()
-        params = hf.params_from_hf(cfg, hf_tensors(f, cfg, target))
+        try:
+            params = hf.params_from_hf(cfg, hf_tensors(f, cfg, target))
+        except WeightsMismatch as e:
+            raise _in_gguf_terms(f, e) from e
         if time.perf_counter() - start > converted.WORTH_CACHING_S:
             converted.store(f.path, cfg, params)
     return cfg, params, tokenizer_from_metadata(f.metadata, where=str(f.path))

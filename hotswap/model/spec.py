@@ -28,10 +28,10 @@ row. A row's `transpose` swaps its last two axes: the whole matrix of a 2-D row,
 of a stacked one.
 
 `nnx_name` names the same parameter in a Tunix Flax NNX model (Llama3, Qwen2, Qwen3,
-Gemma3: `weights/nnx.py`). Llama3 and the Qwens are `[in, out]` with heads split out
+Gemma 2, Gemma3: `weights/nnx.py`). Llama3 and the Qwens are `[in, out]` with heads split out
 exactly as here (`q_proj.w` `[D, N, H]`, `o_proj.w` `[N, H, D]`, `q_bias` `[N*H]`), so
 every row maps leaf to leaf with the same shape: a state already on the engine's
-sharding is served from its own buffers. Gemma3's q/k/v are einsum weights `[N, D, H]`,
+sharding is served from its own buffers. The Gemmas' q/k/v are einsum weights `[N, D, H]`,
 k and v stacked in one leaf: those rows set `nnx_index` / `nnx_perm` (a copy).
 """
 
@@ -231,8 +231,8 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     if cfg.qk_norm:  # qwen3, gemma3
         rows["q_norm"] = row("q_norm", (hd,), ("head_dim",), "self_attn.q_norm.weight", nnx="attn.q_norm.w")
         rows["k_norm"] = row("k_norm", (hd,), ("head_dim",), "self_attn.k_norm.weight", nnx="attn.k_norm.w")
-    if cfg.arch == "gemma3":
-        rows = {k: _tunix_gemma3(r, i, nh == nkv) for k, r in rows.items()}
+    if cfg.is_gemma:
+        rows = {k: _tunix_gemma(r, i, nh == nkv, cfg.arch) for k, r in rows.items()}
     if cfg.qkv_bias:  # qwen2; flat [H*hd] as HF and Tunix store them (the model splits them)
         rows["bq"] = row("bq", (q,), ("heads",), "self_attn.q_proj.bias", nnx="attn.q_bias")
         rows["bk"] = row("bk", (kv,), ("kv_heads",), "self_attn.k_proj.bias", nnx="attn.k_bias")
@@ -240,12 +240,14 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ParamSpec]:
     return rows
 
 
-# Tunix's Gemma 3 (`tunix.models.gemma3`): norms are `scale` (applied as 1 + scale, as here),
-# q/k/v are einsum weights `[N, D, H]` (transposed to `[D, N, H]` here: a copy), k and v
-# stacked in one `[2, K, D, H]` leaf, or q, k and v in one `[3, N, D, H]` when N == K; the
-# output projection `[N, H, D]` and the MLP kernels `[in, out]` are this layout as they are.
+# Tunix's Gemma 2 (`tunix.models.gemma`) and Gemma 3 (`tunix.models.gemma3`) share their
+# layer's layout: norms are `scale` (applied as 1 + scale, as here), q/k/v are einsum weights
+# `[N, D, H]` (transposed to `[D, N, H]` here: a copy), k and v stacked in one `[2, K, D, H]`
+# leaf, or q, k and v in one `[3, N, D, H]` when N == K; the output projection `[N, H, D]` and
+# the MLP kernels `[in, out]` are this layout as they are. They differ in one name, the
+# post-attention norm's, and Gemma 2 has no q/k norms (its config has no `qk_norm`).
 _NDH = (1, 0, 2)
-_TUNIX_GEMMA3 = {
+_TUNIX_GEMMA = {
     "attn_norm": ("pre_attention_norm.scale", None),
     "post_attn_norm": ("post_attention_norm.scale", None),
     "mlp_norm": ("pre_ffw_norm.scale", None),
@@ -257,16 +259,17 @@ _TUNIX_GEMMA3 = {
     "wk": ("attn.kv_einsum.w", 0),
     "wv": ("attn.kv_einsum.w", 1),
 }
-_TUNIX_GEMMA3_FUSED = {
+_TUNIX_GEMMA_FUSED = {
     "wq": ("attn.qkv_einsum.w", 0),
     "wk": ("attn.qkv_einsum.w", 1),
     "wv": ("attn.qkv_einsum.w", 2),
 }
+_TUNIX_GEMMA_ARCH = {"gemma2": {"post_attn_norm": ("post_attn_norm.scale", None)}, "gemma3": {}}
 
 
-def _tunix_gemma3(r: ParamSpec, i: int, fused: bool) -> ParamSpec:
+def _tunix_gemma(r: ParamSpec, i: int, fused: bool, arch: str) -> ParamSpec:
     key = r.path[-1]
-    table = _TUNIX_GEMMA3_FUSED if fused and key in _TUNIX_GEMMA3_FUSED else _TUNIX_GEMMA3
+    table = {**_TUNIX_GEMMA, **(_TUNIX_GEMMA_FUSED if fused else {}), **_TUNIX_GEMMA_ARCH[arch]}
     if key not in table:  # the MLP kernels: named as for Llama ("layers.3.mlp.up_proj.kernel")
         return r
     name, index = table[key]
@@ -354,7 +357,7 @@ def param_specs(cfg: ModelConfig) -> Params:
             (d,),
             ("embed",),
             "model.norm.weight",
-            nnx_name="final_norm.scale" if cfg.arch == "gemma3" else "final_norm.w",
+            nnx_name="final_norm.scale" if cfg.is_gemma else "final_norm.w",
         ),
         "lm_head": ParamSpec(
             ("lm_head",),

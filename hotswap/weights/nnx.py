@@ -1,5 +1,5 @@
-"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2, Qwen3 (dense and MoE) and
-Gemma3 models.
+"""Flax NNX model state <-> hotswap params, for Tunix's Llama3, Qwen2, Qwen3 (dense and MoE),
+Gemma 2 and Gemma3 models.
 
 The mapping is the spec table (`model/spec.py`): each row's `nnx_name` is the
 parameter's path in the NNX model. Tunix's Llama3 / Qwen models use hotswap's params
@@ -8,14 +8,17 @@ leaf is passed through as the same `jax.Array`, never copied or reshaped; only a
 tied LM head is derived (the embedding's transpose, computed on its devices). A
 state already on the engine's sharding is served from its own buffers.
 
-Tunix's Gemma3 stores q, k and v as einsum weights `[N, D, H]`, k and v stacked in one
-`[2, K, D, H]` leaf (q, k, v in one `[3, N, D, H]` when N == K): those three are taken
-by index and transposed to `[D, N, H]` (`ParamSpec.from_nnx`), a copy of each per
-update (q/k/v are 2 * (N + K) * D * H of a layer's parameters); the embedding, the norms
-(`scale`, applied as 1 + scale, as here), `attn_vec_einsum` `[N, H, D]` and the MLP
-kernels are passed through as they are. Its RMSNorm eps is fixed at 1e-6 and every 6th
-layer is global whatever its config says otherwise, so the config is taken from what
-its modules compute.
+Tunix's Gemma 2 (`tunix.models.gemma.Gemma`) and Gemma3 store q, k and v as einsum weights
+`[N, D, H]`, k and v stacked in one `[2, K, D, H]` leaf (q, k, v in one `[3, N, D, H]` when
+N == K): those three are taken by index and transposed to `[D, N, H]` (`ParamSpec.from_nnx`),
+a copy of each per update. The engine's attention contracts `[D, N, H]` with the heads split
+out as tensor parallelism shards them (`model/spec.py`); `[N, D, H]` would put the heads
+first and make every q/k/v matmul a batched one. q/k/v are (N + 2K) * D * H of a layer's
+parameters; the embedding, the norms (`scale`, applied as 1 + scale, as here),
+`attn_vec_einsum` `[N, H, D]` and the MLP kernels are passed through as they are. Their
+RMSNorm eps is fixed at 1e-6, and the config is taken from what their modules compute
+(Gemma3: every 6th layer global whatever its config says; Gemma 2: each layer's own
+`attn_type`, RoPE base 1e4, queries scaled by head_dim ** -0.5).
 
     cfg = model_config(tunix_model)                       # hotswap ModelConfig
     params = params_from_state(nnx.state(tunix_model, nnx.Param), cfg)
@@ -42,7 +45,7 @@ from flax import nnx
 
 from hotswap.errors import ConfigError, WeightsMismatch
 from hotswap.model import validate
-from hotswap.model.config import ModelConfig, RopeScaling
+from hotswap.model.config import FULL, SLIDING, ModelConfig, RopeScaling
 from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
 
 HEAD = ("lm_head",)
@@ -71,14 +74,16 @@ FAMILIES = {
 def model_config(
     model: nnx.Module, *, max_position_embeddings: int = 4096, eos_token_ids: tuple[int, ...] = ()
 ) -> ModelConfig:
-    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 / Gemma3 model (dtype from its params)."""
-    if type(model).__name__ == "Gemma3":
-        return _gemma3_config(model, max_position_embeddings, tuple(eos_token_ids))
-    family = FAMILIES.get(type(model).__name__)
+    """The hotswap ModelConfig of a Tunix Llama3 / Qwen2 / Qwen3 / Gemma 2 / Gemma3 model
+    (dtype from its params)."""
+    name = type(model).__name__
+    if name in GEMMAS:
+        return _gemma_config(model, max_position_embeddings, tuple(eos_token_ids))
+    family = FAMILIES.get(name)
     if family is None:
         raise ConfigError(
-            f"{type(model).__module__}.{type(model).__name__} is not a supported Flax model; "
-            f"supported: Tunix {', '.join(sorted([*FAMILIES, 'Gemma3']))}"
+            f"{type(model).__module__}.{name} is not a supported Flax model; "
+            f"supported: Tunix {', '.join(sorted([*FAMILIES, *GEMMAS]))}"
         )
     c = model.config
     moe = {}
@@ -127,14 +132,36 @@ def model_config(
     return ModelConfig(**{**fields, **moe})
 
 
-# Tunix's Gemma 3 (`tunix.models.gemma3`): every 6th layer global (GEMMA3_ATTENTION_PATTERN),
-# RMSNorm eps fixed at 1e-6, GeGLU with jax's tanh gelu, a tied head, no softcaps.
-_GEMMA3_PERIOD = 6
+# Tunix's Gemma 2 and Gemma 3: RMSNorm eps fixed at 1e-6, GeGLU with jax's tanh gelu, a tied
+# head; what differs is computed per class below (the spec table maps both: `model/spec.py`).
+_GEMMA3_PERIOD = 6  # Gemma3: every 6th layer global (GEMMA3_ATTENTION_PATTERN)
 
 
-def _gemma3_config(
-    model: nnx.Module, max_position_embeddings: int, eos_token_ids: tuple[int, ...]
-) -> ModelConfig:
+def _gemma2_fields(model: nnx.Module) -> dict:
+    """Tunix's `Gemma` (`tunix.models.gemma`), Gemma 2 only: each layer slides or not by its own
+    `attn_type`; RoPE at `apply_rope`'s default base 1e4; queries scaled by head_dim ** -0.5;
+    logits of both kinds soft-capped when its config sets a cap."""
+    c = model.config
+    if not (c.use_post_attn_norm and c.use_post_ffw_norm):
+        raise ConfigError(
+            "Tunix Gemma without post-attention / post-FFW norms (Gemma 1) is not supported: "
+            "serve a Gemma 2 config (use_post_attn_norm and use_post_ffw_norm true)"
+        )
+    kinds = [layer.attn.attn_type.name for layer in model.layers]
+    return dict(
+        arch="gemma2",
+        rope_theta=10_000.0,
+        sliding_window=c.sliding_window_size if "LOCAL_SLIDING" in kinds else None,
+        layer_types=tuple(SLIDING if k == "LOCAL_SLIDING" else FULL for k in kinds),
+        attn_logit_softcapping=None if c.attn_logits_soft_cap is None else float(c.attn_logits_soft_cap),
+        final_logit_softcapping=None if c.final_logit_softcap is None else float(c.final_logit_softcap),
+        query_pre_attn_scalar=float(c.head_dim),
+        qk_norm=False,
+    )
+
+
+def _gemma3_fields(model: nnx.Module) -> dict:
+    """Tunix's `Gemma3`: q/k norms, local / global RoPE bases, no softcaps."""
     c = model.config
     if getattr(model, "vision_encoder", None) is not None:
         raise ConfigError("Tunix Gemma3 with a vision encoder is not supported: serve the text model")
@@ -144,33 +171,43 @@ def _gemma3_config(
     if float(c.global_scale_factor) != 1.0:  # positions divided by it on global layers: HF's linear scaling
         scaling = RopeScaling(factor=float(c.global_scale_factor), rope_type="linear")
     by_head = c.query_pre_attn_norm.name == "BY_ONE_OVER_SQRT_HEAD_DIM"
+    return dict(
+        arch="gemma3",
+        rope_theta=float(c.global_base_frequency),
+        rope_scaling=scaling,
+        rope_local_base_freq=float(c.local_base_frequency),
+        sliding_window=c.sliding_window_size,
+        layer_types=tuple(FULL if (i + 1) % _GEMMA3_PERIOD == 0 else SLIDING for i in range(c.num_layers)),
+        query_pre_attn_scalar=float(c.head_dim if by_head else c.embed_dim // c.num_heads),
+        qk_norm=True,
+    )
+
+
+# Tunix model class name -> what its Gemma computes that the other does not.
+GEMMAS = {"Gemma": _gemma2_fields, "Gemma3": _gemma3_fields}
+
+
+def _gemma_config(
+    model: nnx.Module, max_position_embeddings: int, eos_token_ids: tuple[int, ...]
+) -> ModelConfig:
+    c = model.config
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     return ModelConfig(
-        arch="gemma3",
         vocab_size=c.num_embed,
         hidden_size=c.embed_dim,
         intermediate_size=c.hidden_dim,
-        num_layers=c.num_layers,
+        num_layers=len(model.layers),
         num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        rope_theta=float(c.global_base_frequency),
-        rope_scaling=scaling,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         qkv_bias=False,
-        qk_norm=True,
         max_position_embeddings=max_position_embeddings,
         dtype=np.dtype(leaves[0].dtype).name,
         eos_token_ids=eos_token_ids,
-        sliding_window=c.sliding_window_size,
-        layer_types=tuple(
-            "full_attention" if (i + 1) % _GEMMA3_PERIOD == 0 else "sliding_attention"
-            for i in range(c.num_layers)
-        ),
-        query_pre_attn_scalar=float(c.head_dim if by_head else c.embed_dim // c.num_heads),
-        rope_local_base_freq=float(c.local_base_frequency),
         hidden_act="gelu_pytorch_tanh",
+        **GEMMAS[type(model).__name__](model),
     )
 
 
@@ -289,7 +326,7 @@ def params_from_state(
     def leaf(s: ParamSpec):
         if s.nnx_name is None:  # tied head: the spec row's transform of the embedding, on its devices
             return s.from_hf(flat[specs["embed"].nnx_name])
-        if s.nnx_copies:  # Gemma 3's q/k/v: sliced and transposed on the leaf's devices (a copy)
+        if s.nnx_copies:  # the Gemmas' q/k/v: sliced and transposed on the leaf's devices (a copy)
             return _from_nnx(s.nnx_index, s.nnx_perm, flat[s.nnx_name])
         return flat[s.nnx_name]
 
@@ -341,7 +378,7 @@ def state_from_params(params: Params, cfg: ModelConfig, like: nnx.State) -> nnx.
             continue
         if s.nnx_index is None:
             by_name[s.nnx_name] = _to_nnx(s.nnx_perm, [x]) if s.nnx_copies else x
-        else:  # Gemma 3's k/v (or q/k/v): one leaf stacking the rows
+        else:  # the Gemmas' k/v (or q/k/v): one leaf stacking the rows
             stacked.setdefault(s.nnx_name, {})[s.nnx_index] = (s, x)
     for name, parts in stacked.items():
         rows = [parts[k] for k in sorted(parts)]
