@@ -111,10 +111,6 @@ class PagePool:
 
     # ---- edits (on a copy from `edit()`) ------------------------------------
 
-    def num_free(self) -> int:
-        """Pages obtainable now: free ones plus unowned cached ones (evictable)."""
-        return int(np.count_nonzero(self.refcount[1:] == 0))
-
     def allocate(self, seq_id: int, n: int, prefix: PrefixIndex) -> tuple[bool, PrefixIndex]:
         """Append n pages (refcount 1) to seq's table, free ones first (lowest id), then the least
         recently used cached ones (evicted from the index). False, nothing taken, if too few."""
