@@ -42,14 +42,19 @@ HELP = "start-up / decode / serving / prefix / update benchmarks vs HF transform
 WORKLOAD_ENGINE = {"max_model_len": 1088, "max_num_batched_tokens": 512}
 # Sampled decode timed beside greedy at each batch size (`benchmarks/sampled_decode.py` has them all).
 SAMPLED = ("temperature_1", "top_k_50", "top_p_0.95")
-NEW_TOKENS_DEFAULT = 32  # decode rows; the rollout's own default is rollout.NEW_TOKENS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", help="HF model dir (default: create the bench-100m preset)")
     p.add_argument("--batches", default="1,16,32")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS_DEFAULT, help="(rollout: default 512)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument(
+        "--rollout-tokens",
+        type=int,
+        default=rollout.NEW_TOKENS,
+        help="sampled tokens per sequence of the rollout",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--serving-requests", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
@@ -106,7 +111,7 @@ def run(args) -> int:
         return 0
     peers = bench_peers.select_peers(args.peers, Path(args.peers_dir))  # before the long runs: fail early
     if args.only == "rollout":
-        new_tokens = args.new_tokens if args.new_tokens != NEW_TOKENS_DEFAULT else rollout.NEW_TOKENS
+        new_tokens = args.rollout_tokens
         result = {
             "rollout": rollout.run(model_dir, engine, peers, Path(args.peers_dir), out / "peers", new_tokens)
         }
