@@ -60,10 +60,20 @@ class Runner:
         at = 0
         for r, (seq_id, k) in enumerate(reads):
             bt.page_ids[at : at + k] = pool.table(seq_id)[:k]
-            bt.window_page_ids[at : at + k] = pool.window_table(seq_id)[:k]
+            if pool.window is not None:
+                bt.window_page_ids[at : at + k] = pool.window_table(seq_id)[:k]
             bt.page_rows[at : at + k] = r
             bt.page_cols[at : at + k] = np.arange(k)
             at += k
+
+    @staticmethod
+    def _mirrored(bt: Batch) -> Batch:
+        """Without a window pool the sliding layers read the full layers' pages: their tables,
+        slots and page list are the same arrays (copied once here, not built row by row)."""
+        np.copyto(bt.window_block_tables, bt.block_tables)
+        np.copyto(bt.window_slots, bt.slots)
+        np.copyto(bt.window_page_ids, bt.page_ids)
+        return bt
 
     def pack(self, rows: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
         """Split prefill chunks (for a ragged backend, every row of the step) into calls that
@@ -88,7 +98,8 @@ class Runner:
         """[B, 1]: one new token per sequence."""
         n = len(seqs)
         seq_tables = [pool.table(s.seq_id) for s in seqs]
-        window_tables = [pool.window_table(s.seq_id) for s in seqs]
+        twins = pool.window is not None
+        window_tables = [pool.window_table(s.seq_id) for s in seqs] if twins else seq_tables
         b = pick(self.buckets.batch, n)
         start = np.array([s.num_computed for s in seqs], np.int32)
         need = [self._pages_needed(int(x), int(x) + 1) for x in start]
@@ -102,18 +113,20 @@ class Runner:
             bt = Batch.zeros(b, 1, p, b)
             for i, k in enumerate(need):
                 bt.block_tables[i, :k] = seq_tables[i][:k]
-                bt.window_block_tables[i, :k] = window_tables[i][:k]
+                if twins:
+                    bt.window_block_tables[i, :k] = window_tables[i][:k]
         for i, s in enumerate(seqs):
             bt.tokens[i, 0] = s.token_slice(int(start[i]), 1)[0]
             bt.slots[i, 0] = self._slots(seq_tables[i], start[i])
-            bt.window_slots[i, 0] = self._slots(window_tables[i], start[i])
+            if twins:
+                bt.window_slots[i, 0] = self._slots(window_tables[i], start[i])
         bt.positions[:n, 0] = start
         bt.kv_lens[:n] = start + 1
         bt.chunk_starts[:n] = start
         bt.segments[:n] = np.arange(n)
         bt.sample_idx[:] = np.arange(b)
         bt.adapters[:n] = [s.lora_slot for s in seqs]
-        return bt
+        return bt if pool.window is not None else self._mirrored(bt)
 
     def ragged_batch(self, rows: list[tuple[Sequence, int]], pool: PagePool) -> Batch:
         """[T, 1]: every row's tokens end to end, one token per batch row, decode rows being
@@ -143,22 +156,25 @@ class Runner:
         row = 0
         for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
             start, base = seq.num_computed, row * q
-            table, window_table = pool.table(seq.seq_id), pool.window_table(seq.seq_id)
+            table = pool.table(seq.seq_id)
+            window_table = pool.window_table(seq.seq_id) if pool.window is not None else None
             pos = np.arange(start, start + n)
             tokens[base : base + n] = seq.token_slice(start, n)
             positions[base : base + k * q] = np.arange(start, start + k * q)  # padding continues the run
             slots[base : base + n] = self._slots(table, pos)
-            window_slots[base : base + n] = self._slots(window_table, pos)
+            if window_table is not None:
+                window_slots[base : base + n] = self._slots(window_table, pos)
             cols = min(len(table), bt.block_tables.shape[1])
             bt.block_tables[row : row + k, :cols] = table[:cols]
-            bt.window_block_tables[row : row + k, :cols] = window_table[:cols]
+            if window_table is not None:
+                bt.window_block_tables[row : row + k, :cols] = window_table[:cols]
             bt.kv_lens[row : row + k] = start + n
             bt.chunk_starts[row : row + k] = start
             bt.segments[row : row + k] = r
             bt.adapters[row : row + k] = seq.lora_slot
             bt.sample_idx[r] = base + n - 1
             row += k
-        return bt
+        return bt if pool.window is not None else self._mirrored(bt)
 
     def _masks(self, rows: list[tuple[Sequence, int]], s: int) -> np.ndarray | None:
         """The packed token masks of the constrained rows that sample a token in this call (a
