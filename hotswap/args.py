@@ -24,6 +24,8 @@ from hotswap.tools.formats import PARSER_NAMES
 # "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
+# How a hot update is staged (weights/in_place.py `resolve`): "auto" is "in_place" on TPU/GPU, "copy" on CPU.
+WEIGHT_UPDATE_STAGINGS = ("auto", "copy", "in_place")
 # Where a field is an option: `LLM(...)` (and `HotswapRollout`), `hotswap serve`, `hotswap aot`.
 SCOPES = ("llm", "serve", "aot")
 SERVING = ("llm", "serve")  # options of a running engine, meaningless when only compiling
@@ -93,6 +95,21 @@ class EngineArgs:
         "the steps' temporaries (vLLM's name)",
         "TPU/GPU 上未给 `num_pages` 时：参数、KV 缓存和各 step 临时内存可占空闲设备内存的比例（沿用 vLLM 的名字）",
         type=float,
+    )
+    weight_update_staging: str = option(
+        "auto",
+        '`"copy"`: a hot update builds the new weights beside the serving ones and swaps them in '
+        "at once, so serving goes on through the whole transfer; the device holds two copies of the "
+        'params. `"in_place"`: the update is checked first (serving goes on), then written over the '
+        "serving weights while the engine pauses, so the device holds one copy and the KV cache gets "
+        "the rest; a bad update is still refused before anything serving is touched. The KV sizing "
+        'counts what the choice needs. `"auto"`: `"in_place"` on TPU/GPU, `"copy"` on CPU',
+        '`"copy"`：热更新在正在服务的权重旁构建新权重，再一次性换入，整个传输期间服务不停；设备上有两份参数。'
+        '`"in_place"`：先检查更新（服务不停），再在引擎暂停时直接写在正在服务的权重上，设备上只有一份参数，'
+        "其余内存归 KV 缓存；坏的更新仍在触及任何正在服务的权重之前被拒绝。KV 容量计算按所选方式计入所需内存。"
+        '`"auto"`：TPU/GPU 上为 `"in_place"`，CPU 上为 `"copy"`',
+        type=str,
+        choices=WEIGHT_UPDATE_STAGINGS,
     )
     enable_prefix_caching: bool = option(
         True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hotswap.args import ATTENTION_IMPLS, EngineArgs, defaults
+from hotswap.args import ATTENTION_IMPLS, WEIGHT_UPDATE_STAGINGS, EngineArgs, defaults
 from hotswap.errors import ConfigError
 
 __all__ = ["ATTENTION_IMPLS", "EngineConfig", "check_pages_fit", "default_dtype"]
@@ -50,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = _ARGS["max_num_seqs"]
     max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
     enable_prefix_caching: bool = _ARGS["enable_prefix_caching"]
+    weight_update_staging: str = _ARGS["weight_update_staging"]  # weights/in_place.py `resolve`
     # sliding-window layers' pages: a pool bounded by the window, or as many as the full layers'
     # (programs/kv_sizing.py `window_pages` decides how many from this)
     disable_hybrid_kv_cache_manager: bool = _ARGS["disable_hybrid_kv_cache_manager"]
@@ -85,6 +86,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_pages < 2:
             raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
+        if self.weight_update_staging not in WEIGHT_UPDATE_STAGINGS:
+            raise ConfigError(
+                f"weight_update_staging={self.weight_update_staging!r}; use one of {', '.join(WEIGHT_UPDATE_STAGINGS)}"
+            )
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
         check_pages_fit(self.num_pages, self.page_size, self.max_model_len)
@@ -103,6 +108,7 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
+            weight_update_staging=args.weight_update_staging,
             disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
             attention=attention or args.attention,
             deterministic=args.deterministic,

@@ -124,6 +124,14 @@ class EngineAsleep(LifecycleConflict):
     code = "engine_asleep"
 
 
+class WeightsLost(HotswapError):
+    """An in-place weight update failed on the device after the serving weights were released
+    (a bad source is refused before that): nothing serves until an update loads a full set."""
+
+    status = 503
+    code = "weights_lost"
+
+
 class QueueFull(HotswapError):
     """Backpressure: the waiting queue is at capacity."""
 

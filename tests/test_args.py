@@ -115,6 +115,7 @@ def test_every_shared_option_reaches_the_engine_config():
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
         disable_hybrid_kv_cache_manager=True,
+        weight_update_staging="in_place",
         attention="reference",
         deterministic=True,
         max_waiting=7,

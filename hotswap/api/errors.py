@@ -25,6 +25,7 @@ from hotswap.errors import (
     RequestError,
     TransferError,
     Unauthorized,
+    WeightsLost,
     WeightsMismatch,
     WeightsPathNotAllowed,
 )
@@ -62,6 +63,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     UnsupportedMediaType: (415, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
     ShuttingDown: (503, "service_unavailable_error"),
+    WeightsLost: (503, "service_unavailable_error"),
     PickleRefused: (400, "invalid_request_error"),
     TransferError: (400, "invalid_request_error"),
     PayloadError: (400, "invalid_request_error"),
@@ -131,6 +133,7 @@ __all__ = [
     "TransferError",
     "Unauthorized",
     "UnsupportedMediaType",
+    "WeightsLost",
     "WeightsMismatch",
     "WeightsPathNotAllowed",
     "error_body",

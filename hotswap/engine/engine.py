@@ -38,6 +38,7 @@ from hotswap.errors import (
     PromptTooLong,
     QueueFull,
     RequestError,
+    WeightsLost,
     WeightsMismatch,
 )
 from hotswap.kernels.backend import Backend
@@ -45,8 +46,8 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
+from hotswap.weights import in_place, sources
 from hotswap.weights import lora as lora_source
-from hotswap.weights import sources
 from hotswap.weights.chunks import ChunkStager
 
 
@@ -90,6 +91,8 @@ class Engine:
             dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
         self.abstract = spec
+        platform = next(iter(spec["embed"].sharding.device_set)).platform
+        self.staging = in_place.resolve(ecfg.weight_update_staging, platform)  # how updates stage
         # The first load is an update into an empty state: the same read -> validate -> place
         # (`params` is any weight source). The path was given by whoever built the engine, so
         # `weights_root` (which bounds later updates) does not apply to it.
@@ -369,13 +372,13 @@ class Engine:
         The source is loaded and validated before the lock is taken, so serving
         continues meanwhile and a bad source changes nothing. A LoRA adapter is merged into
         the base weights (the state's `base`, kept on the device; `lora_alpha` when the source
-        does not state it); full weights replace the base.
+        does not state it); full weights replace the base. In place (`weight_update_staging`,
+        `weights/in_place.py`) the source is checked first and written over the serving
+        weights under the lock, so the device holds one copy of them.
         """
         row = policies.policy(policy)
         st = self.state
-        staged = sources.stage_source(  # outside the lock: serving goes on
-            source,
-            self.mcfg,
+        source_args = dict(
             current=st.base if st.base is not None else st.params,
             lora_alpha=lora_alpha,
             partial=partial,
@@ -383,6 +386,11 @@ class Engine:
             abstract=self.abstract,
             check_finite=check_finite,
         )
+        if self.staging == "in_place":  # outside the lock: serving goes on
+            checked = in_place.check_source(source, self.mcfg, **source_args)
+        else:
+            staged = sources.stage_source(source, self.mcfg, **source_args)
+        del st, source_args  # nothing here may hold the serving weights past the swap
         with self._lock:
             if self.state.weights_on_host:
                 raise EngineAsleep(
@@ -401,6 +409,8 @@ class Engine:
         with self._drained(row.drains, timeout_s):
             with self._lock:
                 row = self._while_paused(row)  # a pause landed during the drain: its mode decides
+                if self.staging == "in_place":
+                    staged = self._place_in_place(checked)
                 keep = [s.seq_id for s in self.sched.running] if row.keeps_tables else []
                 new = lifecycle.update_weights(
                     self.state, staged, abstract=self.abstract, version=version, keep=keep
@@ -410,6 +420,27 @@ class Engine:
                 if row.keeps_tables:
                     self._recompute_stale()
                 return self.state.weights_version
+
+    def _place_in_place(self, checked: in_place.Checked):
+        """Pass 2 of an in-place update, under the lock: drop the serving leaves it replaces, then
+        place the checked source in their room. If the device fails meanwhile, the weights are
+        gone: the state stays without them (as after sleep level 2), requests in flight are
+        aborted, and WeightsLost says so."""
+        if checked.staged is not None:
+            return checked.staged
+        current = self.state.base if self.state.base is not None else self.state.params
+        kept = in_place.keeping(current, checked.replaced) if checked.replaced is not None else None
+        self.state = lifecycle.drop_weights(self.state)
+        del current  # the replaced leaves' last holder: dropped, they free their device memory
+        try:
+            return in_place.place(checked, self.mcfg, self.abstract, kept)
+        except Exception as e:
+            self._abort_all()  # nothing can step without weights: in-flight requests end, aborted
+            raise WeightsLost(
+                f"an in-place weight update failed while writing the checked weights ({type(e).__name__}: {e}); "
+                "the old weights were already released, so the engine serves nothing until the next "
+                "update_weights loads a full set"
+            ) from e
 
     def _while_paused(self, row: policies.Policy) -> policies.Policy:
         """Paused, a draining update does not drain: the pause's mode already decided what happens

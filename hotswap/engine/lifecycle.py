@@ -105,6 +105,13 @@ def update_weights(
     )
 
 
+def drop_weights(state: EngineState) -> EngineState:
+    """The state without its params (and base): an in-place update is about to write new ones
+    into their room (`weights/in_place.py`). Asleep for "weights" until `update_weights` gives
+    it some, as after sleep level 2; the KV cache, the pool and in-flight tables stay."""
+    return dataclasses.replace(state, params=None, base=None, asleep=state.asleep | {"weights"})
+
+
 def _to_host(x: jax.Array):
     """pinned_host memory where the backend has it (fast to bring back), else host numpy."""
     try:

@@ -31,6 +31,7 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.programs import catalog, kv_sizing
 from hotswap.programs.step import Buckets
+from hotswap.weights import in_place
 
 GIB = 2**30
 
@@ -143,6 +144,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = catalog.params_bytes_per_chip(mcfg, target)
+    # the params and what a hot update needs beside them (weights/in_place.py)
+    weights_bytes = catalog.weights_bytes_per_chip(mcfg, target, acfg.weight_update_staging)
     # the buffers of adapters served by name (`--enable-lora`): resident beside the params
     lora_bytes = (
         catalog.lora_bytes_per_chip(mcfg, acfg.max_loras, acfg.max_lora_rank, target)
@@ -190,7 +193,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
             mcfg,
             chip.hbm_bytes,
             acfg.gpu_memory_utilization,
-            params_bytes + lora_bytes,
+            weights_bytes + lora_bytes,
             compile_all,
             page_size=acfg.page_size,
             tp=tp,
@@ -204,8 +207,9 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     extra = max(s.temp_bytes + s.output_bytes - s.alias_bytes for s in steps)
     serving = params_bytes + lora_bytes + kv_bytes + extra
     worst = max(steps, key=lambda s: s.temp_bytes + s.output_bytes - s.alias_bytes)
-    # A hot update stages the new params beside the serving ones (weights/ingest.py).
-    update = 2 * params_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
+    # A hot update: a staged copy beside the serving params, or in place what one pass holds
+    # in flight (weights/in_place.py), with the conversion programs' temporaries.
+    update = weights_bytes + lora_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
     # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
     # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.
     token_bytes = kv_sizing.page_bytes(mcfg, acfg.page_size, tp) // acfg.page_size
@@ -239,6 +243,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "serving_bytes_per_chip": serving,
         "largest_step": worst.name,
         "fits": serving <= chip.hbm_bytes,
+        "weight_update_staging": in_place.resolve(acfg.weight_update_staging, "tpu"),
         "update_bytes_per_chip": update,
         "update_fits": update <= chip.hbm_bytes,
         "decode_bytes_read_per_chip": read,
@@ -277,7 +282,7 @@ def table(report: dict) -> str:
             if report.get("lora_bytes_per_chip")
             else []
         ),
-        f"a hot update (new params beside the old): {g(report['update_bytes_per_chip'])}"
+        f"a hot update ({report['weight_update_staging']}): {g(report['update_bytes_per_chip'])}"
         + (
             ""
             if report["update_fits"]

@@ -39,7 +39,7 @@ from hotswap.model.params import Params, abstract_params
 from hotswap.model.spec import is_spec, param_specs
 from hotswap.programs import kv_sizing
 from hotswap.programs.step import Buckets, lower_step, placeholder_inputs
-from hotswap.weights import hf_device
+from hotswap.weights import hf_device, in_place
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
@@ -277,8 +277,25 @@ def compile_stats(
 def params_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> int:
     """Bytes of one chip's shards of the params (the largest over the chips); `experts_only`:
     of the sparse layers' stacked expert weights alone."""
+    per = _leaf_bytes_per_chip(mcfg, target, experts_only=experts_only)
+    return max((sum(leaves) for leaves in per.values()), default=0)
+
+
+def weights_bytes_per_chip(mcfg: ModelConfig, target: Target, staging: str) -> int:
+    """One chip's params plus what a hot update needs beside them under `staging`
+    (`weight_update_staging`; `weights/in_place.py` `update_reserve`): what the KV sizing
+    takes off each chip before the cache."""
+    per = _leaf_bytes_per_chip(mcfg, target)
+    params = max((sum(leaves) for leaves in per.values()), default=0)
+    largest = max((max(leaves) for leaves in per.values()), default=0)
+    platform = next(iter(target.kv.device_set)).platform
+    return params + in_place.update_reserve(in_place.resolve(staging, platform), params, largest)
+
+
+def _leaf_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> dict:
+    """Each chip's bytes of each leaf's shard: {device: [bytes, ...]}."""
     itemsize = jnp.dtype(mcfg.dtype).itemsize
-    per = {}
+    per: dict[Any, list[int]] = {}
     for spec, sh in zip(
         jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec), jax.tree.leaves(target.params), strict=True
     ):
@@ -286,8 +303,8 @@ def params_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bo
             continue
         shard = sh.shard_shape(spec.shape)
         for d in sh.device_set:
-            per[d] = per.get(d, 0) + int(np.prod(shard)) * itemsize
-    return max(per.values(), default=0)
+            per.setdefault(d, []).append(int(np.prod(shard)) * itemsize)
+    return per
 
 
 def active_expert_fraction(mcfg: ModelConfig, rows: int) -> float:

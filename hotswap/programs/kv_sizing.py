@@ -6,13 +6,15 @@
 - On an accelerator, as vLLM (and tpu-inference) size it, the cache takes what is left of
   the chip's memory:
 
-      pages = (free × gpu_memory_utilization − 2 × params − the compiled steps' temporaries)
+      pages = (free × gpu_memory_utilization − weights − the compiled steps' temporaries)
               ÷ bytes of one page (all layers, this chip's kv heads)
 
-  per chip, the tightest chip deciding. Params count twice: a hot update stages the new
-  weights beside the serving ones and swaps only once they are checked (`weights/ingest.py`:
-  a rejected update must leave the old ones serving), so a cache sized for one copy, as
-  vLLM sizes it, would make the first update run out of memory. `free` is `device.memory_stats()`'s
+  per chip, the tightest chip deciding. `weights` is the params plus what a hot update
+  needs beside them (`weights/in_place.py` `update_reserve`): a second copy when updates are
+  staged whole (`weight_update_staging="copy"`: a rejected update must leave the old ones
+  serving, so the new ones are built beside them), the tensors one pass holds in flight when
+  they are checked first and written in place (the default on TPU/GPU). A cache sized for
+  the params alone would make the first update run out of memory. `free` is `device.memory_stats()`'s
   `bytes_limit − bytes_in_use` on a real device, or the chip's HBM size when compiling
   ahead of time for a TPU slice (`hotswap/programs/aot.py`). The temporaries are measured, not
   guessed: the largest decode and prefill steps are compiled for a first guess of the pool
@@ -37,8 +39,6 @@ import jax.numpy as jnp
 from hotswap.config import EngineConfig
 from hotswap.errors import DeviceMemoryError
 from hotswap.model.config import ModelConfig
-
-PARAM_COPIES = 2  # the serving params and an update's staged ones (module doc)
 
 
 def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1, layers: int | None = None) -> int:
@@ -114,18 +114,19 @@ def free_bytes(devices: Sequence[jax.Device]) -> int | None:
 
 
 def pages_that_fit(
-    free: int, utilization: float, params: int, temps: int, one_page: int, reserved: int = 0
+    free: int, utilization: float, weights: int, temps: int, one_page: int, reserved: int = 0
 ) -> int:
-    """(free × utilization − PARAM_COPIES × params − temps − reserved) ÷ one_page, all bytes per
-    chip (`reserved`: the sliding-window layers' pool). Raises DeviceMemoryError when not even
-    the null page and one more fit."""
-    budget = int(free * utilization) - PARAM_COPIES * params - temps - reserved
+    """(free × utilization − weights − temps − reserved) ÷ one_page, all bytes per chip
+    (`weights`: the params and an update's reserve, module doc; `reserved`: the sliding-window
+    layers' pool). Raises DeviceMemoryError when not even the null page and one more fit."""
+    budget = int(free * utilization) - weights - temps - reserved
     pages = budget // one_page if budget > 0 else 0
     if pages < 2:
         gib = 2**30
         raise DeviceMemoryError(
             f"no room for the KV cache: {free / gib:.2f} GiB free x gpu_memory_utilization {utilization} "
-            f"- params {params / gib:.2f} GiB x {PARAM_COPIES} (serving + an update's staged copy) - step temporaries {temps / gib:.2f} GiB "
+            f"- weights {weights / gib:.2f} GiB (the params and what a hot update needs beside them, "
+            f"by weight_update_staging) - step temporaries {temps / gib:.2f} GiB "
             f"- the sliding-window layers' pages {reserved / gib:.2f} GiB leaves "
             f"{budget / gib:.2f} GiB, under 2 pages of {one_page / 2**20:.2f} MiB; use more chips "
             "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, or a higher "
@@ -138,7 +139,7 @@ def accelerator_pages(
     mcfg: ModelConfig,
     free: int,
     utilization: float,
-    params: int,
+    weights: int,
     temps_at: Callable[[int], int],
     *,
     page_size: int,
@@ -154,18 +155,18 @@ def accelerator_pages(
     per page is all the window layers could use (`window_pages`), and every layer takes the
     same pages, sized as before the window pool existed."""
     one_page = page_bytes(mcfg, page_size, tp)
-    first = pages_that_fit(free, utilization, params, 0, one_page)
+    first = pages_that_fit(free, utilization, weights, 0, one_page)
     if window is not None and first > window:
         local = window_layers(mcfg)
         full = page_bytes(mcfg, page_size, tp, mcfg.num_layers - local)
         reserved = window * page_bytes(mcfg, page_size, tp, local)
-        temps = int(temps_at(pages_that_fit(free, utilization, params, 0, full, reserved)))
-        pages = pages_that_fit(free, utilization, params, temps, full, reserved)
+        temps = int(temps_at(pages_that_fit(free, utilization, weights, 0, full, reserved)))
+        pages = pages_that_fit(free, utilization, weights, temps, full, reserved)
         if pages > window:
             return pages, temps
-        return pages_that_fit(free, utilization, params, temps, one_page), temps
+        return pages_that_fit(free, utilization, weights, temps, one_page), temps
     temps = int(temps_at(first))
-    return pages_that_fit(free, utilization, params, temps, one_page), temps
+    return pages_that_fit(free, utilization, weights, temps, one_page), temps
 
 
 def engine_pages(
@@ -179,12 +180,13 @@ def engine_pages(
     num_pages: int | None,
     gpu_memory_utilization: float,
     devices: Sequence[jax.Device],
-    params_bytes: int,
+    weights_bytes: int,
     temps_at: Callable[[int], int],
 ) -> int:
     """The engine's pool: `num_pages` when given; on CPU (or a device without memory stats)
     `cpu_pages`; on an accelerator what fits its free memory (`accelerator_pages`, over
-    `devices`, the chips the cache is split across). `params_bytes`: one chip's share."""
+    `devices`, the chips the cache is split across). `weights_bytes`: one chip's params and
+    its update reserve (module doc)."""
     if num_pages is not None:
         return num_pages
     free = None if devices[0].platform == "cpu" else free_bytes(devices)
@@ -197,7 +199,7 @@ def engine_pages(
         mcfg,
         free,
         gpu_memory_utilization,
-        params_bytes,
+        weights_bytes,
         temps_at,
         page_size=page_size,
         tp=len(devices),

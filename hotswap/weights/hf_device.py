@@ -53,7 +53,7 @@ from hotswap.weights import finiteness
 
 # Host->device copies in flight before waiting for their conversions: bounds the extra
 # device memory (inputs not yet converted) on backends where device_put copies.
-_IN_FLIGHT_BYTES = 1 << 30
+IN_FLIGHT_BYTES = 1 << 30
 
 
 @functools.cache
@@ -151,38 +151,7 @@ def hf_to_device(
     other leaves are the base's, unchanged and uncopied. For tied models a new
     embedding also rebuilds `lm_head`.
     """
-    target = np.dtype(abstract["embed"].dtype)
-    tensors = experts.stack(cfg, tensors, partial=base is not None)
-    chosen = validate.hf_tensors(cfg, tensors, target, partial=base is not None)
-    head_want, head = abstract["lm_head"], None
-    head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose
-    new: dict[str, jax.Array] = {}
-    check = finiteness.Pass(check_finite)
-    pending, pending_bytes = [], 0
-    for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
-        spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
-        src, dtype = tensors[name], np.dtype(want.dtype)
-        x = _put(src, _source_sharding(want.sharding, spec))
-        if _fused(x, dtype, want.sharding):
-            new[name], flag = _fused_converter(spec.layout, dtype, want.sharding)(x)
-            check.add_flag(name, flag)
-        else:
-            on_host = check.before(name, src, dtype, _on_cpu(want.sharding))
-            new[name] = _converter(spec.layout, dtype, want.sharding)(x)
-            if not on_host:
-                check.add({name: new[name]})  # the converted values: a cast can overflow
-        if name == EMBED and cfg.tie_word_embeddings:  # now, while big holes are whole (above)
-            head_dtype = np.dtype(head_want.dtype)
-            if _fused(new[name], head_dtype, head_want.sharding):
-                head, _ = _fused_converter(head_layout, head_dtype, head_want.sharding)(new[name])
-            else:
-                head = _converter(head_layout, head_dtype, head_want.sharding)(new[name])
-        pending.append(new[name])
-        pending_bytes += x.nbytes
-        if pending_bytes > _IN_FLIGHT_BYTES:
-            jax.block_until_ready(pending)
-            pending, pending_bytes = [], 0
-    check.raise_first(list(chosen), tensors, {n: a.dtype for n, a in new.items()})  # checkpoint order
+    chosen, new, head = _convert(cfg, tensors, abstract, partial=base is not None, check_finite=check_finite)
     params = hf.empty_tree(cfg) if base is None else hf.copy_tree(base)
     for name, spec in chosen.items():
         hf.set_leaf(params, spec.path, new[name])
@@ -191,3 +160,79 @@ def hf_to_device(
     # Returned when ready, so the time of an update is the time of its copies, and an
     # error (say, out of device memory) surfaces here, not in the next step.
     return jax.block_until_ready(params)
+
+
+def check_on_device(
+    cfg: ModelConfig,
+    tensors: Mapping[str, Any],
+    abstract: Params,
+    *,
+    partial: bool,
+    check_finite: bool = True,
+) -> frozenset[tuple[str | int, ...]]:
+    """`hf_to_device`'s checks (names, shapes, dtypes, then NaN/Inf in the converted values)
+    with nothing kept: each converted tensor is dropped once its flag is dispatched, so the
+    device holds only the tensors in flight (`weights/in_place.py`). Without `check_finite`
+    only the validator runs. Returns the paths of the leaves the update replaces (a tied
+    embedding's `lm_head` among them)."""
+    if check_finite:
+        chosen, _, _ = _convert(cfg, tensors, abstract, partial=partial, check_finite=True, keep=False)
+    else:
+        stacked = experts.stack(cfg, tensors, partial=partial)
+        chosen = validate.hf_tensors(cfg, stacked, np.dtype(abstract["embed"].dtype), partial=partial)
+    tied = cfg.tie_word_embeddings and EMBED in chosen
+    return frozenset({spec.path for spec in chosen.values()} | ({("lm_head",)} if tied else set()))
+
+
+def _convert(
+    cfg: ModelConfig,
+    tensors: Mapping[str, Any],
+    abstract: Params,
+    *,
+    partial: bool,
+    check_finite: bool,
+    keep: bool = True,
+) -> tuple[dict, dict[str, jax.Array], jax.Array | None]:
+    """Validate, then convert each chosen tensor onto the device, largest first, with the
+    finiteness pass. Returns (chosen specs by HF name, converted arrays by HF name, the tied
+    head or None); with `keep=False` no array is kept."""
+    target = np.dtype(abstract["embed"].dtype)
+    tensors = experts.stack(cfg, tensors, partial=partial)
+    chosen = validate.hf_tensors(cfg, tensors, target, partial=partial)
+    head_want, head = abstract["lm_head"], None
+    head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose
+    new: dict[str, jax.Array] = {}
+    dtypes: dict[str, np.dtype] = {}
+    check = finiteness.Pass(check_finite)
+    pending, pending_bytes = [], 0
+    for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
+        spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
+        src, dtype = tensors[name], np.dtype(want.dtype)
+        x = _put(src, _source_sharding(want.sharding, spec))
+        if _fused(x, dtype, want.sharding):
+            out, flag = _fused_converter(spec.layout, dtype, want.sharding)(x)
+            check.add_flag(name, flag)
+        else:
+            on_host = check.before(name, src, dtype, _on_cpu(want.sharding))
+            out = _converter(spec.layout, dtype, want.sharding)(x)
+            if not on_host:
+                check.add({name: out})  # the converted values: a cast can overflow
+        dtypes[name] = out.dtype
+        # The tied head now, while big holes are whole (above); unkept, it is a transpose of
+        # checked values, with nothing more to check.
+        if keep and name == EMBED and cfg.tie_word_embeddings:
+            head_dtype = np.dtype(head_want.dtype)
+            if _fused(out, head_dtype, head_want.sharding):
+                head, _ = _fused_converter(head_layout, head_dtype, head_want.sharding)(out)
+            else:
+                head = _converter(head_layout, head_dtype, head_want.sharding)(out)
+        if keep:
+            new[name] = out
+        pending.append(out)  # unkept, held until the wait below: bounds what is in flight
+        pending_bytes += x.nbytes
+        if pending_bytes > IN_FLIGHT_BYTES:
+            jax.block_until_ready(pending)
+            pending, pending_bytes = [], 0
+        del out, x
+    check.raise_first(list(chosen), tensors, dtypes)  # checkpoint order
+    return chosen, new, head

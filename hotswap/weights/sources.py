@@ -113,7 +113,7 @@ def read(source: Any, cfg: ModelConfig, *, weights_root=None, abstract: Params |
     )
 
 
-def _partial_base(current: Params | None, partial: bool) -> Params | None:
+def partial_base(current: Params | None, partial: bool) -> Params | None:
     """The params a partial update fills in: the current ones, as they are (no copy)."""
     if not partial:
         return None
@@ -134,7 +134,7 @@ def resolve_source(
     """Any supported source -> params tree in the engine's layout and dtype, on the host for
     HF-named sources (what a multihost driver broadcasts). Not yet checked for NaN/Inf or
     placed: that is the update's (`stage_source`)."""
-    base = _partial_base(current, partial)
+    base = partial_base(current, partial)
     got = read(source, cfg, weights_root=weights_root, abstract=abstract)
     if got.tensors is None:
         return got.tree
@@ -173,7 +173,7 @@ def stage_source(
             raise WeightsMismatch("a LoRA adapter needs base weights loaded (not after sleep level 2)")
         factors = lora_source.stage(adapter, cfg, abstract, lora_alpha=lora_alpha, check_finite=check_finite)
         return StagedParams(lora.merge(current, factors), abstract, base=current)
-    base = _partial_base(current, partial)
+    base = partial_base(current, partial)
     got = read(source, cfg, weights_root=weights_root, abstract=abstract)
     if got.tensors is None:
         return stage_params(got.tree, abstract, check_finite=check_finite, validated=got.validated)
