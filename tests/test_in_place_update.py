@@ -60,14 +60,15 @@ def test_auto_is_in_place_on_an_accelerator_and_a_copy_on_cpu(llm, copy_llm, tin
 
 
 def test_the_sizing_counts_one_copy_plus_what_a_pass_holds(llm):
-    """The KV sizing's weights: two copies when staged, one plus the in-flight bound in place."""
+    """The KV sizing's weights: staged, two copies and the tensors in flight; in place, one copy
+    and the tensors in flight with their converted twins."""
     target = catalog.Target.on(llm.engine.mcfg, "reference", None, None)
     params = catalog.params_bytes_per_chip(llm.engine.mcfg, target)
-    largest = max(x.nbytes for x in jax.tree.leaves(llm.engine.state.params))
-    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "copy") == 2 * params
-    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "auto") == 2 * params  # CPU
-    in_place_bytes = params + 2 * (hf_device.IN_FLIGHT_BYTES + largest)
-    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "in_place") == in_place_bytes
+    in_flight = hf_device.IN_FLIGHT_BYTES + max(x.nbytes for x in jax.tree.leaves(llm.engine.state.params))
+    copy = catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "copy")
+    assert copy == 2 * params + in_flight
+    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "auto") == copy  # CPU
+    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "in_place") == params + 2 * in_flight
 
 
 def test_an_in_place_update_frees_the_old_weights_before_placing_the_new(

@@ -16,9 +16,13 @@ from hotswap.kernels import cpu_sampling, reference
 from hotswap.programs.sampler import SamplingArrays, sample
 
 V = 64
-# The Backend's two `keep_thresholds`: the C++ kernel (CPU) and its jnp twin (TPU, reference).
+# The Backend's two `keep_thresholds` and `categorical`: the C++ kernels (CPU) and their jnp
+# twins (TPU, reference).
 TWINS = {"cpp": cpu_sampling.keep_thresholds, "jnp": reference.keep_thresholds}
-SAMPLE = {name: jax.jit(partial(sample, keep_thresholds=f)) for name, f in TWINS.items()}
+DRAWS = {"cpp": cpu_sampling.categorical, "jnp": reference.categorical}
+SAMPLE = {
+    name: jax.jit(partial(sample, keep_thresholds=f, categorical=DRAWS[name])) for name, f in TWINS.items()
+}
 
 
 def _logits(rows: int, seed: int = 0) -> jax.Array:
@@ -140,12 +144,49 @@ def test_a_plain_row_draws_the_same_token_beside_filtering_rows_or_alone(twin):
             assert mixed[0] == alone[0] and mixed[2] == alone[2], (step, other)
 
 
-def test_plain_temperature_draws_follow_the_softmax():
+@pytest.mark.parametrize("twin", TWINS)
+def test_plain_temperature_draws_follow_the_softmax(twin):
     """4,000 seeded draws of one row against softmax(logits / T): total variation below 0.04
     (the expected sampling error at 4,000 draws over 64 tokens is about 0.03 at most)."""
     n, t = 4000, 0.7
     logits = jnp.broadcast_to(_logits(1, seed=3), (n, V))
-    toks = _tokens(logits, [SamplingParams(temperature=t)] * n, range(n), [0] * n)
+    toks = _tokens(logits, [SamplingParams(temperature=t)] * n, range(n), [0] * n, twin)
     freq = np.bincount(toks, minlength=V) / n
     want = np.asarray(jax.nn.softmax(logits[0] / t))
     assert 0.5 * np.abs(freq - want).sum() < 0.04
+
+
+@pytest.mark.parametrize("v", [1, 2, 7, 511, 512, 513, 5003, 49152])
+def test_the_draw_twins_agree_and_invert_the_cdf(v):
+    """The C++ draw and its jnp twin pick the same token from the same uniform: the first entry
+    whose running probability (in float64 here) passes u x total, masked entries never, at
+    vocabulary sizes around the kernel's 512-entry blocks."""
+    rng = np.random.default_rng(v)
+    rows = 64
+    x = rng.normal(0, 3.0, (rows, v)).astype(np.float32)
+    x[rng.random((rows, v)) < 0.3] = -np.inf  # filtered entries
+    x[:, 0] = np.maximum(x[:, 0], 0.0)  # every row keeps an entry
+    u = rng.random(rows).astype(np.float32)
+    u[:3] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5]
+    got = {name: np.asarray(jax.jit(f)(jnp.asarray(x), jnp.asarray(u))) for name, f in DRAWS.items()}
+    p = np.where(np.isinf(x), 0.0, np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True)))
+    c = np.cumsum(p, axis=1)
+    want = np.minimum((c <= u[:, None].astype(np.float64) * c[:, -1:]).sum(axis=1), v - 1)
+    for name, toks in got.items():
+        assert np.isfinite(x[np.arange(rows), toks]).all(), name  # never a masked entry
+        # Equal to the float64 inverse CDF but where the target sits within rounding of a boundary.
+        near = np.abs(c[np.arange(rows), np.minimum(want, v - 1)] - u * c[:, -1]) < 1e-5 * c[:, -1]
+        assert ((toks == want) | near).all(), (name, np.flatnonzero(toks != want))
+    assert (got["cpp"] == got["jnp"]).mean() >= 0.98
+
+
+def test_draws_of_degenerate_rows():
+    """An all -inf row draws 0, a row with NaN V - 1 (as argmax), a +inf entry is certain, and
+    u at the top of [0, 1) takes the last entry of non-zero probability."""
+    x = np.full((4, 6), -np.inf, np.float32)
+    x[1, 2] = np.nan
+    x[2, [1, 4]] = [0.0, np.inf]
+    x[3, [0, 3]] = [0.0, 0.0]
+    u = np.array([0.5, 0.5, 0.5, np.nextafter(np.float32(1), np.float32(0))], np.float32)
+    for name, f in DRAWS.items():
+        assert np.asarray(jax.jit(f)(jnp.asarray(x), jnp.asarray(u))).tolist() == [0, 5, 4, 3], name

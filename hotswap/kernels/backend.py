@@ -285,6 +285,11 @@ class Backend:
         """Each filtering row's least kept logit (top-k / top-p / min-p), for the sampler."""
         return cpu_sampling.keep_thresholds if self.attention == "cpu" else reference.keep_thresholds
 
+    @property
+    def categorical(self):
+        """Each sampling row's draw from its scaled logits and one uniform (the inverse CDF)."""
+        return cpu_sampling.categorical if self.attention == "cpu" else reference.categorical
+
     # ---- the step's attention -----------------------------------------------
 
     def cache_heads(self, x: jax.Array) -> jax.Array:

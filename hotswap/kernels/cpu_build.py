@@ -99,6 +99,7 @@ def available() -> bool:
         register("routed_experts", "HotswapRoutedExperts")
         register("row_stats", "HotswapRowStats")
         register("keep_threshold", "HotswapKeepThreshold")
+        register("categorical", "HotswapCategorical")
         register("all_finite", "HotswapAllFinite")
         register("convert_finite", "HotswapConvertFinite")
         register("lora_merge", "HotswapLoraMerge")

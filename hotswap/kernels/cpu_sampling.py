@@ -1,6 +1,6 @@
 """The sampler's per-row kernels on XLA:CPU, C++ FFI calls: each logits row's argmax and
-logsumexp (`cpu/row_stats.cc`), and the keep threshold of its top-k / top-p / min-p filters
-(`cpu/keep_threshold.cc`).
+logsumexp (`cpu/row_stats.cc`), the keep threshold of its top-k / top-p / min-p filters
+(`cpu/keep_threshold.cc`), and its categorical draw (`cpu/categorical.cc`).
 
 Every sampled token needs the row stats: the greedy token is the argmax, and a token's log-prob
 is its logit minus the logsumexp. XLA:CPU computes the jnp forms (`reference.argmax`,
@@ -56,3 +56,15 @@ def keep_thresholds(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p
     return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((r,), jnp.float32))(
         scaled, top_k.astype(jnp.int32), top_p.astype(jnp.float32), min_p.astype(jnp.float32)
     )
+
+
+def categorical(scaled: jax.Array, u: jax.Array) -> jax.Array:
+    """scaled f32 [R, V] (logits / temperature, filtered entries -inf), u f32 [R] in [0, 1) ->
+    int32 [R]: each row's draw by the inverse CDF, the first entry whose running probability
+    passes u. The twin of `reference.categorical`: an exp per entry and one uniform per row,
+    where a Gumbel-max draw pays a random number and two logs per entry."""
+    if scaled.ndim != 2 or scaled.dtype != jnp.float32:
+        raise ValueError(f"need f32 logits [R, V], got {scaled.dtype} {scaled.shape}")
+    target = cpu_build.register("categorical", "HotswapCategorical")
+    r = scaled.shape[0]
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((r,), jnp.int32))(scaled, u.astype(jnp.float32))

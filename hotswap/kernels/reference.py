@@ -286,6 +286,24 @@ def argmax_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return argmax(logits), jax.nn.logsumexp(logits, axis=-1)
 
 
+def categorical(scaled: jax.Array, u: jax.Array) -> jax.Array:
+    """Each row's draw by the inverse CDF: the first entry whose running probability passes
+    u x the row's total. scaled f32 [R, V] (logits / temperature, filtered entries -inf), u f32
+    [R] in [0, 1) -> int32 [R]. The jnp twin of `cpu_sampling.categorical`: a row that never
+    passes (rounding at u near 1) takes its last entry of non-zero probability, an all -inf
+    row 0, a row with NaN V - 1."""
+    v = scaled.shape[-1]
+    m = jnp.max(scaled, axis=-1, keepdims=True)
+    p = jnp.where(scaled == -jnp.inf, 0.0, jnp.exp(jnp.where(scaled == m, 0.0, scaled - m)))
+    c = jnp.cumsum(p, axis=-1)
+    # c never decreases, so the entries at or below the target come first: their count is the
+    # index of the first entry past it, which has non-zero probability.
+    passed = jnp.sum(c <= u[:, None] * c[:, -1:], axis=-1).astype(jnp.int32)
+    iota = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    last = jnp.max(jnp.where(p > 0, iota, 0), axis=-1)
+    return jnp.where(jnp.isnan(m[:, 0]), v - 1, jnp.minimum(passed, last)).astype(jnp.int32)
+
+
 def _order_keys(x: jax.Array) -> jax.Array:
     """uint32 keys with the f32 order (-0 as +0: a zero's ties are kept whatever its sign)."""
     b = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)

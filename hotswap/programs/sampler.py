@@ -1,6 +1,6 @@
 """On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Stateless like gemma's sampler: each row's randomness is
+Stateless like gemma's sampler: each row's randomness is one uniform from
 `fold_in(key(seed), output_index)`, so a seeded request draws the same tokens
 alone or inside any batch. `logprob` is always the chosen token's log-prob
 under the *raw* model distribution (what `LLM.score` returns), whatever the
@@ -19,6 +19,7 @@ import numpy as np
 
 # The jnp twins of the CPU kernels (`sample`'s defaults; the engine passes its Backend's).
 from hotswap.kernels.reference import argmax, argmax_logsumexp
+from hotswap.kernels.reference import categorical as reference_categorical
 from hotswap.kernels.reference import keep_thresholds as reference_keep_thresholds
 
 TOP_LOGPROBS = 20  # the most top-logprobs a request may ask for (as in vLLM/OpenAI)
@@ -88,16 +89,17 @@ def _masked(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
     return jnp.where(sa.constrained[:, None] & ~allowed, -jnp.inf, logits)
 
 
-def _draw(scaled: jax.Array, sa: SamplingArrays) -> jax.Array:
-    """One categorical draw per row from `scaled` [R, V] (masked entries -inf): the Gumbel-max
-    draw of jax.random.categorical, with the vector argmax. A row's noise depends only on its
-    seed and output index, so it draws the same token in any batch."""
+def _draw(scaled: jax.Array, sa: SamplingArrays, categorical) -> jax.Array:
+    """One categorical draw per row from `scaled` [R, V] (masked entries -inf) by the inverse
+    CDF (`categorical`: the Backend's, the C++ kernel or its jnp twin), from one uniform per
+    row. A row's uniform depends only on its seed and output index, so it draws the same token
+    in any batch. Not jax.random.categorical's Gumbel-max: that pays a random number and two
+    logs per vocabulary entry, most of a sampled decode step's extra time on CPU."""
 
-    def draw(row_logits, seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return argmax(jax.random.gumbel(key, row_logits.shape, row_logits.dtype) + row_logits)
+    def uniform(seed, step):
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), dtype=jnp.float32)
 
-    return jax.vmap(draw)(scaled, sa.seed, sa.step)
+    return categorical(scaled, jax.vmap(uniform)(sa.seed, sa.step))
 
 
 def _scaled(logits: jax.Array, sa: SamplingArrays) -> jax.Array:
@@ -109,7 +111,7 @@ def _filters(sa: SamplingArrays) -> jax.Array:
     return (sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0.0)
 
 
-def _filtered_sample(logits: jax.Array, sa: SamplingArrays, keep_thresholds) -> jax.Array:
+def _filtered_sample(logits: jax.Array, sa: SamplingArrays, keep_thresholds, categorical) -> jax.Array:
     """Temperature + top-k + top-p + min-p, then a categorical draw per row. Each row keeps the
     scaled logits >= its threshold (`keep_thresholds`: the Backend's, a radix select or a
     bisection, never a [R, V] sort). A row that sets no filter gets -inf and keeps every entry
@@ -123,7 +125,7 @@ def _filtered_sample(logits: jax.Array, sa: SamplingArrays, keep_thresholds) -> 
         jnp.where(on, sa.top_p, 1.0),
         jnp.where(on, sa.min_p, 0.0),
     )  # [R]
-    return _draw(jnp.where(scaled >= t[:, None], scaled, -jnp.inf), sa)
+    return _draw(jnp.where(scaled >= t[:, None], scaled, -jnp.inf), sa, categorical)
 
 
 def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -132,10 +134,12 @@ def _top_logprobs(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Arr
     return top - lse[:, None], ids
 
 
-def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, keep_thresholds) -> jax.Array:
+def _pick(
+    logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, keep_thresholds, categorical
+) -> jax.Array:
     """Each row's token: `greedy` (its argmax) or a draw. No draw when every row is greedy; no
-    threshold search unless a sampling row filters (plain temperature sampling is a Gumbel-max
-    over the scaled logits)."""
+    threshold search unless a sampling row filters (plain temperature sampling is a draw from
+    the scaled logits)."""
     sampling = sa.temperature > 0
     return jax.lax.cond(
         jnp.any(sampling),
@@ -143,8 +147,8 @@ def _pick(logits: jax.Array, sa: SamplingArrays, greedy: jax.Array, keep_thresho
             sampling,
             jax.lax.cond(
                 jnp.any(sampling & _filters(sa)),
-                lambda: _filtered_sample(logits, sa, keep_thresholds),
-                lambda: _draw(_scaled(logits, sa), sa),
+                lambda: _filtered_sample(logits, sa, keep_thresholds, categorical),
+                lambda: _draw(_scaled(logits, sa), sa, categorical),
             ).astype(jnp.int32),
             greedy,
         ),
@@ -158,9 +162,10 @@ def sample(
     row_stats=argmax_logsumexp,
     *,
     keep_thresholds=reference_keep_thresholds,
+    categorical=reference_categorical,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [R, V] f32 -> (tokens i32[R], logprob f32[R], top_ids i32[R, K], top_lps f32[R, K]).
-    `row_stats`, `keep_thresholds`: the Backend's (the jnp twins, or the C++ kernels of
+    `row_stats`, `keep_thresholds`, `categorical`: the Backend's (the jnp twins, or the C++ kernels of
     `cpu_sampling`; each row's on its own, so a row's token never depends on its batch)."""
     # log p = logit - logsumexp: one fused reduction, never a [R, V] log-prob array (writing
     # and re-reading a vocabulary-wide array per row is memory traffic the step does not need).
@@ -169,8 +174,8 @@ def sample(
     # The log-probs stay those of the raw distribution (vLLM's default, what `score` returns).
     tokens = jax.lax.cond(
         jnp.any(sa.constrained),
-        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked), keep_thresholds),
-        lambda: _pick(logits, sa, greedy, keep_thresholds),
+        lambda: _pick(masked := _masked(logits, sa), sa, argmax(masked), keep_thresholds, categorical),
+        lambda: _pick(logits, sa, greedy, keep_thresholds, categorical),
     )
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     # Only when some row asked: under tensor parallelism top_k gathers the whole [R, V] row.

@@ -128,7 +128,13 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         logits = forward.logits_from_hidden(params, h_last, backend.matmuls, cfg.final_logit_softcapping)
-        out = sample(logits, sa, backend.row_stats, keep_thresholds=backend.keep_thresholds)
+        out = sample(
+            logits,
+            sa,
+            backend.row_stats,
+            keep_thresholds=backend.keep_thresholds,
+            categorical=backend.categorical,
+        )
     if routed is not None:  # a MoE model: the experts of every token, [B*C, moe layers, k] int16
         out = (*out, routed.reshape(-1, *routed.shape[2:]).astype(jnp.int16))
     return (new_kv if backend.read_then_write else pages), out

@@ -35,6 +35,7 @@ file or a caller's array, either of which can change after the update returns.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,9 +52,11 @@ from hotswap.model.params import Params
 from hotswap.model.spec import EMBED, ParamSpec, param_specs
 from hotswap.weights import finiteness
 
-# Host->device copies in flight before waiting for their conversions: bounds the extra
-# device memory (inputs not yet converted) on backends where device_put copies.
-IN_FLIGHT_BYTES = 1 << 30
+# Host->device copies in flight before waiting for their conversions, in bytes a chip: bounds
+# the extra device memory (inputs not yet converted) on backends where device_put copies, and
+# what the KV sizing reserves for an update (`weights/in_place.py` `update_reserve`). 256 MiB
+# is 10-25 ms of a chip's host transfers: enough to keep its conversions fed.
+IN_FLIGHT_BYTES = 256 << 20
 
 
 @functools.cache
@@ -115,6 +118,11 @@ def _put(array: Any, sharding) -> jax.Array:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow shows up as a non-finite flag
             array = np.asarray(array).astype(canonical)
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+
+
+def _chip_bytes(x: jax.Array) -> int:
+    """Bytes of `x` on each chip it is split over (all of it where it is replicated)."""
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
 # ---- where the conversion runs ---------------------------------------------------------------
@@ -229,7 +237,7 @@ def _convert(
         if keep:
             new[name] = out
         pending.append(out)  # unkept, held until the wait below: bounds what is in flight
-        pending_bytes += x.nbytes
+        pending_bytes += _chip_bytes(x)
         if pending_bytes > IN_FLIGHT_BYTES:
             jax.block_until_ready(pending)
             pending, pending_bytes = [], 0

@@ -18,7 +18,7 @@ the old weights serving), runs in two passes:
    engine's weights are discarded as at sleep level 2 and `WeightsLost` says so: the next
    update loads them.
 
-The conversion runs twice (about a second of HBM traffic for a 27B model on a v5e-8); the
+The conversion runs twice (about a second of host transfers for a 27B model on a v5e-8); the
 device needs the serving params plus what one pass holds in flight (`update_reserve`).
 Params trees already on the engine's shardings (a colocated trainer's, Tunix's) are used
 as they are in either mode: they cost nothing here. A LoRA adapter (merged beside the
@@ -53,12 +53,14 @@ def resolve(staging: str, platform: str) -> str:
 
 
 def update_reserve(staging: str, params_bytes: int, largest_leaf_bytes: int) -> int:
-    """Device bytes a hot update needs beyond the serving params, per chip: a whole copy when
-    staged; in place, what one pass holds at once (the tensors in flight before it waits, the
-    largest one over the bound, and their converted twins)."""
+    """Device bytes a hot update needs beyond the serving params, per chip. Either way the HF
+    tensors in flight (`hf_device.IN_FLIGHT_BYTES` and the one that passes the bound, still in
+    the file's layout); staged, the whole new copy beside them; in place, their converted
+    twins, each dropped (pass 1) or written into a released leaf's room (pass 2)."""
+    in_flight = hf_device.IN_FLIGHT_BYTES + largest_leaf_bytes
     if staging == "copy":
-        return params_bytes
-    return 2 * (hf_device.IN_FLIGHT_BYTES + largest_leaf_bytes)
+        return params_bytes + in_flight
+    return 2 * in_flight
 
 
 @dataclasses.dataclass(frozen=True)
