@@ -32,15 +32,12 @@ import dataclasses
 import os
 from typing import Any
 
-import jax
-
 from hotswap.checkpoint import hf
-from hotswap.model import validate
 from hotswap.model.config import ModelConfig
-from hotswap.model.params import Params, path_name
-from hotswap.weights import finiteness, hf_device, sources, transfer
+from hotswap.model.params import Params
+from hotswap.weights import hf_device, sources, transfer
 from hotswap.weights import lora as lora_source
-from hotswap.weights.ingest import StagedParams, place_params, stage_params
+from hotswap.weights.ingest import StagedParams, check_params, place_params, stage_params
 
 
 def resolve(staging: str, platform: str) -> str:
@@ -84,8 +81,8 @@ def check_source(
     check_finite: bool = True,
     lora_alpha: float | None = None,
 ) -> Checked:
-    """Pass 1 (see the module doc). `current`: the serving base weights, used only by the forms
-    that stage (a LoRA merge)."""
+    """Pass 1 (see the module doc). `current`: the serving base weights, which a partial update
+    needs loaded and a LoRA adapter (staged) is merged into."""
     if lora_source.read(source, cfg, weights_root=weights_root) is not None or isinstance(
         source, transfer.TransferRef
     ):
@@ -108,12 +105,7 @@ def check_source(
             cfg, got.tensors, abstract, partial=partial, check_finite=check_finite
         )
         return Checked(read=got, replaced=replaced if partial else None)
-    if not got.validated:
-        validate.tree(got.tree, abstract)
-    check = finiteness.Pass(check_finite)
-    named = {path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(got.tree)[0]}
-    check.add(named)
-    check.raise_first(list(named))
+    check_params(got.tree, abstract, check_finite=check_finite, validated=got.validated)
     return Checked(read=dataclasses.replace(got, validated=True))
 
 

@@ -54,16 +54,22 @@ class StagedParams:
     )
 
 
-def stage_params(
+def check_params(
     params: Params, abstract: Params, *, check_finite: bool = True, validated: bool = False
-) -> StagedParams:
-    """A params tree -> validated (`validate.tree`, unless its reader `validated` it already,
-    by its manifest or metadata), checked for NaN/Inf (one pass over the leaves as they are)
-    and placed (`place_params`)."""
+) -> None:
+    """A params tree validated (`validate.tree`, unless its reader `validated` it already, by
+    its manifest or metadata) and checked for NaN/Inf, one pass over the leaves as they are."""
     if not validated:
         validate.tree(params, abstract)
     check = finiteness.Pass(check_finite)
     named = {path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     check.add(named)
     check.raise_first(list(named))
+
+
+def stage_params(
+    params: Params, abstract: Params, *, check_finite: bool = True, validated: bool = False
+) -> StagedParams:
+    """A params tree -> checked (`check_params`) and placed (`place_params`)."""
+    check_params(params, abstract, check_finite=check_finite, validated=validated)
     return StagedParams(place_params(params, abstract), abstract)
