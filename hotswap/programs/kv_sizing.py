@@ -129,8 +129,8 @@ def pages_that_fit(
             f"by weight_update_staging) - step temporaries {temps / gib:.2f} GiB "
             f"- the sliding-window layers' pages {reserved / gib:.2f} GiB leaves "
             f"{budget / gib:.2f} GiB, under 2 pages of {one_page / 2**20:.2f} MiB; use more chips "
-            "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, or a higher "
-            "gpu_memory_utilization"
+            "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, a higher "
+            "gpu_memory_utilization, or weight_update_staging 'in_place' (one copy of the params)"
         )
     return pages
 
