@@ -85,9 +85,7 @@ class FakeDevice(SimpleNamespace):
         return self.stats
 
 
-def _pages(
-    devices, *, num_pages=None, weights=2 * GIB, temps=0, seen=None, preset="llama-3-8b", disable=False
-):
+def _pages(devices, *, num_pages=None, params=GIB, temps=0, seen=None, preset="llama-3-8b", disable=False):
     cfg = ModelConfig.from_hf(load_preset(preset), dtype="bfloat16")
 
     def temps_at(n):
@@ -105,7 +103,7 @@ def _pages(
         num_pages=num_pages,
         gpu_memory_utilization=0.9,
         devices=devices,
-        weights_bytes=weights,
+        weights=kv_sizing.Weights(params, params, "copy"),  # a staged copy beside the params
         temps_at=temps_at,
     )
 
@@ -128,7 +126,7 @@ def test_kv_sizing_from_memory_stats():
     cpu = FakeDevice(platform="cpu", stats=None)
     assert _pages([cpu]) == kv_sizing.cpu_pages(2048, 16, 32) == 128 * 32 // 2 + 1
     with pytest.raises(DeviceMemoryError, match="no room for the KV cache"):
-        _pages([chip(0)], weights=15 * GIB)
+        _pages([chip(0)], params=15 * GIB)
 
 
 def test_kv_sizing_takes_the_window_pool_off_the_budget_first():
@@ -201,6 +199,7 @@ def test_params_over_hbm_fail_before_compiling(capsys):
     assert cli.main(["aot", "llama-3-8b", "--topology", "v5e:1x1"]) == 2
     err = capsys.readouterr().err
     assert "no room for the KV cache" in err and "params 14.96 GiB" in err
+    assert "weight_update_staging 'in_place'" in err and "or weight_update_staging" not in err
 
 
 def test_a_compile_error_names_the_program(capsys):

@@ -65,10 +65,11 @@ def test_the_sizing_counts_one_copy_plus_what_a_pass_holds(llm):
     target = catalog.Target.on(llm.engine.mcfg, "reference", None, None)
     params = catalog.params_bytes_per_chip(llm.engine.mcfg, target)
     in_flight = hf_device.IN_FLIGHT_BYTES + max(x.nbytes for x in jax.tree.leaves(llm.engine.state.params))
-    copy = catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "copy")
-    assert copy == 2 * params + in_flight
-    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "auto") == copy  # CPU
-    assert catalog.weights_bytes_per_chip(llm.engine.mcfg, target, "in_place") == params + 2 * in_flight
+    copy = catalog.weights_per_chip(llm.engine.mcfg, target, "copy")
+    assert (copy.params, copy.reserve, copy.staging) == (params, params + in_flight, "copy")
+    assert catalog.weights_per_chip(llm.engine.mcfg, target, "auto") == copy  # CPU
+    in_place_weights = catalog.weights_per_chip(llm.engine.mcfg, target, "in_place")
+    assert (in_place_weights.total, in_place_weights.staging) == (params + 2 * in_flight, "in_place")
 
 
 def test_an_in_place_update_frees_the_old_weights_before_placing_the_new(

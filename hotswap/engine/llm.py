@@ -395,7 +395,7 @@ def _start_engine(mcfg, params, tokenizer, args: EngineArgs, mesh: jax.sharding.
         num_pages=args.num_pages,
         gpu_memory_utilization=args.gpu_memory_utilization,
         devices=sorted(target.kv.device_set, key=lambda d: d.id),
-        weights_bytes=catalog.weights_bytes_per_chip(mcfg, target, args.weight_update_staging),
+        weights=catalog.weights_per_chip(mcfg, target, args.weight_update_staging),
         temps_at=temps_at,
     )
     return Engine(

@@ -31,7 +31,6 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.programs import catalog, kv_sizing
 from hotswap.programs.step import Buckets
-from hotswap.weights import in_place
 
 GIB = 2**30
 
@@ -144,14 +143,15 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = catalog.params_bytes_per_chip(mcfg, target)
-    # the params and what a hot update needs beside them (weights/in_place.py)
-    weights_bytes = catalog.weights_bytes_per_chip(mcfg, target, acfg.weight_update_staging)
     # the buffers of adapters served by name (`--enable-lora`): resident beside the params
     lora_bytes = (
         catalog.lora_bytes_per_chip(mcfg, acfg.max_loras, acfg.max_lora_rank, target)
         if acfg.enable_lora
         else 0
     )
+    # the params (and adapter buffers) and what a hot update needs beside them (weights/in_place.py)
+    weights = catalog.weights_per_chip(mcfg, target, acfg.weight_update_staging)
+    weights = dataclasses.replace(weights, params=weights.params + lora_bytes)
     window = kv_sizing.window_bound(
         mcfg,
         acfg.page_size,
@@ -193,7 +193,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
             mcfg,
             chip.hbm_bytes,
             acfg.gpu_memory_utilization,
-            weights_bytes + lora_bytes,
+            weights,
             compile_all,
             page_size=acfg.page_size,
             tp=tp,
@@ -209,7 +209,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     worst = max(steps, key=lambda s: s.temp_bytes + s.output_bytes - s.alias_bytes)
     # A hot update: a staged copy beside the serving params, or in place what one pass holds
     # in flight (weights/in_place.py), with the conversion programs' temporaries.
-    update = weights_bytes + lora_bytes + kv_bytes + max((s.temp_bytes for s in others), default=0)
+    update = weights.total + kv_bytes + max((s.temp_bytes for s in others), default=0)
     # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
     # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.
     token_bytes = kv_sizing.page_bytes(mcfg, acfg.page_size, tp) // acfg.page_size
@@ -243,7 +243,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "serving_bytes_per_chip": serving,
         "largest_step": worst.name,
         "fits": serving <= chip.hbm_bytes,
-        "weight_update_staging": in_place.resolve(acfg.weight_update_staging, "tpu"),
+        "weight_update_staging": weights.staging,
         "update_bytes_per_chip": update,
         "update_fits": update <= chip.hbm_bytes,
         "decode_bytes_read_per_chip": read,

@@ -281,15 +281,15 @@ def params_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bo
     return max((sum(leaves) for leaves in per.values()), default=0)
 
 
-def weights_bytes_per_chip(mcfg: ModelConfig, target: Target, staging: str) -> int:
-    """One chip's params plus what a hot update needs beside them under `staging`
+def weights_per_chip(mcfg: ModelConfig, target: Target, staging: str) -> kv_sizing.Weights:
+    """One chip's params and what a hot update needs beside them under `staging`
     (`weight_update_staging`; `weights/in_place.py` `update_reserve`): what the KV sizing
     takes off each chip before the cache."""
     per = _leaf_bytes_per_chip(mcfg, target)
     params = max((sum(leaves) for leaves in per.values()), default=0)
     largest = max((max(leaves) for leaves in per.values()), default=0)
-    platform = next(iter(target.kv.device_set)).platform
-    return params + in_place.update_reserve(in_place.resolve(staging, platform), params, largest)
+    resolved = in_place.resolve(staging, next(iter(target.kv.device_set)).platform)
+    return kv_sizing.Weights(params, in_place.update_reserve(resolved, params, largest), resolved)
 
 
 def _leaf_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> dict:

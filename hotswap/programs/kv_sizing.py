@@ -30,6 +30,7 @@ the window pool's bytes come off the budget first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -39,6 +40,20 @@ import jax.numpy as jnp
 from hotswap.config import EngineConfig
 from hotswap.errors import DeviceMemoryError
 from hotswap.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """One chip's params and what a hot update needs beside them (`reserve`, by `staging`:
+    `weights/in_place.py` `update_reserve`); `params` counts LoRA buffers where there are any."""
+
+    params: int
+    reserve: int
+    staging: str
+
+    @property
+    def total(self) -> int:
+        return self.params + self.reserve
 
 
 def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1, layers: int | None = None) -> int:
@@ -114,23 +129,28 @@ def free_bytes(devices: Sequence[jax.Device]) -> int | None:
 
 
 def pages_that_fit(
-    free: int, utilization: float, weights: int, temps: int, one_page: int, reserved: int = 0
+    free: int, utilization: float, weights: Weights, temps: int, one_page: int, reserved: int = 0
 ) -> int:
     """(free × utilization − weights − temps − reserved) ÷ one_page, all bytes per chip
     (`weights`: the params and an update's reserve, module doc; `reserved`: the sliding-window
     layers' pool). Raises DeviceMemoryError when not even the null page and one more fit."""
-    budget = int(free * utilization) - weights - temps - reserved
+    budget = int(free * utilization) - weights.total - temps - reserved
     pages = budget // one_page if budget > 0 else 0
     if pages < 2:
         gib = 2**30
+        in_place = (
+            " or weight_update_staging 'in_place' (one copy of the params)"
+            if weights.staging == "copy"
+            else ""
+        )
         raise DeviceMemoryError(
             f"no room for the KV cache: {free / gib:.2f} GiB free x gpu_memory_utilization {utilization} "
-            f"- weights {weights / gib:.2f} GiB (the params and what a hot update needs beside them, "
-            f"by weight_update_staging) - step temporaries {temps / gib:.2f} GiB "
+            f"- params {weights.params / gib:.2f} GiB - a hot update's {weights.reserve / gib:.2f} GiB beside "
+            f"them (weight_update_staging {weights.staging!r}) - step temporaries {temps / gib:.2f} GiB "
             f"- the sliding-window layers' pages {reserved / gib:.2f} GiB leaves "
             f"{budget / gib:.2f} GiB, under 2 pages of {one_page / 2**20:.2f} MiB; use more chips "
             "(--tensor-parallel-size), a smaller max_num_seqs / max_num_batched_tokens, a higher "
-            "gpu_memory_utilization, or weight_update_staging 'in_place' (one copy of the params)"
+            f"gpu_memory_utilization{in_place}"
         )
     return pages
 
@@ -139,7 +159,7 @@ def accelerator_pages(
     mcfg: ModelConfig,
     free: int,
     utilization: float,
-    weights: int,
+    weights: Weights,
     temps_at: Callable[[int], int],
     *,
     page_size: int,
@@ -180,13 +200,13 @@ def engine_pages(
     num_pages: int | None,
     gpu_memory_utilization: float,
     devices: Sequence[jax.Device],
-    weights_bytes: int,
+    weights: Weights,
     temps_at: Callable[[int], int],
 ) -> int:
     """The engine's pool: `num_pages` when given; on CPU (or a device without memory stats)
     `cpu_pages`; on an accelerator what fits its free memory (`accelerator_pages`, over
-    `devices`, the chips the cache is split across). `weights_bytes`: one chip's params and
-    its update reserve (module doc)."""
+    `devices`, the chips the cache is split across). `weights`: one chip's params and its
+    update reserve (module doc)."""
     if num_pages is not None:
         return num_pages
     free = None if devices[0].platform == "cpu" else free_bytes(devices)
@@ -199,7 +219,7 @@ def engine_pages(
         mcfg,
         free,
         gpu_memory_utilization,
-        weights_bytes,
+        weights,
         temps_at,
         page_size=page_size,
         tp=len(devices),
