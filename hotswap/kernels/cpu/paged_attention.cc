@@ -41,13 +41,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_fold.h"
 #include "parallel.h"
 #include "vec_exp.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -84,88 +81,6 @@ inline void store(uint16_t* dst, const float* src, int n) {
   for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-#if defined(__AVX512F__)
-// The online-softmax step of GH q heads that share a kv head, over n <= 16 keys (f32 rows
-// kstride apart), HD = 64 or 128. q rows, acc rows: HD apart; m, l: one per head. Each K and
-// V vector is loaded once for all GH heads: one head at a time loaded one vector per FMA
-// and was bound by the load ports, not the FMAs. A head's 16 scores sit in one vector for
-// max / exp / sum, and its output stays in registers.
-template <int HD, int GH>
-inline void Fold16(const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float cap, float* m,
-                   float* l, float* acc) {
-  constexpr int V = HD / 16;
-  alignas(64) float s[GH][16];
-  __m512 qv[GH][V];
-  for (int h = 0; h < GH; ++h)
-    for (int c = 0; c < V; ++c) qv[h][c] = _mm512_loadu_ps(qg + h * HD + 16 * c);
-  for (int j = 0; j < n; ++j) {
-    const float* kj = kb + j * kstride;
-    __m512 kv[V];
-    for (int c = 0; c < V; ++c) kv[c] = _mm512_loadu_ps(kj + 16 * c);
-    for (int h = 0; h < GH; ++h) {  // two chains per dot, overlapping across heads and keys
-      __m512 a0 = _mm512_mul_ps(qv[h][0], kv[0]), a1 = _mm512_mul_ps(qv[h][1], kv[1]);
-      for (int c = 2; c < V; c += 2) {
-        a0 = _mm512_fmadd_ps(qv[h][c], kv[c], a0);
-        a1 = _mm512_fmadd_ps(qv[h][c + 1], kv[c + 1], a1);
-      }
-      s[h][j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    }
-  }
-  if (cap > 0) {
-    for (int h = 0; h < GH; ++h)
-      for (int j = 0; j < n; ++j) s[h][j] = cap * std::tanh(s[h][j] / cap);
-  }
-  const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-  __m512 o[GH][V];
-  for (int h = 0; h < GH; ++h) {
-    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s[h]);
-    const float mx = std::max(m[h], _mm512_reduce_max_ps(sv));
-    const __m512 pv = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-    _mm512_store_ps(s[h], pv);
-    const float corr = ExpNonPositive(m[h] - mx);  // m = -inf before the first block: 0
-    l[h] = l[h] * corr + _mm512_reduce_add_ps(pv);
-    m[h] = mx;
-    const __m512 cv = _mm512_set1_ps(corr);
-    for (int c = 0; c < V; ++c) o[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * HD + 16 * c), cv);
-  }
-  for (int j = 0; j < n; ++j) {
-    const float* vj = vb + j * kstride;
-    __m512 vv[V];
-    for (int c = 0; c < V; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
-    for (int h = 0; h < GH; ++h) {
-      const __m512 pj = _mm512_set1_ps(s[h][j]);
-      for (int c = 0; c < V; ++c) o[h][c] = _mm512_fmadd_ps(pj, vv[c], o[h][c]);
-    }
-  }
-  for (int h = 0; h < GH; ++h)
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + h * HD + 16 * c, o[h][c]);
-}
-
-// The most heads one Fold16 takes: its GH x HD/16 accumulators, HD/16 K or V vectors and a
-// broadcast fit in the 32 zmm registers.
-template <int HD>
-constexpr int kMaxGH = HD == 64 ? 4 : 2;
-
-// Fold16 for gh (1..G) heads: the compile-time head count for a run-time one.
-template <int HD, int G>
-inline void FoldGroup(int64_t gh, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
-                      float cap, float* m, float* l, float* acc) {
-  if constexpr (G > 1) {
-    if (gh < G) return FoldGroup<HD, G - 1>(gh, qg, kb, vb, kstride, n, cap, m, l, acc);
-  }
-  Fold16<HD, G>(qg, kb, vb, kstride, n, cap, m, l, acc);
-}
-
-// Every q head of a kv head, kMaxGH at a time.
-template <int HD>
-inline void FoldHeads16(int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
-                        float cap, float* m, float* l, float* acc) {
-  for (int64_t g = 0; g < g_n; g += kMaxGH<HD>) {
-    const int64_t gh = std::min<int64_t>(kMaxGH<HD>, g_n - g);
-    FoldGroup<HD, kMaxGH<HD>>(gh, qg + g * HD, kb, vb, kstride, n, cap, m + g, l + g, acc + g * HD);
-  }
-}
-#endif
 
 struct Shape {
   int64_t b, c, hq, hkv, hd, num_pages, ps, p;
@@ -177,57 +92,6 @@ struct Shape {
 // The first key a query at `pos` sees: 0, or the start of its window.
 inline int64_t WindowStart(const Shape& s, int64_t pos) {
   return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-}
-
-// Online-softmax step over n keys (f32 rows kstride apart) for the g_n q heads of one kv
-// head (q and acc rows hd apart; m, l one per head): the vector path for head_dim 64 / 128,
-// plain loops otherwise. Scores are softcapped when cap > 0. `sc` is scratch of at least n floats.
-inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride,
-                 int64_t n, float cap, float* m, float* l, float* acc, float* sc) {
-#if defined(__AVX512F__)
-  if (hd == 64 || hd == 128) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int nj = static_cast<int>(std::min<int64_t>(16, n - j0));
-      if (hd == 64) {
-        FoldHeads16<64>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m, l, acc);
-      } else {
-        FoldHeads16<128>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m, l, acc);
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < g_n; ++g) {
-    const float* qh = qg + g * hd;
-    float* ah = acc + g * hd;
-    float mx = m[g];
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = kb + j * kstride;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < hd; ++d) dot += qh[d] * kj[d];
-      if (cap > 0) dot = cap * std::tanh(dot / cap);
-      sc[j] = dot;
-      mx = std::max(mx, dot);
-    }
-    const float corr = ExpNonPositive(m[g] - mx);  // m = -inf before the first block: 0
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      sc[j] = ExpNonPositive(sc[j] - mx);
-      sum += sc[j];
-    }
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) ah[d] *= corr;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = sc[j];
-      const float* vj = vb + j * kstride;
-#pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) ah[d] += p * vj[d];
-    }
-    m[g] = mx;
-    l[g] = l[g] * corr + sum;
-  }
 }
 
 // A run of consecutive queries of one chunk (flat indices i0 .. i0 + n - 1): their positions
