@@ -126,71 +126,109 @@ inline float HSum256(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// The online-softmax step of one q head over n <= 16 keys (f32 rows kstride apart), HD a
-// multiple of 64. 8 keys' dots run at once, one accumulator each (16 ymm registers hold 8
-// accumulators and a q vector, where 16 keys' worth of K rows would not), and are reduced
-// together by Sum8x8; the 16 scores sit in two vectors for max / exp / sum. The output is
-// accumulated 64 floats (8 registers) at a time. The other q heads of the kv head read the
-// same K/V block again from L1: DRAM sees it once.
-template <int HD>
-inline void FoldHead8(const float* qh, const float* kb, const float* vb, int64_t kstride, int n, float cap,
-                      float& m, float& l, float* acc) {
-  static_assert(HD % 64 == 0, "FoldHead8 takes head_dim 64, 128, 256");
+// The online-softmax step of GH <= 3 q heads that share a kv head, over n <= 16 keys (f32 rows
+// kstride apart), HD a multiple of 64. The dots go 4 keys x GH heads at a time, so each K vector
+// is loaded once for every head (12 accumulators and 4 K vectors fill the 16 ymm registers), and
+// four dots reduce together in one hadd tree. The max / exp / sum of the GH heads then run side
+// by side (one exp for every head's rescale), so their dependent horizontal ops overlap. Each
+// head's output is accumulated 64 floats (8 registers) at a time, its V block re-read from L1.
+template <int HD, int GH>
+inline void Fold8(const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float cap, float* m,
+                  float* l, float* acc) {
+  static_assert(HD % 64 == 0, "Fold8 takes head_dim 64, 128, 256");
   constexpr int V = HD / 8;
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 sv[2] = {ninf, ninf}, live[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int b = 0; 8 * b < n; ++b) {
-    const float* kr[8];  // lanes past n repeat the last key (then masked): no read past the block
-    for (int j = 0; j < 8; ++j) kr[j] = kb + std::min(8 * b + j, n - 1) * kstride;
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  const __m256 live[2] = {_mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ),
+                          _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - 8)), _CMP_LT_OQ)};
+  alignas(32) float sc[GH][16];
+  for (int j0 = 0; j0 < n; j0 += 4) {
+    const float* kr[4];
+    for (int j = 0; j < 4; ++j) kr[j] = kb + std::min(j0 + j, n - 1) * kstride;
+    __m256 a[GH][4];
+    for (int h = 0; h < GH; ++h)
+      for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
     for (int c = 0; c < V; ++c) {
-      const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr[j] + 8 * c), a[j]);
+      __m256 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = _mm256_loadu_ps(kr[j] + 8 * c);
+      for (int h = 0; h < GH; ++h) {
+        const __m256 qc = _mm256_loadu_ps(qg + h * HD + 8 * c);
+        for (int j = 0; j < 4; ++j) a[h][j] = _mm256_fmadd_ps(qc, kv[j], a[h][j]);
+      }
     }
-    live[b] = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - 8 * b)), _CMP_LT_OQ);
-    sv[b] = Sum8x8(a);
+    for (int h = 0; h < GH; ++h) {
+      const __m256 t0 = _mm256_hadd_ps(a[h][0], a[h][1]), t1 = _mm256_hadd_ps(a[h][2], a[h][3]);
+      const __m256 u = _mm256_hadd_ps(t0, t1);  // [k0 k1 k2 k3 | k0 k1 k2 k3] halves
+      _mm_store_ps(sc[h] + j0, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    }
   }
-  alignas(32) float s[16];
+  __m256 sv[GH][2];
+  for (int h = 0; h < GH; ++h) sv[h][0] = _mm256_load_ps(sc[h]), sv[h][1] = n > 8 ? _mm256_load_ps(sc[h] + 8) : ninf;
+  alignas(32) float s[GH][16];
   if (cap > 0) {
-    _mm256_store_ps(s, sv[0]);
-    _mm256_store_ps(s + 8, sv[1]);
-    for (int j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
-    sv[0] = _mm256_load_ps(s), sv[1] = _mm256_load_ps(s + 8);
-  }
-  sv[0] = _mm256_blendv_ps(ninf, sv[0], live[0]);
-  sv[1] = _mm256_blendv_ps(ninf, sv[1], live[1]);
-  const float mx = std::max(m, HMax256(_mm256_max_ps(sv[0], sv[1])));
-  const __m256 mv = _mm256_set1_ps(mx);
-  const __m256 p0 = _mm256_and_ps(Exp256(_mm256_sub_ps(sv[0], mv)), live[0]);
-  const __m256 p1 = _mm256_and_ps(Exp256(_mm256_sub_ps(sv[1], mv)), live[1]);
-  _mm256_store_ps(s, p0);
-  _mm256_store_ps(s + 8, p1);
-  const float corr = ExpNonPositive(m - mx);  // m = -inf before the first block: 0
-  l = l * corr + HSum256(_mm256_add_ps(p0, p1));
-  m = mx;
-  const __m256 cv = _mm256_set1_ps(corr);
-  for (int c0 = 0; c0 < V; c0 += 8) {
-    __m256 o[8];
-    for (int c = 0; c < 8; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (c0 + c)), cv);
-    for (int j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(s[j]);
-      const float* vj = vb + j * kstride + 8 * c0;
-      for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), o[c]);
+    for (int h = 0; h < GH; ++h) {
+      _mm256_store_ps(s[h], sv[h][0]);
+      _mm256_store_ps(s[h] + 8, sv[h][1]);
+      for (int j = 0; j < n; ++j) s[h][j] = cap * std::tanh(s[h][j] / cap);
+      sv[h][0] = _mm256_load_ps(s[h]), sv[h][1] = _mm256_load_ps(s[h] + 8);
     }
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), o[c]);
+  }
+  static_assert(GH <= 8, "one lane per head in the rescale exp");
+  alignas(32) float shift[8] = {};  // m - new max per head, for one vector exp
+  float mx[GH];
+  for (int h = 0; h < GH; ++h) {
+    sv[h][0] = _mm256_blendv_ps(ninf, sv[h][0], live[0]);
+    sv[h][1] = _mm256_blendv_ps(ninf, sv[h][1], live[1]);
+    mx[h] = std::max(m[h], HMax256(_mm256_max_ps(sv[h][0], sv[h][1])));
+    shift[h] = m[h] - mx[h];  // m = -inf before the first block: its scale is ~0
+  }
+  alignas(32) float corr[8];
+  _mm256_store_ps(corr, Exp256(_mm256_load_ps(shift)));
+  for (int h = 0; h < GH; ++h) {
+    const __m256 mv = _mm256_set1_ps(mx[h]);
+    const __m256 p0 = _mm256_and_ps(Exp256(_mm256_sub_ps(sv[h][0], mv)), live[0]);
+    const __m256 p1 = _mm256_and_ps(Exp256(_mm256_sub_ps(sv[h][1], mv)), live[1]);
+    _mm256_store_ps(s[h], p0);
+    _mm256_store_ps(s[h] + 8, p1);
+    l[h] = l[h] * corr[h] + HSum256(_mm256_add_ps(p0, p1));
+    m[h] = mx[h];
+  }
+  for (int h = 0; h < GH; ++h) {
+    const __m256 cv = _mm256_set1_ps(corr[h]);
+    float* ah = acc + h * HD;
+    for (int c0 = 0; c0 < V; c0 += 8) {
+      __m256 o[8];
+      for (int c = 0; c < 8; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(ah + 8 * (c0 + c)), cv);
+      for (int j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_broadcast_ss(&s[h][j]);
+        const float* vj = vb + j * kstride + 8 * c0;
+        for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), o[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(ah + 8 * (c0 + c), o[c]);
+    }
   }
 }
 
-// FoldHead8 for each of the g_n q heads of a kv head, over n keys in blocks of 16.
+// Fold8 for gh (1..G) heads: the compile-time head count for a run-time one.
+template <int HD, int G>
+inline void FoldGroup8(int64_t gh, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
+                       float cap, float* m, float* l, float* acc) {
+  if constexpr (G > 1) {
+    if (gh < G) return FoldGroup8<HD, G - 1>(gh, qg, kb, vb, kstride, n, cap, m, l, acc);
+  }
+  Fold8<HD, G>(qg, kb, vb, kstride, n, cap, m, l, acc);
+}
+
+// Every q head of a kv head, 3 at a time, over n keys in blocks of 16.
 template <int HD>
 inline void FoldHeads8(int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride, int64_t n,
                        float cap, float* m, float* l, float* acc) {
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int nj = static_cast<int>(std::min<int64_t>(16, n - j0));
-    for (int64_t g = 0; g < g_n; ++g) {
-      FoldHead8<HD>(qg + g * HD, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m[g], l[g], acc + g * HD);
+    for (int64_t g = 0; g < g_n; g += 3) {
+      const int64_t gh = std::min<int64_t>(3, g_n - g);
+      FoldGroup8<HD, 3>(gh, qg + g * HD, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m + g, l + g,
+                        acc + g * HD);
     }
   }
 }
