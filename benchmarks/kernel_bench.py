@@ -111,7 +111,7 @@ def make_group_inputs(rng, groups: int, shared: bool, dtype):
     ids = iter(rng.permutation(np.arange(1, num_pages)).tolist())
     tables = np.zeros((len(lens), p), np.int32)
     for g in range(groups):
-        prompt = [next(ids) for _ in range(prompt_pages)]
+        prompt = [next(ids) for _ in range(prompt_pages)] if shared else []
         for r in range(GROUP_ROWS):
             row = g * GROUP_ROWS + r
             head = prompt if shared else [next(ids) for _ in range(prompt_pages)]

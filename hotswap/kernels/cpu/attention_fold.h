@@ -236,7 +236,8 @@ inline void FoldHeads8(int64_t g_n, const float* qg, const float* kb, const floa
 
 // Online-softmax step over n keys (f32 rows kstride apart) for the g_n q heads of one kv
 // head (q and acc rows hd apart; m, l one per head): the AVX-512 path for head_dim 64 / 128,
-// the AVX2 one for head_dim 64 / 128 / 256, plain loops otherwise. Scores are softcapped when cap > 0. `sc` is scratch of at least n floats.
+// the AVX2 one for head_dim 64 / 128 / 256, plain loops otherwise. Scores are softcapped when
+// cap > 0. `sc` is scratch of at least n floats.
 inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride,
                  int64_t n, float cap, float* m, float* l, float* acc, float* sc) {
 #if defined(__AVX512F__)

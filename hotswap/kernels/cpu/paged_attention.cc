@@ -25,7 +25,8 @@
 // Sliding window and softcap (attributes; 0 = none), as reference.py: a query at `pos` sees
 // only keys p > pos - window, and a work item starts at the page (or key block) holding the
 // first key any of its queries sees: pages wholly before the window are never read (their
-// table entries are only compared, to find shared prefixes). Scores s (q.k * scale) become softcap * tanh(s / softcap).
+// table entries are only compared, to find shared prefixes). Scores s (q.k * scale) become
+// softcap * tanh(s / softcap).
 //
 // Shapes: q [B, C, Hq, hd]; pages [NP, ps, 2*Hkv, hd] (K of head h at 2h, V at 2h+1);
 // k_new, v_new [B, C, Hkv, hd]; block_tables int32 [B, P]; positions int32 [B, C];
