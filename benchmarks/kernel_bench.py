@@ -12,6 +12,11 @@ shapes) can beat the DRAM probe, so fractions above 100% mean "cache-resident", 
 On CPU / GPU the Pallas kernel runs in interpret mode (it uses TPU scalar prefetch), so its
 numbers there measure the interpreter, not the kernel.
 
+`--shapes group`: decode rows sampled from one prompt (a GRPO rollout's n = 8): groups of 8 rows
+that share a 192-token prompt's pages, each with 64..512 tokens of its own, one group and four; the
+same rows with private copies of the prompt pages ("copies"). The C++ kernel reads a shared page once
+for its group: the KV bytes of both layouts and the time ratio, per implementation.
+
 `--shapes window`: decode at batch 32 x 2,048 tokens with a sliding window of 512 and without
 one (Gemma's local layers), the KV bytes each reads (the kernels skip pages wholly before the
 window; the jnp reference reads and masks them) and the time ratio, per implementation.
@@ -35,6 +40,11 @@ HKV, HQ, HD, PS = 4, 12, 64, 16  # bench-100m attention dims
 DECODE = [(b, ctx) for ctx in (512, 2048) for b in (1, 8, 32)]
 PREFILL = [(256, 1024)]  # (chunk, context including the chunk)
 WINDOW = (32, 2048, 512)  # (batch, context, window) of the window comparison
+# Shared-prefix decode: groups of GROUP_ROWS rows, each group the samples of one GROUP_PROMPT-token
+# prompt (its pages shared, as `PagePool.share` does for n > 1) plus GROUP_OWN generated tokens.
+GROUP_ROWS, GROUP_PROMPT = 8, 192
+GROUP_OWN = [64 * (i + 1) for i in range(GROUP_ROWS)]  # 64 .. 512
+GROUPS = (1, 4)  # groups per step: 8 and 32 rows
 
 
 def keys_read(ctx: int, window: int | None, impl: str) -> int:
@@ -56,12 +66,19 @@ def timeit(fn, *args, min_time: float = 0.5, max_iters: int = 50, stat=np.median
     return float(stat(times))
 
 
-def probe_bandwidth(nbytes: int = 256 << 20) -> float:
+def probe_bandwidth(nbytes: int = 256 << 20, calls: int = 12) -> float:
     """Bytes/s of a large elementwise copy (each byte read once and written once); best of many
-    calls, so a busy machine lowers it less (the roofline should be the attainable peak)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    t = timeit(jax.jit(lambda x: x + 1.0), x, min_time=1.0, stat=np.min)
-    return 2 * nbytes / t
+    calls, so a busy machine lowers it less (the roofline should be the attainable peak). The
+    input is donated, so the copy writes over it: a fresh 256 MB output per call measured the
+    kernel's page faults (2.7 GB/s on XLA:CPU here), not the memory."""
+    step = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+    x = jax.block_until_ready(step(jnp.ones((nbytes // 4,), jnp.float32)))
+    best = math.inf
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(step(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
 
 
 def make_inputs(rng, b: int, c: int, ctx: int, dtype):
@@ -82,6 +99,43 @@ def make_inputs(rng, b: int, c: int, ctx: int, dtype):
     )
 
 
+def make_group_inputs(rng, groups: int, shared: bool, dtype):
+    """`groups` x GROUP_ROWS decode rows: each group's rows hold the same GROUP_PROMPT-token prompt
+    pages (the same page ids when `shared`, private copies otherwise), then GROUP_OWN tokens each.
+    Returns (q, pages, tables, positions, lens) as `make_inputs` does (lens include the query)."""
+    prompt_pages = GROUP_PROMPT // PS
+    lens = np.array([GROUP_PROMPT + own for _ in range(groups) for own in GROUP_OWN], np.int32)
+    need = [math.ceil(n / PS) for n in lens]
+    p = max(need)
+    num_pages = 1 + sum(need) - (prompt_pages * (GROUP_ROWS - 1) * groups if shared else 0)
+    ids = iter(rng.permutation(np.arange(1, num_pages)).tolist())
+    tables = np.zeros((len(lens), p), np.int32)
+    for g in range(groups):
+        prompt = [next(ids) for _ in range(prompt_pages)] if shared else []
+        for r in range(GROUP_ROWS):
+            row = g * GROUP_ROWS + r
+            head = prompt if shared else [next(ids) for _ in range(prompt_pages)]
+            tables[row, : need[row]] = head + [next(ids) for _ in range(need[row] - prompt_pages)]
+    pages = rng.standard_normal((num_pages, PS, 2 * HKV, HD), np.float32)
+    q = rng.standard_normal((len(lens), 1, HQ, HD), np.float32)
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(pages, dtype),
+        jnp.asarray(tables),
+        jnp.asarray(lens[:, None] - 1),
+        jnp.asarray(lens),
+    )
+
+
+def group_kv_bytes(groups: int, shared: bool, impl: str, itemsize: int) -> int:
+    """KV bytes a decode step over `make_group_inputs` reads: the C++ kernel reads a group's shared
+    prompt pages once; every other layout or implementation reads each row's keys itself."""
+    keys = groups * sum(GROUP_PROMPT + own for own in GROUP_OWN)
+    if shared and impl == "cpu":
+        keys -= groups * (GROUP_ROWS - 1) * GROUP_PROMPT
+    return keys * 2 * HKV * HD * itemsize
+
+
 def cpu_paged_attention(q, pages, tables, pos, lens, *, scale, window=None):
     """The C++ CPU kernel behind `reference.paged_attention`'s signature: the last C tokens of
     each row stand for the step's own K/V (zeros here: their values do not change the time)."""
@@ -100,6 +154,19 @@ def window_ratios(rows: list[dict]) -> dict:
         full = at.get((impl, None))
         if window is not None and full is not None:
             out[impl] = dict(speedup=full["ms"] / r["ms"], bytes_ratio=full["kv_bytes"] / r["kv_bytes"])
+    return out
+
+
+def group_ratios(rows: list[dict]) -> dict:
+    """Per implementation and group count: (time, KV bytes) of private copies / shared pages."""
+    at = {(r["impl"], r["B"], r["kind"]): r for r in rows if r["kind"] in ("group", "copies")}
+    out = {}
+    for (impl, b, kind), r in at.items():
+        copies = at.get((impl, b, "copies"))
+        if kind == "group" and copies is not None:
+            out[f"{impl} B={b}"] = dict(
+                speedup=copies["ms"] / r["ms"], bytes_ratio=copies["kv_bytes"] / r["kv_bytes"]
+            )
     return out
 
 
@@ -140,6 +207,9 @@ def main() -> None:
     if "window" in args.shapes:
         b, ctx, w = WINDOW
         shapes += [("decode", b, 1, ctx, None), ("window", b, 1, ctx, w)]
+    if "group" in args.shapes:
+        ctx = GROUP_PROMPT + max(GROUP_OWN)
+        shapes += [(kind, g * GROUP_ROWS, 1, ctx, None) for g in GROUPS for kind in ("group", "copies")]
 
     rng = np.random.default_rng(0)
     rows = []
@@ -151,11 +221,16 @@ def main() -> None:
         f"{'GB/s':>8} {'roofline':>9}"
     )
     for kind, b, c, ctx, window in shapes:
-        inputs = make_inputs(rng, b, c, ctx, dtype)
+        if kind in ("group", "copies"):
+            inputs = make_group_inputs(rng, b // GROUP_ROWS, kind == "group", dtype)
+        else:
+            inputs = make_inputs(rng, b, c, ctx, dtype)
         for name, impl in impls.items():
             fn = jax.jit(partial(impl, window=window)) if window else jax.jit(impl)
             # Only the tokens each row really has (and, for a decode row, sees).
             kv_bytes = b * keys_read(ctx, window, name) * 2 * HKV * HD * dtype.itemsize
+            if kind in ("group", "copies"):
+                kv_bytes = group_kv_bytes(b // GROUP_ROWS, kind == "group", name, dtype.itemsize)
             q, pages, *rest = inputs
             if name == "pallas":  # the kernel's lane-folded layout, made once outside the timed call
                 pages = jax.block_until_ready(reference.fold_pages(pages))
@@ -175,6 +250,13 @@ def main() -> None:
             f"window {w} vs none at B={b} ctx={ctx}, {name}: {r['speedup']:.2f}x faster, "
             f"{r['bytes_ratio']:.2f}x fewer KV bytes"
         )
+    groups = group_ratios(rows)
+    for key, r in groups.items():
+        print(
+            f"{GROUP_ROWS} rows sharing a {GROUP_PROMPT}-token prompt (own tokens {min(GROUP_OWN)}-"
+            f"{max(GROUP_OWN)}) vs private copies, {key}: {r['bytes_ratio']:.2f}x fewer KV bytes, "
+            f"{r['speedup']:.2f}x faster"
+        )
     summary = dict(
         backend=backend,
         device=jax.devices()[0].device_kind,
@@ -184,6 +266,7 @@ def main() -> None:
         dims=dict(kv_heads=HKV, q_heads=HQ, head_dim=HD, page_size=PS),
         results=rows,
         window_ratios=ratios,
+        group_ratios=groups,
     )
     print(json.dumps(summary))
 

@@ -7,9 +7,11 @@
 // softmax: no gather, no temporaries, and the work is spread over XLA's own intra-op
 // thread pool (a pool of our own would compete with XLA's threads for the same cores).
 // Consecutive queries of a prefill chunk share each block of keys while it is in L1
-// (`QueryRun`), and the q heads of a kv head share each K and V vector loaded (`Fold16`): one head at a time would load a K
-// or V vector per FMA and be bound by the load ports. Decode reads each row's pages once
-// either way.
+// (`QueryRun`), and the q heads of a kv head share each K and V vector loaded
+// (`attention_fold.h`): one head at a time would load a K or V vector per FMA and be bound by
+// the load ports. Decode rows whose block tables start with the same pages (the n samples of
+// one prompt) read those pages once per step for the whole group (`Groups`, `GroupHeads`);
+// every other page a decode row reads is its own, read once.
 //
 // Semantics are those of reference.prefill_attention / decode_attention: the pages hold
 // the cache as it was *before* the step (read only), and the step's own K/V come in
@@ -22,8 +24,9 @@
 //
 // Sliding window and softcap (attributes; 0 = none), as reference.py: a query at `pos` sees
 // only keys p > pos - window, and a work item starts at the page (or key block) holding the
-// first key any of its queries sees: pages wholly before the window are never read, nor their
-// table entries looked at. Scores s (q.k * scale) become softcap * tanh(s / softcap).
+// first key any of its queries sees: pages wholly before the window are never read (their
+// table entries are only compared, to find shared prefixes). Scores s (q.k * scale) become
+// softcap * tanh(s / softcap).
 //
 // Shapes: q [B, C, Hq, hd]; pages [NP, ps, 2*Hkv, hd] (K of head h at 2h, V at 2h+1);
 // k_new, v_new [B, C, Hkv, hd]; block_tables int32 [B, P]; positions int32 [B, C];
@@ -41,13 +44,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_fold.h"
+#include "attention_work.h"
 #include "parallel.h"
 #include "vec_exp.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -84,197 +85,6 @@ inline void store(uint16_t* dst, const float* src, int n) {
   for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-#if defined(__AVX512F__)
-// The online-softmax step of GH q heads that share a kv head, over n <= 16 keys (f32 rows
-// kstride apart), HD = 64 or 128. q rows, acc rows: HD apart; m, l: one per head. Each K and
-// V vector is loaded once for all GH heads: one head at a time loaded one vector per FMA
-// and was bound by the load ports, not the FMAs. A head's 16 scores sit in one vector for
-// max / exp / sum, and its output stays in registers.
-template <int HD, int GH>
-inline void Fold16(const float* qg, const float* kb, const float* vb, int64_t kstride, int n, float cap, float* m,
-                   float* l, float* acc) {
-  constexpr int V = HD / 16;
-  alignas(64) float s[GH][16];
-  __m512 qv[GH][V];
-  for (int h = 0; h < GH; ++h)
-    for (int c = 0; c < V; ++c) qv[h][c] = _mm512_loadu_ps(qg + h * HD + 16 * c);
-  for (int j = 0; j < n; ++j) {
-    const float* kj = kb + j * kstride;
-    __m512 kv[V];
-    for (int c = 0; c < V; ++c) kv[c] = _mm512_loadu_ps(kj + 16 * c);
-    for (int h = 0; h < GH; ++h) {  // two chains per dot, overlapping across heads and keys
-      __m512 a0 = _mm512_mul_ps(qv[h][0], kv[0]), a1 = _mm512_mul_ps(qv[h][1], kv[1]);
-      for (int c = 2; c < V; c += 2) {
-        a0 = _mm512_fmadd_ps(qv[h][c], kv[c], a0);
-        a1 = _mm512_fmadd_ps(qv[h][c + 1], kv[c + 1], a1);
-      }
-      s[h][j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    }
-  }
-  if (cap > 0) {
-    for (int h = 0; h < GH; ++h)
-      for (int j = 0; j < n; ++j) s[h][j] = cap * std::tanh(s[h][j] / cap);
-  }
-  const __mmask16 live = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-  __m512 o[GH][V];
-  for (int h = 0; h < GH; ++h) {
-    const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s[h]);
-    const float mx = std::max(m[h], _mm512_reduce_max_ps(sv));
-    const __m512 pv = _mm512_maskz_mov_ps(live, Exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-    _mm512_store_ps(s[h], pv);
-    const float corr = ExpNonPositive(m[h] - mx);  // m = -inf before the first block: 0
-    l[h] = l[h] * corr + _mm512_reduce_add_ps(pv);
-    m[h] = mx;
-    const __m512 cv = _mm512_set1_ps(corr);
-    for (int c = 0; c < V; ++c) o[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * HD + 16 * c), cv);
-  }
-  for (int j = 0; j < n; ++j) {
-    const float* vj = vb + j * kstride;
-    __m512 vv[V];
-    for (int c = 0; c < V; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
-    for (int h = 0; h < GH; ++h) {
-      const __m512 pj = _mm512_set1_ps(s[h][j]);
-      for (int c = 0; c < V; ++c) o[h][c] = _mm512_fmadd_ps(pj, vv[c], o[h][c]);
-    }
-  }
-  for (int h = 0; h < GH; ++h)
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + h * HD + 16 * c, o[h][c]);
-}
-
-// The most heads one Fold16 takes: its GH x HD/16 accumulators, HD/16 K or V vectors and a
-// broadcast fit in the 32 zmm registers.
-template <int HD>
-constexpr int kMaxGH = HD == 64 ? 4 : 2;
-
-// Fold16 for gh (1..G) heads: the compile-time head count for a run-time one.
-template <int HD, int G>
-inline void FoldGroup(int64_t gh, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
-                      float cap, float* m, float* l, float* acc) {
-  if constexpr (G > 1) {
-    if (gh < G) return FoldGroup<HD, G - 1>(gh, qg, kb, vb, kstride, n, cap, m, l, acc);
-  }
-  Fold16<HD, G>(qg, kb, vb, kstride, n, cap, m, l, acc);
-}
-
-// Every q head of a kv head, kMaxGH at a time.
-template <int HD>
-inline void FoldHeads16(int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride, int n,
-                        float cap, float* m, float* l, float* acc) {
-  for (int64_t g = 0; g < g_n; g += kMaxGH<HD>) {
-    const int64_t gh = std::min<int64_t>(kMaxGH<HD>, g_n - g);
-    FoldGroup<HD, kMaxGH<HD>>(gh, qg + g * HD, kb, vb, kstride, n, cap, m + g, l + g, acc + g * HD);
-  }
-}
-#endif
-
-struct Shape {
-  int64_t b, c, hq, hkv, hd, num_pages, ps, p;
-  float scale;
-  int64_t window;  // sliding window in keys (the query's own included); 0: none
-  float softcap;   // 0: none
-};
-
-// The first key a query at `pos` sees: 0, or the start of its window.
-inline int64_t WindowStart(const Shape& s, int64_t pos) {
-  return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-}
-
-// Online-softmax step over n keys (f32 rows kstride apart) for the g_n q heads of one kv
-// head (q and acc rows hd apart; m, l one per head): the vector path for head_dim 64 / 128,
-// plain loops otherwise. Scores are softcapped when cap > 0. `sc` is scratch of at least n floats.
-inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride,
-                 int64_t n, float cap, float* m, float* l, float* acc, float* sc) {
-#if defined(__AVX512F__)
-  if (hd == 64 || hd == 128) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int nj = static_cast<int>(std::min<int64_t>(16, n - j0));
-      if (hd == 64) {
-        FoldHeads16<64>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m, l, acc);
-      } else {
-        FoldHeads16<128>(g_n, qg, kb + j0 * kstride, vb + j0 * kstride, kstride, nj, cap, m, l, acc);
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < g_n; ++g) {
-    const float* qh = qg + g * hd;
-    float* ah = acc + g * hd;
-    float mx = m[g];
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = kb + j * kstride;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < hd; ++d) dot += qh[d] * kj[d];
-      if (cap > 0) dot = cap * std::tanh(dot / cap);
-      sc[j] = dot;
-      mx = std::max(mx, dot);
-    }
-    const float corr = ExpNonPositive(m[g] - mx);  // m = -inf before the first block: 0
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      sc[j] = ExpNonPositive(sc[j] - mx);
-      sum += sc[j];
-    }
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) ah[d] *= corr;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = sc[j];
-      const float* vj = vb + j * kstride;
-#pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) ah[d] += p * vj[d];
-    }
-    m[g] = mx;
-    l[g] = l[g] * corr + sum;
-  }
-}
-
-// A run of consecutive queries of one chunk (flat indices i0 .. i0 + n - 1): their positions
-// follow one another and they read the same pages, so a work item folds each block of keys
-// into all of them while it is in L1. A query alone per item re-read every key it sees from
-// L2 or L3, hundreds of MB of K/V a layer for a 512-token chunk. Runs are up to 8 queries:
-// shorter ones re-read more, longer ones gained nothing (docs/en/benchmarks.md).
-struct QueryRun {
-  int64_t i0, n;
-  bool real;  // false: a run of one query that may read nothing (see Real)
-};
-constexpr int64_t kRunQueries = 8;  // queries a run holds at most (their state: 8 x G x hd floats a head)
-
-// Whether flat query i may read anything: inside its row's kv length, its chunk's own keys
-// inside the step, and the chunk start covered by the block table. A query past kv_len is
-// padding (zeros out); any other query that fails this makes the call an error.
-inline bool Real(const Shape& s, int64_t i, const int32_t* positions, const int32_t* chunk_starts,
-                 const int32_t* kv_lens) {
-  const int64_t b = i / s.c, pos = positions[i], start = chunk_starts[b];
-  return pos < kv_lens[b] && pos >= start && start >= 0 && i - (pos - start) >= 0 &&
-         (start + s.ps - 1) / s.ps <= s.p;
-}
-
-// Splits the step's B*C queries into runs: query i joins the run of i - 1 when both are real,
-// share a chunk start and the block table's pages before it, and i's position is one more.
-std::vector<QueryRun> Runs(const Shape& s, const int32_t* block_tables, const int32_t* positions,
-                           const int32_t* chunk_starts, const int32_t* kv_lens) {
-  std::vector<QueryRun> runs;
-  bool prev_real = false;
-  for (int64_t i = 0; i < s.b * s.c; ++i) {
-    const bool real = Real(s, i, positions, chunk_starts, kv_lens);
-    bool join = real && prev_real && runs.back().n < kRunQueries && positions[i] == positions[i - 1] + 1;
-    if (join) {
-      const int64_t b = i / s.c, a = (i - 1) / s.c, start = chunk_starts[b];
-      join = start == chunk_starts[a] &&
-             (a == b || std::equal(block_tables + a * s.p, block_tables + a * s.p + (start + s.ps - 1) / s.ps,
-                                   block_tables + b * s.p));
-    }
-    if (join) {
-      ++runs.back().n;
-    } else {
-      runs.push_back({i, 1, real});
-    }
-    prev_real = real;
-  }
-  return runs;
-}
 
 // A padding run's output rows (its q heads of kv heads [h0, h1)): zeros.
 template <typename A>
@@ -314,64 +124,31 @@ void StoreRun(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const s
   }
 }
 
-// One work item: the queries of run r, for kv heads [h0, h1) and their G q heads each. Keys
-// go a page at a time (then the chunk's own keys, up to ps at a time), and within a block
-// every kv head of the item in turn, and within a head every query of the run: a slot's K/V
-// for all heads is one contiguous record, so the run's pages stream through once instead of
-// once per kv head and query.
-template <typename A, typename K>
-bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q, const K* pages, const A* k_new,
-              const A* v_new, const int32_t* block_tables, const int32_t* positions, const int32_t* chunk_starts,
-              const int32_t* kv_lens, A* out) {
-  const int64_t g_n = s.hq / s.hkv, hd = s.hd, ps = s.ps, nh = (h1 - h0) * g_n, nq = r.n;
-  const int64_t b = r.i0 / s.c, start = chunk_starts[b];
-  if (!r.real) {
-    ZeroRun(s, r, h0, h1, out);
-    return positions[r.i0] >= kv_lens[b];  // padding, or a real query whose chunk does not fit
+// n rows of K and V (hd values, `stride` apart) into f32 rows hd apart: bf16 widened exactly.
+template <typename T>
+void WidenRows(float* kt, float* vt, const T* kb, const T* vb, int64_t stride, int64_t n, int64_t hd) {
+  for (int64_t j = 0; j < n; ++j) {
+    load(kt + j * hd, kb + j * stride, hd);
+    load(vt + j * hd, vb + j * stride, hd);
   }
-  std::vector<float> acc(nq * nh * hd, 0.0f), m(nq * nh), l(nq * nh, 0.0f), sc(ps);
-  std::vector<float> kt(ps * hd), vt(ps * hd);
-  std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-  const std::vector<float> qv = ScaledQueries(s, r, h0, h1, q);
-  // Fold n keys of kv head `kvh` (rows kstride apart, in f32 or not) into its q heads of the
-  // run's queries, query j taking keys [from_of(j), n_of(j)) of them.
-  auto fold = [&](int64_t kvh, int64_t n, const auto* kb, const auto* vb, int64_t kstride, auto from_of,
-                  auto n_of) {
-    using T = std::remove_cv_t<std::remove_pointer_t<decltype(kb)>>;
-    const float *kf, *vf;
-    int64_t stride = kstride;
-    if constexpr (std::is_same_v<T, float>) {
-      kf = kb, vf = vb;
-    } else {  // widen the block once for all queries and heads
-      for (int64_t j = 0; j < n; ++j) {
-        as_f32(kb + j * kstride, kt.data() + j * hd, hd);
-        as_f32(vb + j * kstride, vt.data() + j * hd, hd);
-      }
-      kf = kt.data(), vf = vt.data(), stride = hd;
-    }
-    for (int64_t j = 0; j < nq; ++j) {
-      const int64_t f = from_of(j), nj = n_of(j) - f;
-      if (nj <= 0) continue;
-      const int64_t i = j * nh + (kvh - h0) * g_n;  // the kv head's first q head of query j
-      Fold(hd, g_n, qv.data() + i * hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
-           l.data() + i, acc.data() + i * hd, sc.data());
-    }
-  };
-  // Keys before `lo` are in no window of the run's queries (its first query's is the lowest).
-  const int64_t lo = WindowStart(s, positions[r.i0]);
-  auto from = [&](int64_t j, int64_t j0) {  // query j's first key in a block starting at key j0
-    return std::max<int64_t>(0, WindowStart(s, positions[r.i0 + j]) - j0);
-  };
-  // Cached keys [0, start), a page at a time through the block table: every query sees them all.
-  const int32_t* table = block_tables + b * s.p;
-  const int64_t slot = 2 * s.hkv * hd;  // one slot's K/V record for every head
-  for (int64_t j0 = lo / ps * ps; j0 < start; j0 += ps) {
+}
+
+// Calls fold(kvh, j0, n, kf, vf, stride) for the keys [j0, j0 + n) of each page of `table` that
+// holds keys [from, to) (from page-aligned), for kv heads [h0, h1): K and V of head kvh as f32
+// rows `stride` apart, in place or (bf16 pages) widened once into kt / vt. Within a page every
+// kv head in turn: a slot's K/V for all heads is one contiguous record, so the pages stream
+// through once instead of once per kv head. False when the table names a page outside the cache.
+template <typename K, typename F>
+bool ForPages(const Shape& s, const int32_t* table, int64_t from, int64_t to, int64_t h0, int64_t h1, const K* pages,
+              float* kt, float* vt, F&& fold) {
+  const int64_t hd = s.hd, ps = s.ps, slot = 2 * s.hkv * hd;  // slot: one slot's K/V record for every head
+  for (int64_t j0 = from; j0 < to; j0 += ps) {
     const int64_t page = table[j0 / ps];
     if (page < 0 || page >= s.num_pages) return false;
-    const int64_t n = std::min(ps, start - j0);
+    const int64_t n = std::min(ps, to - j0);
     // Pages sit anywhere in the pool, so the hardware prefetcher restarts at each one:
     // ask for the next page's part of this item while this one is folded in.
-    const int64_t next = j0 + ps < start ? table[(j0 + ps) / ps] : -1;
+    const int64_t next = j0 + ps < to ? table[(j0 + ps) / ps] : -1;
     for (int64_t kvh = h0; kvh < h1; ++kvh) {
       const K* base = pages + page * ps * slot + 2 * kvh * hd;
       if (next > 0 && next < s.num_pages) {
@@ -381,20 +158,134 @@ bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A
           for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(nb + j * slot * sizeof(K) + off);
         }
       }
-      fold(kvh, n, base, base + hd, slot, [&](int64_t j) { return from(j, j0); }, [n](int64_t) { return n; });
+      if constexpr (std::is_same_v<K, float>) {
+        fold(kvh, j0, n, base, base + hd, slot);
+      } else {
+        WidenRows(kt, vt, base, base + hd, slot, n, hd);
+        fold(kvh, j0, n, kt, vt, hd);
+      }
     }
   }
+  return true;
+}
+
+// The online-softmax state of one run's queries for kv heads [h0, h1) and their G q heads
+// each: scaled queries, outputs, running max and sum, [query][head] (x hd).
+template <typename A>
+struct RunState {
+  const Shape& s;
+  const QueryRun& r;
+  const int32_t* positions;
+  int64_t h0, h1, g_n, nh, start, lo;  // lo: keys before it are in no window of the run's queries
+  std::vector<float> qv, acc, m, l, sc;
+
+  RunState(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q, const int32_t* positions,
+           const int32_t* chunk_starts)
+      : s(s), r(r), positions(positions), h0(h0), h1(h1), g_n(s.hq / s.hkv), nh((h1 - h0) * g_n),
+        start(chunk_starts[r.i0 / s.c]), lo(WindowStart(s, positions[r.i0])),  // the first query's is the lowest
+        qv(ScaledQueries(s, r, h0, h1, q)), acc(r.n * nh * s.hd, 0.0f),
+        m(r.n * nh, -std::numeric_limits<float>::infinity()), l(r.n * nh, 0.0f), sc(s.ps) {}
+
+  // Fold n keys of kv head kvh (f32 rows stride apart; the first at position p0) into the run's
+  // queries: query j takes them from its window's start up to n_of(j).
+  template <typename NOf>
+  void FoldKeys(int64_t kvh, int64_t n, const float* kf, const float* vf, int64_t stride, int64_t p0, NOf n_of) {
+    for (int64_t j = 0; j < r.n; ++j) {
+      const int64_t f = std::max<int64_t>(0, WindowStart(s, positions[r.i0 + j]) - p0), nj = n_of(j) - f;
+      if (nj <= 0) continue;
+      const int64_t i = j * nh + (kvh - h0) * g_n;  // the kv head's first q head of query j
+      Fold(s.hd, g_n, qv.data() + i * s.hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
+             l.data() + i, acc.data() + i * s.hd, sc.data());
+    }
+  }
+
+  // The cached keys [from, start) (from page-aligned) through the row's table, a page at a time.
+  template <typename K>
+  bool FoldPages(const int32_t* table, int64_t from, const K* pages, float* kt, float* vt) {
+    return ForPages(s, table, from, start, h0, h1, pages, kt, vt,
+                    [&](int64_t kvh, int64_t j0, int64_t n, const float* kf, const float* vf, int64_t stride) {
+                      FoldKeys(kvh, n, kf, vf, stride, j0, [n](int64_t) { return n; });
+                    });
+  }
+
   // The chunk's own keys: flat indices first .. i0 + j for query j (positions start .. pos),
-  // from the first one in the run's window.
-  const int64_t first = r.i0 - (positions[r.i0] - start), last = r.i0 + nq - 1;
-  for (int64_t j0 = first + std::max<int64_t>(0, lo - start); j0 <= last; j0 += ps) {
-    const int64_t n = std::min(ps, last - j0 + 1), p0 = start + (j0 - first);  // p0: key j0's position
-    for (int64_t kvh = h0; kvh < h1; ++kvh) {
-      fold(kvh, n, k_new + (j0 * s.hkv + kvh) * hd, v_new + (j0 * s.hkv + kvh) * hd, s.hkv * hd,
-           [&](int64_t j) { return from(j, p0); }, [&](int64_t j) { return std::min(n, r.i0 + j - j0 + 1); });
+  // from the first one in the run's window, up to ps at a time.
+  void FoldOwn(const A* k_new, const A* v_new, float* kt, float* vt) {
+    const int64_t hd = s.hd, ps = s.ps, first = r.i0 - (positions[r.i0] - start), last = r.i0 + r.n - 1;
+    for (int64_t j0 = first + std::max<int64_t>(0, lo - start); j0 <= last; j0 += ps) {
+      const int64_t n = std::min(ps, last - j0 + 1), p0 = start + (j0 - first);  // p0: key j0's position
+      for (int64_t kvh = h0; kvh < h1; ++kvh) {
+        const A *kb = k_new + (j0 * s.hkv + kvh) * hd, *vb = v_new + (j0 * s.hkv + kvh) * hd;
+        auto n_of = [&](int64_t j) { return std::min(n, r.i0 + j - j0 + 1); };
+        if constexpr (std::is_same_v<A, float>) {
+          FoldKeys(kvh, n, kb, vb, s.hkv * hd, p0, n_of);
+        } else {  // widen the block once for all queries and heads
+          WidenRows(kt, vt, kb, vb, s.hkv * hd, n, hd);
+          FoldKeys(kvh, n, kt, vt, hd, p0, n_of);
+        }
+      }
     }
   }
-  StoreRun(s, r, h0, h1, acc, l, out);
+
+  template <typename O>
+  void Store(O* out) const {
+    StoreRun(s, r, h0, h1, acc, l, out);
+  }
+};
+
+// One work item: the queries of run r, for kv heads [h0, h1) and their G q heads each. Keys
+// go a page at a time (then the chunk's own keys, up to ps at a time), and within a block
+// every kv head of the item in turn, and within a head every query of the run.
+template <typename A, typename K>
+bool RunHeads(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q, const K* pages, const A* k_new,
+              const A* v_new, const int32_t* block_tables, const int32_t* positions, const int32_t* chunk_starts,
+              const int32_t* kv_lens, A* out) {
+  const int64_t b = r.i0 / s.c;
+  if (!r.real) {
+    ZeroRun(s, r, h0, h1, out);
+    return positions[r.i0] >= kv_lens[b];  // padding, or a real query whose chunk does not fit
+  }
+  std::vector<float> kt(s.ps * s.hd), vt(s.ps * s.hd);
+  RunState<A> st(s, r, h0, h1, q, positions, chunk_starts);
+  if (!st.FoldPages(block_tables + b * s.p, st.lo / s.ps * s.ps, pages, kt.data(), vt.data())) return false;
+  st.FoldOwn(k_new, v_new, kt.data(), vt.data());
+  st.Store(out);
+  return true;
+}
+
+// One work item of a group of decode rows (`Groups`): each shared page is read once, a kv head
+// at a time, and folded into every row of the group while it is in L1 (a row folds only its
+// keys: those before its chunk start, from its window's start); then each row goes on alone
+// over its own pages and key. A row folds the same blocks in the same order as `RunHeads`.
+template <typename A, typename K>
+bool GroupHeads(const Shape& s, const std::vector<QueryRun>& runs, const Group& g, int64_t h0, int64_t h1,
+                const A* q, const K* pages, const A* k_new, const A* v_new, const int32_t* block_tables,
+                const int32_t* positions, const int32_t* chunk_starts, A* out) {
+  const int64_t ps = s.ps, shared = g.pages * ps;
+  std::vector<float> kt(ps * s.hd), vt(ps * s.hd);
+  std::vector<RunState<A>> rows;
+  rows.reserve(g.runs.size());
+  int64_t lo = shared, end = 0;  // the shared keys some row reads: [lo, end)
+  for (int64_t i : g.runs) {
+    rows.emplace_back(s, runs[i], h0, h1, q, positions, chunk_starts);
+    lo = std::min(lo, rows.back().lo / ps * ps);
+    end = std::max(end, std::min(shared, rows.back().start));
+  }
+  const int32_t* table = block_tables + runs[g.runs[0]].i0 / s.c * s.p;  // the shared pages: alike in every row
+  const bool ok = ForPages(s, table, lo, end, h0, h1, pages, kt.data(), vt.data(),
+                           [&](int64_t kvh, int64_t j0, int64_t n, const float* kf, const float* vf, int64_t stride) {
+                             for (RunState<A>& st : rows) {
+                               const int64_t nr = std::min(n, st.start - j0);
+                               if (nr > 0) st.FoldKeys(kvh, nr, kf, vf, stride, j0, [nr](int64_t) { return nr; });
+                             }
+                           });
+  if (!ok) return false;
+  for (RunState<A>& st : rows) {
+    const int32_t* own = block_tables + st.r.i0 / s.c * s.p;
+    if (!st.FoldPages(own, std::max(shared, st.lo / ps * ps), pages, kt.data(), vt.data())) return false;
+    st.FoldOwn(k_new, v_new, kt.data(), vt.data());
+    st.Store(out);
+  }
   return true;
 }
 
@@ -488,23 +379,34 @@ template <typename A, typename K>
 ffi::Error Run(ffi::ThreadPool pool, const Shape& s, const void* q, const void* pages,
                const void* k_new, const void* v_new, const int32_t* bt, const int32_t* pos,
                const int32_t* cs, const int32_t* kl, void* out, bool fixed) {
-  // Runs x chunks of kv heads: whole runs when there are enough to share out, else a run's
-  // heads split so that a batch-1 step still uses every thread. The last runs of a prefill
-  // chunk see the most keys, so items go from the last run back: the short ones even out
-  // the threads at the end.
+  // Groups (a run, or decode rows sharing their first pages) x chunks of kv heads: whole groups
+  // when there are enough to share out, else a group's heads split so that a batch-1 step still
+  // uses every thread. The last runs of a prefill chunk see the most keys, so items go from the
+  // last group back: the short ones even out the threads at the end. A group holds at most as
+  // many rows as leaves an item a thread (rows x kv heads / threads), at least 2 and at most 16:
+  // a larger group reads its shared pages fewer times, but one item does all its rows' work.
   const std::vector<QueryRun> runs = Runs(s, bt, pos, cs, kl);
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1), nr = static_cast<int64_t>(runs.size());
-  const int64_t chunks = std::clamp<int64_t>((2 * threads + nr - 1) / nr, 1, s.hkv);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t decode = std::count_if(runs.begin(), runs.end(), [](const QueryRun& r) { return r.real && r.n == 1; });
+  const int64_t max_rows = fixed ? 1 : std::clamp<int64_t>(decode * s.hkv / threads, 2, kGroupRows);
+  const std::vector<Group> groups = Groups(s, runs, bt, cs, max_rows);
+  const int64_t ng = static_cast<int64_t>(groups.size());
+  const int64_t chunks = std::clamp<int64_t>((2 * threads + ng - 1) / ng, 1, s.hkv);
   std::atomic<bool> ok{true};
-  hotswap::ParallelFor(pool, nr * chunks, [&](int64_t it) {
-    const QueryRun& r = runs[nr - 1 - it / chunks];
-    const int64_t c = it % chunks;
-    auto heads = fixed ? RunHeadsFixed<A, K> : RunHeads<A, K>;
-    if (!heads(s, r, s.hkv * c / chunks, s.hkv * (c + 1) / chunks, static_cast<const A*>(q),
-                        static_cast<const K*>(pages), static_cast<const A*>(k_new), static_cast<const A*>(v_new),
-                        bt, pos, cs, kl, static_cast<A*>(out))) {
-      ok = false;
+  hotswap::ParallelFor(pool, ng * chunks, [&](int64_t it) {
+    const Group& g = groups[ng - 1 - it / chunks];
+    const int64_t c = it % chunks, h0 = s.hkv * c / chunks, h1 = s.hkv * (c + 1) / chunks;
+    const A *qa = static_cast<const A*>(q), *ka = static_cast<const A*>(k_new), *va = static_cast<const A*>(v_new);
+    const K* pk = static_cast<const K*>(pages);
+    A* o = static_cast<A*>(out);
+    bool done;
+    if (g.runs.size() > 1) {
+      done = GroupHeads<A, K>(s, runs, g, h0, h1, qa, pk, ka, va, bt, pos, cs, o);
+    } else {
+      auto heads = fixed ? RunHeadsFixed<A, K> : RunHeads<A, K>;
+      done = heads(s, runs[g.runs[0]], h0, h1, qa, pk, ka, va, bt, pos, cs, kl, o);
     }
+    if (!done) ok = false;
   });
   if (!ok) {
     return ffi::Error::InvalidArgument(
@@ -614,6 +516,26 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
 }
 
 }  // namespace
+
+// The groups `Run` makes of a step's runs with at most max_rows rows each, for tests to check
+// the sharing decision itself: group_of[i] is flat query i's group (in the groups' order) and
+// pages_of[i] the pages that group shares (0 for a run alone).
+extern "C" void HotswapAttentionGroups(int64_t b, int64_t c, int64_t p, int64_t ps, const int32_t* block_tables,
+                                       const int32_t* positions, const int32_t* chunk_starts,
+                                       const int32_t* kv_lens, int64_t max_rows, int64_t* group_of,
+                                       int64_t* pages_of) {
+  const Shape s{b, c, 1, 1, 1, 0, ps, p, 1.0f, 0, 0.0f};
+  const std::vector<QueryRun> runs = Runs(s, block_tables, positions, chunk_starts, kv_lens);
+  const std::vector<Group> groups = Groups(s, runs, block_tables, chunk_starts, max_rows);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int64_t r : groups[g].runs) {
+      for (int64_t i = runs[r].i0; i < runs[r].i0 + runs[r].n; ++i) {
+        group_of[i] = static_cast<int64_t>(g);
+        pages_of[i] = groups[g].pages;
+      }
+    }
+  }
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -52,5 +52,21 @@ inline __m512 Exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && defined(__FMA__)
+// ExpNonPositive on 8 lanes; 2^n built in the exponent bits (n >= -126 after the clamp).
+inline __m256 Exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif  // __AVX2__ && __FMA__
 
 }  // namespace
