@@ -2,7 +2,7 @@
 builds of it and XLA's dot, over a chain of bench-100m's layer matmuls.
 
     python benchmarks/matmul_bench.py [OLD_SOURCE.cc ...] [--rows 1,2,4,8,12,16,24,32] [--reps 15]
-        [--min] [--shared] [--huge] [--no-xla]
+        [--min] [--shared] [--huge] [--no-xla] [--dtype float32|bfloat16]
 
 The chain is 12 layers of q/k/v [768, 768|256|256], o [768, 768], gate/up [768, 2048] and
 down [2048, 768], each layer its own f32 weights (302 MB, read from DRAM as in a decode step,
@@ -12,7 +12,9 @@ target; the worktree's kernel is "new". Timings are interleaved (old, new, xla, 
 the medians (or, with --min, the fastest reps: less swayed by other processes) printed with
 GFLOP/s: this machine's speed drifts, so only ratios within one run mean anything. --shared
 runs one layer's weights 12 times (25 MB, cache-resident: not a decode step), --huge puts the
-weights on 2 MB pages first.
+weights on 2 MB pages first. --dtype bfloat16 stores the weights in bf16 (151 MB): the kernels
+widen them in registers, and "xla" is then the dot a bf16 model's activations took before
+(x cast to bf16, bf16 x bf16 with XLA's f32 accumulation).
 """
 
 from __future__ import annotations
@@ -89,9 +91,11 @@ def main() -> None:
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--min", action="store_true", help="the fastest rep, not the median (a busy machine)")
     ap.add_argument("--huge", action="store_true", help="weights on 2 MB pages (MADV_COLLAPSE)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the weights")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    layers = [[jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for s in SHAPES] for _ in range(LAYERS)]
+    wdt = jnp.dtype(args.dtype)
+    layers = [[jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdt) for s in SHAPES] for _ in range(LAYERS)]
     if args.shared:
         layers = [layers[0]] * LAYERS
     if args.huge:
@@ -100,14 +104,15 @@ def main() -> None:
     fns = {f"old{i}": chain(ffi_matmuls(build(src, i))) for i, src in enumerate(args.old)}
     fns["new"] = chain(cpu_matmul.matmuls)
     if not args.no_xla:
-        fns["xla"] = chain(lambda x, ws: [x @ w for w in ws])
+        fns["xla"] = chain(lambda x, ws: [jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws])
     flops_per_row = 2 * LAYERS * sum(math.prod(s) for s in SHAPES)
     print("rows " + " ".join(f"{name:>16}" for name in fns) + "   (ms, GFLOP/s)")
     for m in [int(r) for r in args.rows.split(",")]:
         x = jnp.asarray(rng.standard_normal((m, D), np.float32))
-        ref = np.asarray(chain(lambda x, ws: [x @ w for w in ws])(x, layers))
+        ref = np.asarray(chain(lambda x, ws: [x @ w.astype(jnp.float32) for w in ws])(x, layers))
+        tol = 2e-3 if wdt == jnp.float32 else 5e-2  # "xla" rounds x to bf16 in the bf16 run
         for name, f in fns.items():
-            np.testing.assert_allclose(np.asarray(f(x, layers)), ref, rtol=2e-3, atol=2e-3, err_msg=name)
+            np.testing.assert_allclose(np.asarray(f(x, layers)), ref, rtol=tol, atol=tol, err_msg=name)
         times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(args.reps):
             for name, f in fns.items():

@@ -26,7 +26,7 @@ from hotswap.kernels.backend import Backend
         ((2,), 131, 77),
         ((1, 1), 5, 3),
         ((2, 1), 1000, 64),
-        ((3,), 131, 77),  # tiled (AVX-512): 3-32 rows, a chunk per thread, 13 tail columns
+        ((3,), 131, 77),  # tiled (AVX-512 or AVX2): 3-32 rows, a chunk per thread, 13 tail columns
         ((16,), 768, 2048),  # two 8-row tiles: 1,024-column chunks, one per thread
         ((9,), 131, 20),  # one 9-row tile: one 16-column chunk split over K, 4 tail columns
         ((2, 6), 100, 4160),  # 12 rows (6 + 6): five 832-column chunks
@@ -59,7 +59,8 @@ def test_routes_only_decode_sized_f32_and_bf16_matmuls_to_the_kernel():
         return two.lower(x, w).as_text().count("custom_call")
 
     top = cpu_matmul.max_rows()
-    assert top == (32 if "avx512f" in open("/proc/cpuinfo").read() else 2)
+    flags = set(open("/proc/cpuinfo").read().split())
+    assert top == (32 if "avx512f" in flags or {"avx2", "fma"} <= flags else 2)  # register tiles
     assert custom_calls(jnp.ones((2, 64), jnp.float32), w) == 2
     assert custom_calls(jnp.ones((top, 64), jnp.float32), w) == 2
     assert custom_calls(jnp.ones((top + 1, 64), jnp.float32), w) == 0
@@ -177,7 +178,7 @@ def test_weights_sharing_x_go_in_one_call(rows):
     ws = [rng.standard_normal((300, n)).astype(np.float32) for n in (1088, 256, 77)]
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
     calls = fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul")
-    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 rows without AVX-512
+    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 rows without register tiles
     for y, w in zip(fn(x, *ws), ws, strict=True):
         np.testing.assert_allclose(
             np.asarray(y), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(300)
@@ -186,9 +187,10 @@ def test_weights_sharing_x_go_in_one_call(rows):
 
 @pytest.mark.parametrize("rows", [3, 4, 5, 9, 10, 13, 17, 23, 27, 31, 32])
 def test_every_row_count_of_the_tiled_path(rows):
-    """3-32 rows go in register tiles of at most 9 rows (4 zmm wide up to 4 rows, else 3): row
-    counts that split unevenly (10 = 5 + 5, 17 = 9 + 8, 31 = 8 + 8 + 8 + 7), widths whose last
-    panel is 16 or 32 columns or that end in columns past a multiple of 16, K not a multiple
+    """3-32 rows go in register tiles of at most 9 rows with AVX-512 (4 zmm wide up to 4 rows,
+    else 3) or 6 with AVX2 (3 ymm wide up to 3 rows, else 2): row counts that split unevenly
+    (10 = 5 + 5, 17 = 9 + 8, 31 = 8 + 8 + 8 + 7; 13 = 5 + 4 + 4 in ymm), widths whose last panel is
+    narrower than the others or that end in columns past a multiple of the lanes, K not a multiple
     of the k-block, and a wide weight beside narrow ones in one call. About 1 s."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 300)).astype(np.float32)
@@ -202,7 +204,7 @@ def test_every_row_count_of_the_tiled_path(rows):
 @pytest.mark.parametrize("rows", [*range(1, 11), 13, 16, 17, 23, 31, 32])
 def test_bf16_weights_at_every_row_count(rows):
     """bf16 weights widened in registers, on the GEMV (1-2 rows) and the tiled path (3-32, with
-    AVX-512; XLA's dot above max_rows()): a
+    AVX-512 or AVX2; XLA's dot above max_rows()): a
     bf16 x gives bf16 results (XLA's dot's dtype), rounded once from the f32 sums; an f32 x
     with `out_dtype` f32 (the LM head's logits) is exact to f32 sums. Widths with tail columns
     and a weight of another width in the same call, as in `test_every_row_count_of_the_tiled_path`."""
@@ -212,7 +214,7 @@ def test_bf16_weights_at_every_row_count(rows):
     want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in ws]
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
     calls = fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul")
-    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 without AVX-512
+    assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 without register tiles
     for y, ref in zip(fn(x, *ws), want, strict=True):
         assert y.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2**-8, atol=1e-3 * np.sqrt(300))

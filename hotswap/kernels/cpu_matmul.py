@@ -5,11 +5,12 @@ core (so batch 1 read its weights at one core's bandwidth), and its dot for 3-32
 30-70 GFLOP/s over bench-100m's layer weights streamed from DRAM. Such a step is bound by
 reading the weights up to ~20 rows and by the FMAs above. The C++ kernel splits the weight
 rows over XLA's intra-op threads for 1-2 rows (bench-100m's batch-1 step: 12.0 -> 9.3 ms),
-and for 3-32 rows reads the weights in place, prefetched a block ahead, into AVX-512
-register tiles of up to 9 rows (on Zen 4 a tile of 5-9 rows runs at the FMA peak, one of 3-4
-at half of it): 1.2-2x XLA's dot over a chain of bench-100m's matmuls at 8-32 rows. A
+and for 3-32 rows reads the weights in place, prefetched a block ahead, into register tiles:
+AVX-512 tiles of up to 9 rows (on Zen 4 a tile of 5-9 rows runs at the FMA peak, one of 3-4 at
+half of it), 1.2-2x XLA's dot over a chain of bench-100m's matmuls at 8-32 rows; AVX2 + FMA
+tiles of up to 6 rows, 1.1-2.1x XLA's f32 dot and 1.2-2.9x its bf16 dot at 4-32 rows. A
 layer's q/k/v (or gate/up) weights go in one call (`matmuls`). More rows (prefill) stay on
-XLA's dot, as do CPUs without AVX-512 from 3 rows on (`max_rows()`).
+XLA's dot, as do CPUs with neither from 3 rows on (`max_rows()`).
 
 bf16 weights take the same path, widened to f32 in registers (x is multiplied in f32): a decode
 step reads every weight once, so half the bytes is up to half the time, where XLA:CPU's bf16 dot
@@ -30,7 +31,7 @@ from hotswap.kernels import cpu_build
 
 @functools.cache
 def max_rows() -> int:
-    """The most rows the kernel takes on this CPU: 32 with AVX-512, else 2 (GEMV only)."""
+    """The most rows the kernel takes on this CPU: 32 with AVX-512 or AVX2 + FMA, else 2 (GEMV)."""
     fn = cpu_build.library("small_matmul").HotswapSmallMatmulMaxRows
     fn.restype = ctypes.c_int64
     return int(fn())

@@ -13,7 +13,8 @@
 //     trainer's arrays, zero copy), prefetching each block of row segments into L2 a block
 //     ahead, and multiplies every w vector it loads into up to 9 rows held in registers (a
 //     tile's rows set its speed on Zen 4: 5-9 rows run at the FMA peak, 4 or fewer at half
-//     of it).
+//     of it). Tiles are AVX-512 (zmm) or, without it, AVX2 + FMA (ymm); a CPU with neither
+//     takes XLA's dot from 3 rows on.
 //
 // Layout: row-major x [M, K], w [K, N], y [M, N]. Correct for any M; the engine calls it for
 // at most HotswapSmallMatmulMaxRows() rows.
@@ -30,18 +31,21 @@
 // of 512 (the small-row path splits K for 1-2 rows, and XLA's dot blocks K by the row count).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define HOTSWAP_TILED 1  // 3-32 rows in register tiles; without either, 1-2 rows only
 #include <immintrin.h>
 #endif
 
@@ -98,13 +102,47 @@ void ColumnSlice(const float* __restrict x, const W* __restrict w, float* __rest
 }
 
 #if defined(__AVX512F__)
-// A register tile is up to kMR rows x kV zmm (48 columns): 27 accumulators, 3 w vectors and
-// a broadcast x value in the 32 zmm registers. Rows are what set a tile's speed on Zen 4:
-// on one core with w in L1, tiles of 5-9 rows ran at 105-114 GFLOP/s (the FMA peak) and
-// tiles of 3-4 rows at 45-63 whatever their width, so M rows go in ceil(M / 9) tiles as
-// even as possible (16 = 8 + 8, 32 = 4 x 8): M = 8 in one tile instead of two of 4 is 1.5x.
-constexpr int kMR = 9;
-constexpr int kV = 3;
+// The vector a tile is built of, and the tile sizes for it (one set per instruction set).
+// zmm: a tile is up to kMR rows x kV zmm (48 columns): 27 accumulators, 3 w vectors and a
+// broadcast x value in the 32 zmm registers. Rows are what set a tile's speed on Zen 4: on
+// one core with w in L1, tiles of 5-9 rows ran at 105-114 GFLOP/s (the FMA peak) and tiles of
+// 3-4 rows at 45-63 whatever their width, so M rows go in ceil(M / 9) tiles as even as
+// possible (16 = 8 + 8, 32 = 4 x 8): M = 8 in one tile instead of two of 4 is 1.5x. Up to
+// kMRWide rows (one tile) the tile is kVWide zmm wide: 1.02-1.09x the 3-wide one at 3-4 rows.
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kMR = 9, kV = 3, kMRWide = 4, kVWide = 4;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec LoadV(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec LoadV(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void StoreV(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(HOTSWAP_TILED)
+// ymm (AVX2 + FMA): 16 registers, so a tile is up to 6 rows x 2 ymm (16 columns): 12
+// accumulators, 2 w vectors and a broadcast, the shape of BLIS's Haswell kernel. Up to 3 rows
+// it is 3 ymm wide (9 accumulators): fewer than 8 independent chains would leave the two FMA
+// pipes waiting on their 4-cycle latency. A bf16 weight widens with a zero-extend and a shift.
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kMR = 6, kV = 2, kMRWide = 3, kVWide = 3;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec LoadV(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadV(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline void StoreV(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#else
+constexpr int kLanes = 16;  // no vector tiles: only the column chunks of the fixed order use it
+#endif
+
+#if defined(HOTSWAP_TILED)
 // Bytes of w per k-block: the block sits in L2 while the next one is prefetched.
 constexpr int64_t kSlabBytes = 256 << 10;
 // k rows per block, at most: a tile call's accumulator load and store are paid once per
@@ -132,56 +170,57 @@ struct Prefetch {
   }
 };
 
-// c[0:MR, 0:16V] (+)= x[0:MR, 0:kn] @ w[0:kn, 0:16V] (row strides ldx, ldw, ldc): each w
-// vector is loaded once and multiplied into MR rows, x broadcast from L1, y held in
+// c[0:MR, 0:kLanes*V] (+)= x[0:MR, 0:kn] @ w[0:kn, 0:kLanes*V] (row strides ldx, ldw, ldc):
+// each w vector is loaded once and multiplied into MR rows, x broadcast from L1, y held in
 // registers for the whole block.
-inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 Load16(const bf16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 template <int MR, int V, typename W>
 void Tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t ldw, int64_t kn,
           float* __restrict c, int64_t ldc, bool first, Prefetch& pf) {
-  __m512 acc[MR][V];
+  Vec acc[MR][V];
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < V; ++j) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * j);
+    for (int j = 0; j < V; ++j) acc[r][j] = first ? Zero() : LoadV(c + r * ldc + kLanes * j);
   Prefetch p = pf;  // a local copy lives in registers, not in a store-to-load chain
   for (int64_t k = 0; k < kn; ++k, w += ldw, ++x) {
     p.Step();
-    __m512 wv[V];
-    for (int j = 0; j < V; ++j) wv[j] = Load16(w + 16 * j);
+    Vec wv[V];
+    for (int j = 0; j < V; ++j) wv[j] = LoadV(w + kLanes * j);
     for (int r = 0; r < MR; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx]);
-      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_fmadd_ps(b, wv[j], acc[r][j]);
+      const Vec b = Broadcast(x[r * ldx]);
+      for (int j = 0; j < V; ++j) acc[r][j] = Fma(b, wv[j], acc[r][j]);
     }
   }
   pf = p;
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < V; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+    for (int j = 0; j < V; ++j) StoreV(c + r * ldc + kLanes * j, acc[r][j]);
 }
 template <typename W>
 using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t, bool, Prefetch&);
-template <typename W, int V>
-constexpr TileFn<W> kRow[kMR + 1] = {nullptr,       Tile<1, V, W>, Tile<2, V, W>, Tile<3, V, W>, Tile<4, V, W>,
-                                     Tile<5, V, W>, Tile<6, V, W>, Tile<7, V, W>, Tile<8, V, W>, Tile<9, V, W>};
-// At most kMR4 rows (one tile), the tile is 4 zmm wide: 1.02-1.09x the 3-wide one at 3-4 rows.
-constexpr int kMR4 = 4;
+// Tiles of 1..sizeof(MR) rows, V vectors wide, indexed by their row count.
+template <typename W, int V, int... MR>
+constexpr std::array<TileFn<W>, sizeof...(MR) + 1> Rows(std::integer_sequence<int, MR...>) {
+  return {nullptr, Tile<MR + 1, V, W>...};
+}
+template <typename W, int V, int N>
+constexpr auto kRow = Rows<W, V>(std::make_integer_sequence<int, N>());
+// [V][MR]: kV-wide and narrower tiles of up to kMR rows, and at V = kVWide the wide tile of up
+// to kMRWide rows.
+static_assert(kVWide == kV + 1, "the wide tile sits just past the general widths");
+template <typename W, int... V>
+constexpr std::array<const TileFn<W>*, kV + 2> Widths(std::integer_sequence<int, V...>) {
+  return {nullptr, kRow<W, V + 1, kMR>.data()..., kRow<W, kVWide, kMRWide>.data()};
+}
 template <typename W>
-constexpr TileFn<W> kRow4[kMR + 1] = {nullptr, Tile<1, 4, W>, Tile<2, 4, W>, Tile<3, 4, W>, Tile<4, 4, W>};
-template <typename W>
-constexpr const TileFn<W>* kTiles[kV + 2] = {nullptr, kRow<W, 1>, kRow<W, 2>, kRow<W, 3>, kRow4<W>};  // [V][MR]
+constexpr auto kTiles = Widths<W>(std::make_integer_sequence<int, kV>());
 
 // One work item: c[M, 0:n1-n0] (row stride ldc) = x[:, k0:k1] @ w[k0:k1, n0:n1], n1 - n0 a
-// multiple of 16. Rows go in as few tiles as kMR allows, as even as possible (32 = 4 x 8,
-// 12 = 6 + 6), each the full height of a panel of 48 columns (the last panel 16 or 32 when
-// the width asks). Walks k in blocks, prefetching the next block's row segments (contiguous
-// runs, which the memory system streams best) while computing this one.
+// multiple of kLanes. Rows go in as few tiles as kMR allows, as even as possible (32 = 4 x 8,
+// 12 = 6 + 6), each the full height of a panel of kLanes * kV columns (the last panel
+// narrower when the width asks). Walks k in blocks, prefetching the next block's row segments
+// (contiguous runs, which the memory system streams best) while computing this one.
 template <typename W>
 void Item(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t k0, int64_t k1, int64_t n0,
           int64_t n1, float* c, int64_t ldc) {
-  const int64_t vmax = M <= kMR4 ? 4 : kV, nr = 16 * vmax;  // panel width
+  const int64_t vmax = M <= kMRWide ? kVWide : kV, nr = kLanes * vmax;  // panel width
   const int64_t width = n1 - n0, panels = (width + nr - 1) / nr;
   const int64_t lines = (width * static_cast<int64_t>(sizeof(W)) + 63) / 64;  // cache lines a row
   const int64_t passes = (M + kMR - 1) / kMR;
@@ -197,7 +236,7 @@ void Item(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t k
     for (int64_t k = next + kb; k < std::min(k1, next + 2 * kb); ++k)
       _mm_prefetch(reinterpret_cast<const char*>(w + k * N + n0), _MM_HINT_T1);
     for (int64_t p = 0; p < panels; ++p) {
-      const int64_t v = std::min(vmax, (width - p * nr) / 16);
+      const int64_t v = std::min(vmax, (width - p * nr) / kLanes);
       for (int64_t t = 0; t < passes; ++t) {
         const int64_t r0 = M * t / passes, mr = M * (t + 1) / passes - r0;
         kTiles<W>[v][mr](x + r0 * K + kk, K, w + kk * N + n0 + p * nr, N, kn, c + r0 * ldc + p * nr, ldc, kk == k0,
@@ -209,7 +248,7 @@ void Item(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t k
 
 constexpr int64_t kMaxRows = 32;  // from 64 rows (prefill) on, XLA's dot is compute-efficient
 #else
-constexpr int64_t kMaxRows = 2;  // without AVX-512 only the GEMV path is faster than XLA
+constexpr int64_t kMaxRows = 2;  // without vector tiles only the GEMV path is faster than XLA
 #endif
 
 // One product y = x @ w of a call, cut into work items: `chunks` column ranges of at most
@@ -234,29 +273,29 @@ void PlanGemv(Product<W>& p, int64_t K, int64_t threads) {
   p.ksplit = std::min<int64_t>(2 * threads, std::max<int64_t>(K / 64, 1));
 }
 
-// The fixed-order path without AVX-512: column chunks of about one thread's share, all of K each.
+// The fixed-order path without vector tiles: column chunks of about one thread's share, all of K each.
 template <typename W>
 void PlanColumns(Product<W>& p, int64_t share) {
   p.cols = p.N;
-  p.width = std::max<int64_t>(16, std::min<int64_t>(p.N, share));
+  p.width = std::max<int64_t>(kLanes, std::min<int64_t>(p.N, share));
   p.chunks = (p.N + p.width - 1) / p.width;
   p.ksplit = 1;
 }
 
-#if defined(__AVX512F__)
+#if defined(HOTSWAP_TILED)
 // 3-32 rows: items are column chunks, each at most MaxWidth(M) and at most one thread's share
 // of the call's columns (`share`): a layer's q [768] splits in two while its k and v [256]
 // stay whole, so both threads get 640 columns. A product too narrow to give every thread a
-// chunk when alone is split over K as well. Columns past the last multiple of 16 are left to
-// `Tail`.
+// chunk when alone is split over K as well. Columns past the last multiple of kLanes are
+// left to `Tail`.
 template <typename W>
 void PlanTiled(Product<W>& p, int64_t M, int64_t K, int64_t threads, int64_t share, bool alone) {
-  const int64_t n16 = p.N / 16 * 16, lanes = n16 / 16;  // lanes: 16-column groups
-  const int64_t most = std::max<int64_t>(16, std::min(MaxWidth(M), share));
-  const int64_t chunks = std::min(lanes, (n16 + most - 1) / most);
-  p.cols = n16;
-  p.width = chunks > 0 ? (lanes + chunks - 1) / chunks * 16 : 1;
-  p.chunks = chunks > 0 ? (n16 + p.width - 1) / p.width : 0;
+  const int64_t whole = p.N / kLanes * kLanes, lanes = whole / kLanes;  // lanes: kLanes-column groups
+  const int64_t most = std::max<int64_t>(kLanes, std::min(MaxWidth(M), share));
+  const int64_t chunks = std::min(lanes, (whole + most - 1) / most);
+  p.cols = whole;
+  p.width = chunks > 0 ? (lanes + chunks - 1) / chunks * kLanes : 1;
+  p.chunks = chunks > 0 ? (whole + p.width - 1) / p.width : 0;
   const bool split = alone && p.chunks > 0 && p.chunks < threads;
   p.ksplit = split ? std::min<int64_t>(threads, std::max<int64_t>(K / 64, 1)) : 1;
 }
@@ -286,21 +325,21 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
     return;
   }
   bool tiled = false;
-#if defined(__AVX512F__)
+#if defined(HOTSWAP_TILED)
   tiled = M > 2 || fixed;
 #endif
   int64_t total = 0, cols = 0;
-  for (const Product<W>& p : ps) cols += p.N / 16 * 16;
-  const int64_t share = (cols / 16 + threads - 1) / threads * 16;
+  for (const Product<W>& p : ps) cols += p.N / kLanes * kLanes;
+  const int64_t share = (cols / kLanes + threads - 1) / threads * kLanes;
   for (Product<W>& p : ps) {
-#if defined(__AVX512F__)
+#if defined(HOTSWAP_TILED)
     if (tiled) {
       PlanTiled(p, M, K, threads, share, ps.size() == 1 && !fixed);
       Tail(xp, p, M, K);  // on this thread, before it joins in
     } else
 #endif
     if (fixed) {
-      PlanColumns(p, share);  // the fixed order without AVX-512
+      PlanColumns(p, share);  // the fixed order without vector tiles
     } else {
       PlanGemv(p, K, threads);
     }
@@ -323,7 +362,7 @@ void Products(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, std:
       KSlice(xp, p.w, y, M, K, p.N, k0, k1);
       return;
     }
-#if defined(__AVX512F__)
+#if defined(HOTSWAP_TILED)
     Item(xp, M, K, p.w, p.N, k0, k1, n0, n1, y, p.N);
 #endif
   });
