@@ -95,7 +95,9 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     wdt = jnp.dtype(args.dtype)
-    layers = [[jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdt) for s in SHAPES] for _ in range(LAYERS)]
+    layers = [
+        [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdt) for s in SHAPES] for _ in range(LAYERS)
+    ]
     if args.shared:
         layers = [layers[0]] * LAYERS
     if args.huge:
@@ -104,7 +106,9 @@ def main() -> None:
     fns = {f"old{i}": chain(ffi_matmuls(build(src, i))) for i, src in enumerate(args.old)}
     fns["new"] = chain(cpu_matmul.matmuls)
     if not args.no_xla:
-        fns["xla"] = chain(lambda x, ws: [jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws])
+        fns["xla"] = chain(
+            lambda x, ws: [jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws]
+        )
     flops_per_row = 2 * LAYERS * sum(math.prod(s) for s in SHAPES)
     print("rows " + " ".join(f"{name:>16}" for name in fns) + "   (ms, GFLOP/s)")
     for m in [int(r) for r in args.rows.split(",")]:
