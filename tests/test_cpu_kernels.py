@@ -224,6 +224,25 @@ def test_bf16_weights_at_every_row_count(rows):
     np.testing.assert_allclose(np.asarray(logits), want[0], rtol=1e-4, atol=1e-4 * np.sqrt(300))
 
 
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_bf16_weights_above_the_kernels_rows_take_a_widened_f32_dot(out_dtype):
+    """Above max_rows() a bf16 weight and its x are widened to f32 before XLA's dot (its bf16 dot
+    into f32 logits was the slow one): the program holds an f32 dot and no bf16 one, and the
+    result is the f32 sums rounded once, to bf16 or (logits) kept in f32."""
+    rows = cpu_matmul.max_rows() + 32
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((rows, 300)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 70)), jnp.bfloat16)
+    fn = jax.jit(lambda x, w: cpu_matmul.matmuls(x, [w], out_dtype=out_dtype)[0])
+    dots = [line for line in fn.lower(x, w).as_text().splitlines() if "dot_general" in line]
+    assert len(dots) == 1 and "300xf32>" in dots[0] and "bf16>" not in dots[0], dots
+    y = fn(x, w)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert y.dtype == (out_dtype or jnp.bfloat16)
+    rtol = 1e-5 if out_dtype is not None else 2**-8
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=rtol, atol=rtol * np.sqrt(300))
+
+
 def test_all_finite_flags_each_array():
     """The C++ NaN/Inf check behind `update_weights`: one flag per array, f32 and bf16, a bad
     value anywhere (first element, a 1 MB piece boundary, the tail past the vector width)."""

@@ -155,3 +155,35 @@ def test_a_device_failure_while_writing_loses_the_weights_loudly(llm, tiny_dir, 
     llm.update_weights(tiny_dir)
     _same(_gen(llm), want)
     llm.engine.check_invariants()
+
+
+def test_a_lora_adapter_is_read_once_and_merged_as_the_staged_path_merges_it(
+    llm, copy_llm, tiny_dir, tmp_path, monkeypatch
+):
+    """A LoRA adapter is merged beside the base it keeps, whatever the staging: the in-place
+    engine serves what the staged one serves, and reads the adapter's files once (the check pass
+    hands the adapter it read on to the merge)."""
+    from lora_helpers import make_adapter
+
+    from hotswap.weights import lora as lora_source
+
+    adapter = make_adapter(tiny_dir, tmp_path / "adapter", seed=3)
+    for engine in (llm, copy_llm):
+        engine.update_weights(tiny_dir)
+    base = _gen(llm)
+    reads = []
+    read = lora_source.read
+
+    def counting(source, *args, **kwargs):
+        got = read(source, *args, **kwargs)
+        reads.append(got is not None)
+        return got
+
+    monkeypatch.setattr(lora_source, "read", counting)
+    llm.update_weights(str(adapter))
+    assert reads == [True]
+    copy_llm.update_weights(str(adapter))
+    merged = _gen(llm)
+    _same(merged, _gen(copy_llm))
+    assert np.abs(np.subtract(merged.logprobs, base.logprobs)).max() > 1e-3  # the adapter took effect
+    llm.engine.check_invariants()

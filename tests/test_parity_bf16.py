@@ -9,7 +9,11 @@ of them by up to the sum of theirs. The bars:
 - |ours - HF-f32| <= 2 x |HF-bf16 - HF-f32| (max over positions): no less accurate than
   HF's bf16, with a factor 2 for where the rounding of each lands (measured: 0.52-0.81);
 - |ours - HF-bf16| <= 3 x |HF-bf16 - HF-f32|: the triangle bound of the two (measured: 0.70-1.27);
-- top-1 (our greedy token against HF-bf16's argmax) on >= 99% of positions.
+- top-1 (our greedy token against HF-bf16's argmax) on >= 99% of the positions that are not
+  ties at bf16's precision: where HF-f32's log-prob of our token is within TIE (2^-8 nats) of its
+  top, no bf16 engine can tell the two apart (HF-bf16 scores most of them as exact ties: at such
+  positions it keeps its first index, we keep ours). Gemma 2's case had 3 such positions of 120
+  (margins 0.0006-0.0027 nats), each met twice, after a change that rounded no differently.
 
 Seeded random weights give near-uniform next-token distributions (median top-2 margin 0.03
 nats), where bf16 rounding alone flips 1.5-2.5% of HF's own argmaxes against HF-f32: no
@@ -34,6 +38,7 @@ from hotswap import LLM, SamplingParams
 from hotswap.checkpoint.create import create_checkpoint
 
 DTYPES = (torch.float32, torch.bfloat16)
+TIE = 2.0**-8  # nats: a top-2 margin below bf16's relative precision at any logit of magnitude >= 1
 LENGTHS = (2, 17, 64, 150)  # prompts; positions past 32 exercise llama3 rope scaling
 GEN = 40  # greedy tokens after each prompt: the decode path
 
@@ -124,7 +129,10 @@ def check_bf16(model_dir, name: str, attn_implementation: str | None = None) -> 
     tok = np.concatenate([o.token_ids for o in outs])
     ours = np.concatenate([o.logprobs for o in outs])
     f32, b16 = (at[dt][np.arange(len(tok)), tok] for dt in DTYPES)
-    top1 = float(np.mean(tok == at[torch.bfloat16].argmax(-1)))
+    agree = tok == at[torch.bfloat16].argmax(-1)
+    tie = ~agree & (at[torch.float32].max(-1) - f32 < TIE)  # ours within TIE of HF-f32's top
+    ties = int(tie.sum())
+    top1 = float(np.mean(agree[~tie]))
     top1_f32 = float(np.mean(tok == at[torch.float32].argmax(-1)))
     hf_top1 = float(np.mean(at[torch.bfloat16].argmax(-1) == at[torch.float32].argmax(-1)))
 
@@ -143,8 +151,8 @@ def check_bf16(model_dir, name: str, attn_implementation: str | None = None) -> 
         "score": (_max_abs(scored - g32), _max_abs(scored - g16), _max_abs(g16 - g32)),
     }
     report = (
-        f"{name} [{llm.engine.ecfg.attention}]: top-1 vs HF-bf16 {top1:.4f}, vs HF-f32 {top1_f32:.4f} "
-        f"(HF-bf16 vs HF-f32 {hf_top1:.4f}) over {len(tok)} tokens; max |dlogprob| "
+        f"{name} [{llm.engine.ecfg.attention}]: top-1 vs HF-bf16 {top1:.4f} ({ties} ties left out), vs HF-f32 "
+        f"{top1_f32:.4f} (HF-bf16 vs HF-f32 {hf_top1:.4f}) over {len(tok)} tokens; max |dlogprob| "
         + "; ".join(f"{k}: vs f32 {a:.2e}, vs bf16 {b:.2e}, HF's own {h:.2e}" for k, (a, b, h) in d.items())
     )
     print(report)

@@ -83,9 +83,13 @@ def check_source(
 ) -> Checked:
     """Pass 1 (see the module doc). `current`: the serving base weights, which a partial update
     needs loaded and a LoRA adapter (staged) is merged into."""
-    if lora_source.read(source, cfg, weights_root=weights_root) is not None or isinstance(
-        source, transfer.TransferRef
-    ):
+    adapter = lora_source.read(source, cfg, weights_root=weights_root)
+    if adapter is not None:  # read once, handed on
+        staged = sources.stage_adapter(
+            adapter, cfg, current=current, abstract=abstract, check_finite=check_finite, lora_alpha=lora_alpha
+        )
+        return Checked(staged=staged)
+    if isinstance(source, transfer.TransferRef):
         staged = sources.stage_source(
             source,
             cfg,

@@ -143,6 +143,23 @@ def resolve_source(
     return hf.params_from_hf(cfg, got.tensors, partial_base=base)
 
 
+def stage_adapter(
+    adapter: lora_source.AdapterSource,
+    cfg: ModelConfig,
+    *,
+    current: Params | None,
+    abstract: Params,
+    check_finite: bool = True,
+    lora_alpha: float | None = None,
+) -> StagedParams:
+    """A LoRA adapter already read, merged into `current`, the base weights, on their devices:
+    the staged params serve W + (alpha / r)·A·B and keep `current` as their base."""
+    if current is None:
+        raise WeightsMismatch("a LoRA adapter needs base weights loaded (not after sleep level 2)")
+    factors = lora_source.stage(adapter, cfg, abstract, lora_alpha=lora_alpha, check_finite=check_finite)
+    return StagedParams(lora.merge(current, factors), abstract, base=current)
+
+
 def stage_source(
     source: Any,
     cfg: ModelConfig,
@@ -164,15 +181,13 @@ def stage_source(
     scans only the tensors it brings. Params trees are placed by `ingest.stage_params`.
 
     A LoRA adapter (`weights/lora.py`: PEFT, an NNX `LoRAParam` state, a params-layout tree)
-    is merged into `current`, the base weights (`model/lora.py`), on their devices: the staged
-    params serve W + (alpha / r)·A·B and keep `current` as their base.
+    is merged into `current` (`stage_adapter`).
     """
     adapter = lora_source.read(source, cfg, weights_root=weights_root)
     if adapter is not None:
-        if current is None:
-            raise WeightsMismatch("a LoRA adapter needs base weights loaded (not after sleep level 2)")
-        factors = lora_source.stage(adapter, cfg, abstract, lora_alpha=lora_alpha, check_finite=check_finite)
-        return StagedParams(lora.merge(current, factors), abstract, base=current)
+        return stage_adapter(
+            adapter, cfg, current=current, abstract=abstract, check_finite=check_finite, lora_alpha=lora_alpha
+        )
     base = partial_base(current, partial)
     got = read(source, cfg, weights_root=weights_root, abstract=abstract)
     if got.tensors is None:
