@@ -184,7 +184,7 @@ def run(args) -> int:
                 "serving": serving_workload(llm, args.serving_requests, cfg.vocab_size),
             }
 
-        _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg.vocab_size, ours_now)
+        _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg, ours_now)
     prefix = prefix_ttft(llm, cfg.vocab_size)
     prefix["speedup"] = prefix["uncached_s"] / prefix["cached_s"]
     gemv = GemvProbe()  # again: the first one's 512 MiB were freed before the serving run
@@ -234,8 +234,9 @@ def _startup(model_dir: Path, engine: dict) -> dict:
     return runs
 
 
-def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab: int, ours_now=None) -> None:
-    """Each peer on the same prompts in its own venv; adds its columns to the rows and serving.
+def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, cfg, ours_now=None) -> None:
+    """Each peer on the same prompts in its own venv, in the dtype hotswap served (`cfg`, its
+    model config); adds its columns to the rows and serving.
 
     Runs after hotswap and HF so that nothing else competes for the cores. When HF is loaded,
     every decode sequence's greedy tokens are checked against HF's (`<peer>_hf_agree`): a peer
@@ -254,9 +255,10 @@ def _run_peers(peers, args, model_dir, out, rows, serving, plan, hf_model, vocab
         new_tokens=args.new_tokens,
         repeats=args.repeats,
         max_num_seqs=max(r["batch"] for r in rows),
-        decode=[random_prompts(r["batch"], args.prompt_len, vocab) for r in rows],
-        serving_prompts=bench_peers.serving_prompts(plan[0], vocab),
+        decode=[random_prompts(r["batch"], args.prompt_len, cfg.vocab_size) for r in rows],
+        serving_prompts=bench_peers.serving_prompts(plan[0], cfg.vocab_size),
         serving_outputs=plan[1],
+        dtype=cfg.dtype,
     )
     reference = None  # HF's greedy tokens for the largest batch's prompts (the others are its prefixes)
     if hf_model is not None:

@@ -47,6 +47,9 @@ class PeerNotInstalled(PeerError):
     code = "peer_not_installed"
 
 
+PEER_DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerRequest:
     """What a peer measures; every list holds token ids, so no tokenizer is involved."""
@@ -62,6 +65,7 @@ class PeerRequest:
     serving_outputs: list[int] = dataclasses.field(default_factory=list)  # max_tokens per serving prompt
     # a GRPO rollout (benchmarks/rollout.py `spec`, plus "prompts"): the peer runs only that
     rollout: dict | None = None
+    dtype: str = "float32"  # the weights and KV cache of the decode rows and serving, as hotswap's
 
     def __post_init__(self) -> None:
         if len(self.serving_prompts) != len(self.serving_outputs):
@@ -69,6 +73,8 @@ class PeerRequest:
                 f"serving_prompts has {len(self.serving_prompts)} prompts but serving_outputs "
                 f"{len(self.serving_outputs)} lengths; give one output length per prompt"
             )
+        if self.dtype not in PEER_DTYPES:
+            raise PeerError(f"dtype {self.dtype!r}: the peers run one of {PEER_DTYPES}")
         if self.rollout is None and self.new_tokens < 2:
             raise PeerError(f"new_tokens={self.new_tokens}: decode timing needs at least 2 tokens")
 

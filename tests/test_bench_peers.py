@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import stat
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ if req.rollout is not None:
 emit_result({
     "peer": "fake",
     "version": "0",
-    "echo": {"model_dir": req.model_dir, "threads": req.threads, "max_num_seqs": req.max_num_seqs},
+    "echo": {"model_dir": req.model_dir, "threads": req.threads, "max_num_seqs": req.max_num_seqs, "dtype": req.dtype},
     "decode": [
         {"batch": len(p), "tok_s": 5.0 * len(p), "tokens": [[7] * req.new_tokens for _ in p]}
         for p in req.decode
@@ -52,6 +53,9 @@ emit_result({
     "serving": {"throughput_tok_s": sum(req.serving_outputs) / 2.0, "ttft_p50_s": 0.5, "ttft_p99_s": 2.0},
 })
 """
+
+
+CFG = types.SimpleNamespace(vocab_size=32000, dtype="float32")  # the model config `_run_peers` reads
 
 
 def _install_fake(peers_dir: Path, name: str) -> None:
@@ -86,8 +90,8 @@ def test_every_peer_has_a_setup_script_and_a_driver():
 def test_round_trip_through_a_driver_subprocess(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_PEER", "ok")
     _install_fake(tmp_path, "llama_cpp")
-    result = bench_peers.run_peer("llama_cpp", _request(), tmp_path)
-    assert result["echo"] == {"model_dir": "/models/m", "threads": 3, "max_num_seqs": 2}
+    result = bench_peers.run_peer("llama_cpp", dataclasses.replace(_request(), dtype="bfloat16"), tmp_path)
+    assert result["echo"] == {"model_dir": "/models/m", "threads": 3, "max_num_seqs": 2, "dtype": "bfloat16"}
     assert [d["tok_s"] for d in result["decode"]] == [5.0, 10.0]
     assert result["serving"] == {"throughput_tok_s": 3.5, "ttft_p50_s": 0.5, "ttft_p99_s": 2.0}
 
@@ -128,6 +132,8 @@ def test_request_validation():
         dataclasses.replace(_request(), serving_outputs=[1])
     with pytest.raises(PeerError, match="at least 2 tokens"):
         dataclasses.replace(_request(), new_tokens=1)
+    with pytest.raises(PeerError, match="dtype 'float16'"):
+        dataclasses.replace(_request(), dtype="float16")
 
 
 def test_timing_helpers_match_numpy():
@@ -155,7 +161,7 @@ def test_bench_adds_peer_columns_serving_ratio_and_a_plot_line(tmp_path, monkeyp
     ]
     serving = {"throughput_tok_s": 7.0, "ttft_p50_s": 0.25, "ttft_p99_s": 4.0}
     plan = ([6, 9], [3, 4])
-    bench._run_peers(["llama_cpp"], args, tmp_path / "m", tmp_path / "out", rows, serving, plan, None, 32000)
+    bench._run_peers(["llama_cpp"], args, tmp_path / "m", tmp_path / "out", rows, serving, plan, None, CFG)
     assert [r["llama_cpp_tok_s"] for r in rows] == [5.0, 10.0]
     assert [r["ratio_vs_llama_cpp"] for r in rows] == [4.0, 2.0]
     assert serving["llama_cpp"] == {"throughput_tok_s": 3.5, "ttft_p50_s": 0.5, "ttft_p99_s": 2.0}
@@ -193,7 +199,7 @@ def test_peer_ratios_use_hotswap_measured_just_before_and_after_the_peer(tmp_pat
         serving,
         ([6, 9], [3, 4]),
         None,
-        32000,
+        CFG,
         lambda: next(again),
     )
     assert [r["hotswap_tok_s_around_llama_cpp"] for r in rows] == [[30.0, 10.0], [40.0, 20.0]]

