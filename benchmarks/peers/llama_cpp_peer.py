@@ -169,7 +169,8 @@ def serve(c: Context, prompts: list[list[int]], outputs: list[int], n_seq: int) 
     return serving_summary(outputs, first_s, time.perf_counter() - t0)
 
 
-KV_TYPES = {"float32": lib.GGML_TYPE_F32, "bfloat16": lib.GGML_TYPE_BF16}
+GGML_TYPE_BF16 = 30  # ggml.h's enum; llama-cpp-python 0.3.36 exports no constant for it
+KV_TYPES = {"float32": lib.GGML_TYPE_F32, "bfloat16": GGML_TYPE_BF16}
 
 
 def gguf_for(req: PeerRequest) -> Path:
