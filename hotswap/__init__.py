@@ -16,6 +16,7 @@ _LAZY = {
     "LoRARequest": "hotswap.engine.adapters",
     "RequestOutput": "hotswap.engine.outputs",
     "CompletionOutput": "hotswap.engine.outputs",
+    "UpdateOptions": "hotswap.weights.options",
     "EngineArgs": "hotswap.args",
     "EngineConfig": "hotswap.config",
     "ModelConfig": "hotswap.model.config",
