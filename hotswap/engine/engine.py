@@ -49,6 +49,7 @@ from hotswap.programs import compile_cache
 from hotswap.weights import in_place, sources
 from hotswap.weights import lora as lora_source
 from hotswap.weights.chunks import ChunkStager
+from hotswap.weights.options import UpdateOptions
 
 
 class Engine:
@@ -356,26 +357,20 @@ class Engine:
 
     # ---- lifecycle ----------------------------------------------------------
 
-    def update_weights(
-        self,
-        source,
-        *,
-        policy: str = "drain",
-        version: int | None = None,
-        partial: bool = False,
-        drain_timeout_s: float | None = None,
-        check_finite: bool = True,
-        lora_alpha: float | None = None,
-    ) -> int:
-        """Validate -> stage -> apply the in-flight policy (policies.py) -> swap. Returns the new version.
+    def update_weights(self, source, options: UpdateOptions | None = None, **fields) -> int:
+        """Read -> plan -> place -> apply the in-flight policy (policies.py) -> swap. Returns the
+        new version. `options` (or its fields as keywords): `weights/options.py`.
 
-        The source is loaded and validated before the lock is taken, so serving
+        The source is read, checked and placed before the lock is taken, so serving
         continues meanwhile and a bad source changes nothing. A LoRA adapter is merged into
         the base weights (the state's `base`, kept on the device; `lora_alpha` when the source
         does not state it); full weights replace the base. In place (`weight_update_staging`,
         `weights/in_place.py`) the source is checked first and written over the serving
         weights under the lock, so the device holds one copy of them.
         """
+        opts = UpdateOptions.of(options, **fields)
+        policy, version, partial = opts.policy, opts.version, opts.partial
+        drain_timeout_s, check_finite, lora_alpha = opts.drain_timeout_s, opts.check_finite, opts.lora_alpha
         row = policies.policy(policy)
         st = self.state
         source_args = dict(
@@ -550,15 +545,17 @@ class Engine:
         finished: bool,
         update_id: str | None = None,
         content_type: str = "application/octet-stream",
-        **update_kwargs,
+        options: UpdateOptions | None = None,
+        **fields,
     ) -> int | None:
         """Stage one chunk (HF-named tensors, payload bytes, or a parsed JSON `tensors` list);
-        on `finished`, commit every staged tensor atomically."""
+        on `finished`, commit every staged tensor atomically, as one update run with `options`."""
+        opts = UpdateOptions.of(options, **fields)  # refused before anything is staged
         tensors = sources.wire_tensors(tensors_or_bytes, content_type)
         merged = self.stager.add(tensors, finished=finished, update_id=update_id)
         if merged is None:
             return None
-        return self.update_weights(merged, **update_kwargs)
+        return self.update_weights(merged, opts)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free device memory. mode 'abort' ends in-flight requests now; 'wait' drains them first."""

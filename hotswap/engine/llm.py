@@ -28,6 +28,7 @@ from hotswap.model.forward import token_logprobs_jit
 from hotswap.programs import catalog, kv_sizing
 from hotswap.tools import formats
 from hotswap.tools.choice import ToolChoice
+from hotswap.weights.options import UpdateOptions
 
 
 class LLM:
@@ -281,17 +282,7 @@ class LLM:
 
     # ---- lifecycle -------------------------------------------------------------
 
-    def update_weights(
-        self,
-        source,
-        *,
-        policy: str = "drain",
-        version: int | None = None,
-        partial: bool = False,
-        drain_timeout_s: float | None = None,
-        check_finite: bool = True,
-        lora_alpha: float | None = None,
-    ) -> int:
+    def update_weights(self, source, options: UpdateOptions | None = None, **fields) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
         a `hotswap.weights.transfer.TransferRef` another JAX process published: pulled device to device, or a
         Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf), or a
@@ -300,18 +291,13 @@ class LLM:
         weights, which the engine keeps, as W + (lora_alpha / r)·A·B; `lora_alpha` where the
         source does not state it (a PEFT directory's adapter_config.json does).
 
+        `options` (`hotswap.UpdateOptions`), or its fields as keywords: `policy`, `version`,
+        `partial`, `drain_timeout_s`, `check_finite`, `lora_alpha`.
+
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
         """
-        return self.engine.update_weights(
-            source,
-            policy=policy,
-            version=version,
-            partial=partial,
-            drain_timeout_s=drain_timeout_s,
-            check_finite=check_finite,
-            lora_alpha=lora_alpha,
-        )
+        return self.engine.update_weights(source, UpdateOptions.of(options, **fields))
 
     def _ensure_lora(self, request: LoRARequest) -> None:
         loaded = {a.name: a for a in self.engine.lora_adapters()}
