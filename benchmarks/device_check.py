@@ -6,7 +6,7 @@
 `benchmarks/device_check.sh` installs what the platform needs and wraps this with timeouts.
 Parts, each a JSON entry with `ok` (a part past the time budget is recorded as skipped):
 
-- `kernel_tests`: tests/test_kernels.py and tests/test_reference_attention.py on the device
+- `kernel_tests`: tests/kernels/test_kernels.py and tests/kernels/test_reference_attention.py on the device
   platform (not with --smoke: the suite runs them on CPU). On TPU the Pallas kernel compiles
   with Mosaic; elsewhere it only runs interpreted (it uses TPU scalar prefetch), so on GPU these
   check the jnp reference under XLA:GPU and the kernel's interpreted semantics.
@@ -339,8 +339,8 @@ def run_kernel_tests(budget: Budget) -> dict:
         "-q",
         "-p",
         "no:cacheprovider",
-        "tests/test_kernels.py",
-        "tests/test_reference_attention.py",
+        "tests/kernels/test_kernels.py",
+        "tests/kernels/test_reference_attention.py",
     ]
     try:
         p = subprocess.run(

@@ -6,7 +6,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite never writes compiled programs into the user's cache, nor loads what an earlier
-# run left there; tests/test_compile_cache.py turns it on, in its own directory.
+# run left there; tests/engine/test_compile_cache.py turns it on, in its own directory.
 os.environ.setdefault("HOTSWAP_COMPILATION_CACHE", "0")
 
 import pytest  # noqa: E402
@@ -70,7 +70,7 @@ def gemma3_gguf():
 
 @pytest.fixture(scope="session")
 def api_server(weights_root, tmp_path_factory):
-    """One `hotswap serve` (tests/api_helpers.py) shared by the test_server_* files that leave it as
+    """One `hotswap serve` (tests/support/api_helpers.py) shared by the test_server_* files that leave it as
     they found it: on weights version 1, awake, serving. A file whose tests change or end the
     server overrides this fixture with its own, module-scoped."""
     from api_helpers import start_server

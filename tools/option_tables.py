@@ -3,7 +3,7 @@
 python tools/option_tables.py           # rewrites the tables in docs/en and docs/zh_cn
 python tools/option_tables.py --check   # exits 1, naming the page, where a table is stale
 
-Each table is found by an option it lists (`TABLES`) and replaced whole; tests/test_docs.py
+Each table is found by an option it lists (`TABLES`) and replaced whole; tests/project/test_docs.py
 checks that the pages hold exactly what this writes.
 """
 

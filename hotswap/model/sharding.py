@@ -20,7 +20,7 @@ heads and keeps its own.
 Params stay a plain pytree; shardings are a params-shaped tree of
 `NamedSharding` that `Engine(shardings=..., kv_sharding=...)` places them on.
 The jitted step is an ordinary `jax.jit`: GSPMD propagates these input
-shardings through the forward pass. `tests/test_sharding.py` reads the
+shardings through the forward pass. `tests/engine/test_sharding.py` reads the
 compiled HLO to check what it chooses: per step, 2 all-reduces of [B, C, D]
 per layer plus one for the embedding, no collective on any KV-sized array
 (the interleaved K/V reshapes split a sharded major dim, so they stay local),
