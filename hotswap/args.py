@@ -1,12 +1,14 @@
 """`EngineArgs`: the one table of engine options (vLLM's pattern).
 
-Each field carries its default, help and choices (English and Chinese, for the docs) and the
-commands it is a flag of. Everything that takes engine options is generated from it: the
-`hotswap serve` and `hotswap aot` flags (`add_cli_args` / `from_cli_args`), the keywords of
-`LLM(model, **kwargs)` and `HotswapRollout`, `programs.aot.AotConfig`, `EngineConfig`'s
-defaults, and the option tables of docs/en and docs/zh_cn (`python -m hotswap.args --markdown`,
-written into the pages by `tools/option_tables.py`). It resolves into `EngineConfig` once the
-model and the devices are known (`EngineConfig.of`).
+Each field carries its default, help (English and Chinese, for the docs), choices and bound,
+the commands it is a flag of, and whether it is a field of `EngineConfig`. Everything that takes
+engine options is generated from it: the `hotswap serve` and `hotswap aot` flags
+(`add_cli_args` / `from_cli_args`), the keywords of `LLM(model, **kwargs)` and
+`HotswapRollout`, `programs.aot.AotConfig`, `EngineConfig`'s fields (hotswap/config.py), and
+the option tables of docs/en and docs/zh_cn (`python -m hotswap.args --markdown`, written into
+the pages by `tools/option_tables.py`). It resolves into `EngineConfig` once the model and the
+devices are known (`EngineConfig.of`). A value is checked against its row's choices and bound in
+one place, `check`, which both `EngineArgs` and `EngineConfig` run when they are built.
 
 Imports nothing heavy: the CLI builds its parsers from it before JAX is loaded.
 """
@@ -16,19 +18,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+from hotswap.errors import ConfigError
 from hotswap.tools.formats import PARSER_NAMES
 
 # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build), else
 # "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
-# How a hot update is staged (weights/in_place.py `resolve`): "auto" is "in_place" on TPU/GPU, "copy" on CPU.
+# How a hot update is staged (weights/place.py `resolve`): "auto" is "in_place" on TPU/GPU, "copy" on CPU.
 WEIGHT_UPDATE_STAGINGS = ("auto", "copy", "in_place")
 # Where a field is an option: `LLM(...)` (and `HotswapRollout`), `hotswap serve`, `hotswap aot`.
 SCOPES = ("llm", "serve", "aot")
 SERVING = ("llm", "serve")  # options of a running engine, meaningless when only compiling
+
+
+class Bound(NamedTuple):
+    """What a number option must be: `ok(value)`, else "<name> must be <must>, got <value>"."""
+
+    must: str
+    ok: Callable[[Any], bool]
+
+
+POSITIVE = Bound("> 0", lambda v: v > 0)
 
 
 def option(
@@ -38,24 +52,44 @@ def option(
     *,
     type: type,
     choices: tuple[str, ...] | None = None,
+    bound: Bound | None = None,
     scopes: tuple[str, ...] = SCOPES,
+    engine: bool = True,
     doc_default: str | None = None,
     doc_default_zh: str | None = None,
     flag: str | None = None,
 ) -> Any:
-    """A field of `EngineArgs`. `doc_default`: the docs' default cell when the default is resolved
-    later (None here); `flag`: the CLI flag when it is not the field's name in dashes."""
+    """A field of `EngineArgs`. `engine`: a field of `EngineConfig` too (else it is read where the
+    model is loaded, or handed to the `Engine` or the server on its own); `doc_default`: the docs'
+    default cell when the default is resolved later (None here); `flag`: the CLI flag when it is
+    not the field's name in dashes."""
     meta = dict(
         help=help,
         help_zh=help_zh,
         type=type,
         choices=choices,
+        bound=bound,
         scopes=scopes,
+        engine=engine,
         doc_default=doc_default,
         doc_default_zh=doc_default_zh or doc_default,
         flag=flag,
     )
     return dataclasses.field(default=default, metadata=meta)
+
+
+def check(f: dataclasses.Field, value: Any) -> None:
+    """`value` of the option `f` against its row: one of its choices, within its bound. None is
+    a value only of an option whose default is None (one resolved later, or "no bound")."""
+    m = f.metadata
+    if value is None:
+        if f.default is None:
+            return
+        raise ConfigError(f"{f.name} must be set, got None")
+    if m["choices"] and value not in m["choices"]:
+        raise ConfigError(f"{f.name}={value!r}; use one of {', '.join(m['choices'])}")
+    if m["bound"] is not None and not m["bound"].ok(value):
+        raise ConfigError(f"{f.name} must be {m['bound'].must}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,23 +101,26 @@ class EngineArgs:
         "longest sequence, prompt plus output",
         "最长序列长度，提示词加输出",
         type=int,
+        bound=POSITIVE,
         doc_default="`min(max_position_embeddings, 2048)`",
     )
     max_num_seqs: int = option(
-        32, "sequences decoded together in one step", "一个 step 中一起解码的序列数", type=int
+        32, "sequences decoded together in one step", "一个 step 中一起解码的序列数", type=int, bound=POSITIVE
     )
     max_num_batched_tokens: int = option(
         256,
         "tokens per step; longer prompts are prefilled in chunks",
         "每个 step 的 token 数；更长的提示词分块预填充",
         type=int,
+        bound=POSITIVE,
     )
-    page_size: int = option(16, "tokens per KV page", "每个 KV 页的 token 数", type=int)
+    page_size: int = option(16, "tokens per KV page", "每个 KV 页的 token 数", type=int, bound=POSITIVE)
     num_pages: int | None = option(
         None,
         "KV pages in the pool (plus page 0, reserved)",
         "池中的 KV 页数（另加保留的第 0 页）",
         type=int,
+        bound=Bound(">= 2 (page 0 is the null page)", lambda v: v >= 2),
         doc_default="on CPU two full-length sequences or `max_num_seqs` half-length ones, whichever is "
         "more; on TPU/GPU what fits `gpu_memory_utilization`",
         doc_default_zh="CPU 上为两条满长度序列或 `max_num_seqs` 条半长度序列所需，取较多者；TPU/GPU 上为 "
@@ -95,6 +132,7 @@ class EngineArgs:
         "the steps' temporaries (vLLM's name)",
         "TPU/GPU 上未给 `num_pages` 时：参数、KV 缓存和各 step 临时内存可占空闲设备内存的比例（沿用 vLLM 的名字）",
         type=float,
+        bound=Bound("in (0, 1]", lambda v: 0.0 < v <= 1.0),
     )
     weight_update_staging: str = option(
         "auto",
@@ -133,6 +171,7 @@ class EngineArgs:
         "Python API page)",
         '`"float32"`、`"bfloat16"` 或 `"float16"`：权重、激活值与 KV 页（见 Python API 页的 `dtype` 一节）',
         type=str,
+        engine=False,
         choices=DTYPES,
         doc_default='`"bfloat16"` on TPU, else the checkpoint\'s',
         doc_default_zh='TPU 上为 `"bfloat16"`，其他平台为检查点自身的',
@@ -165,7 +204,12 @@ class EngineArgs:
         scopes=SERVING,
     )
     warmup: bool = option(
-        True, "compile every step shape now", "立即编译所有 step 形状", type=bool, scopes=SERVING
+        True,
+        "compile every step shape now",
+        "立即编译所有 step 形状",
+        type=bool,
+        engine=False,
+        scopes=SERVING,
     )
     compilation_cache: bool = option(
         True,
@@ -179,6 +223,7 @@ class EngineArgs:
         "seeds requests that carry no seed of their own",
         "为没有自带种子的请求提供种子",
         type=int,
+        engine=False,
         scopes=SERVING,
     )
     weights_root: str | None = option(
@@ -186,6 +231,7 @@ class EngineArgs:
         "when set, path updates must lie under it (`hotswap serve` refuses path updates without it)",
         "设置后，按路径更新时路径必须位于其下（不设置时 `hotswap serve` 拒绝按路径更新）",
         type=str,
+        engine=False,
         scopes=SERVING,
     )
     max_waiting: int = option(
@@ -210,6 +256,7 @@ class EngineArgs:
         "在 `keep` 策略下，最旧 KV 落后超过这么多个版本的运行中序列会被重新计算（AReaL 的 "
         "max_head_offpolicyness；`None`：不设上限）",
         type=int,
+        bound=Bound(">= 0 (or None)", lambda v: v >= 0),
         scopes=SERVING,
     )
     tensor_parallel_size: int | None = option(
@@ -218,6 +265,7 @@ class EngineArgs:
         "of the slice)",
         "把参数和 KV 头分片到这么多个设备上（`None`：一个设备；`hotswap aot`：切片的所有芯片）",
         type=int,
+        engine=False,
     )
     enable_lora: bool = option(
         False,
@@ -233,12 +281,14 @@ class EngineArgs:
         "adapters loaded at once (with `enable_lora`); a compiled shape: loading one never recompiles",
         "同时加载的适配器数（`enable_lora` 时）；这是编译形状：加载适配器从不重新编译",
         type=int,
+        bound=POSITIVE,
     )
     max_lora_rank: int = option(
         16,
         "largest adapter rank served by name (with `enable_lora`); a compiled shape",
         "按名字服务的适配器的最大秩（`enable_lora` 时）；这是编译形状",
         type=int,
+        bound=POSITIVE,
     )
     tool_call_parser: str | None = option(
         None,
@@ -249,6 +299,7 @@ class EngineArgs:
         '`"hermes"`（`<tool_call>` JSON，Qwen；即 SGLang 的 `"qwen25"`）、`"llama3_json"`（SGLang 的 `"llama3"`）、'
         '`"mistral"`、`"smollm2"`',
         type=str,
+        engine=False,
         choices=PARSER_NAMES,
         scopes=SERVING,
         doc_default="chosen from the chat template's markers (`smollm2` when it has none)",
@@ -269,15 +320,25 @@ class EngineArgs:
         "branch, tag or commit of a Hub ID (`None`: `main`); not for local paths",
         "Hub ID 的分支、标签或提交（`None`：`main`）；不适用于本地路径",
         type=str,
+        engine=False,
         scopes=SERVING,
     )
 
     # ---- construction ------------------------------------------------------------
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            check(f, getattr(self, f.name))
+
     @classmethod
     def fields(cls, scope: str | None = None) -> list[dataclasses.Field]:
         """The fields that are options of `scope` ("llm", "serve", "aot"; None: all)."""
         return [f for f in dataclasses.fields(cls) if scope is None or scope in f.metadata["scopes"]]
+
+    @classmethod
+    def engine_fields(cls) -> list[dataclasses.Field]:
+        """The fields that are `EngineConfig`'s too (hotswap/config.py builds it from them)."""
+        return [f for f in dataclasses.fields(cls) if f.metadata["engine"]]
 
     @classmethod
     def of(cls, args: EngineArgs | None, kwargs: dict[str, Any], caller: str = "LLM") -> EngineArgs:
@@ -322,11 +383,6 @@ class EngineArgs:
 
     def kwargs(self, scope: str | None = None) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in self.fields(scope)}
-
-
-def defaults() -> dict[str, Any]:
-    """Each option's default: what `EngineConfig` takes its defaults from."""
-    return {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
 
 # ---- the docs' option tables -----------------------------------------------------------

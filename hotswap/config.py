@@ -1,15 +1,23 @@
-"""The engine's resolved configuration (frozen, validated): what `EngineArgs` resolves into."""
+"""The engine's resolved configuration (frozen, validated): what `EngineArgs` resolves into.
+
+`EngineConfig`'s fields are generated from the `EngineArgs` rows marked `engine`
+(hotswap/args.py): the same names, defaults, choices and bounds, checked by the same `check`.
+Two of them are resolved values here (`RESOLVED`): `EngineArgs` leaves `num_pages` and
+`max_model_len` to be sized from the model and the devices (`EngineConfig.of`); their defaults
+here serve tests and tools that build an engine directly.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from hotswap.args import ATTENTION_IMPLS, WEIGHT_UPDATE_STAGINGS, EngineArgs, defaults
+from hotswap.args import EngineArgs, check
 from hotswap.errors import ConfigError
 
-__all__ = ["ATTENTION_IMPLS", "EngineConfig", "check_pages_fit", "default_dtype"]
-_ARGS = defaults()  # the options' defaults are written once, in hotswap/args.py
+__all__ = ["RESOLVED", "EngineConfig", "check_pages_fit", "default_dtype"]
+
+RESOLVED = {"num_pages": 512, "max_model_len": 1024}  # name -> default where it is no longer None
 
 
 def default_dtype(platform: str) -> str | None:
@@ -33,65 +41,12 @@ def check_pages_fit(num_pages: int, page_size: int, max_model_len: int) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs, named as in vLLM so users feel at home; their meaning is in `EngineArgs`.
-
-    `num_pages` and `max_model_len` are resolved values here (`EngineArgs` leaves them to be
-    sized from the model and the devices); their defaults serve tests and tools that build an
-    engine directly.
-    """
-
-    page_size: int = _ARGS["page_size"]
-    num_pages: int = 512
-    # programs/kv_sizing.py decides with it when LLM sizes the cache itself; CPU keeps its own rule.
-    gpu_memory_utilization: float = _ARGS["gpu_memory_utilization"]
-    max_model_len: int = 1024
-    max_num_seqs: int = _ARGS["max_num_seqs"]
-    max_num_batched_tokens: int = _ARGS["max_num_batched_tokens"]
-    enable_prefix_caching: bool = _ARGS["enable_prefix_caching"]
-    weight_update_staging: str = _ARGS["weight_update_staging"]  # weights/in_place.py `resolve`
-    # sliding-window layers' pages: a pool bounded by the window, or as many as the full layers'
-    # (programs/kv_sizing.py `window_pages` decides how many from this)
-    disable_hybrid_kv_cache_manager: bool = _ARGS["disable_hybrid_kv_cache_manager"]
-    attention: str = _ARGS["attention"]  # resolved once by the Engine (kernels/backend.py)
-    deterministic: bool = _ARGS["deterministic"]  # batch-invariant kernels (kernels/backend.py)
-    max_waiting: int = _ARGS["max_waiting"]  # backpressure: QueueFull beyond this
-    drain_timeout_s: float = _ARGS["drain_timeout_s"]
-    max_version_lag: int | None = _ARGS["max_version_lag"]
-    # JAX's persistent compilation cache under hotswap's cache dir (programs/compile_cache.py).
-    compilation_cache: bool = _ARGS["compilation_cache"]
-    # Adapters served by name (model/lora.py): stacked buffers of max_loras x max_lora_rank.
-    enable_lora: bool = _ARGS["enable_lora"]
-    max_loras: int = _ARGS["max_loras"]
-    max_lora_rank: int = _ARGS["max_lora_rank"]
-
-    enable_return_routed_experts: bool = _ARGS["enable_return_routed_experts"]
+class _EngineConfig:
+    """What `EngineConfig` does beside holding its fields (generated below)."""
 
     def __post_init__(self):
-        for name in (
-            "page_size",
-            "num_pages",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_loras",
-            "max_lora_rank",
-        ):
-            if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_version_lag is not None and int(self.max_version_lag) < 0:
-            raise ConfigError(f"max_version_lag must be >= 0 (or None), got {self.max_version_lag}")
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_pages < 2:
-            raise ConfigError("num_pages must be >= 2 (page 0 is the null page)")
-        if self.weight_update_staging not in WEIGHT_UPDATE_STAGINGS:
-            raise ConfigError(
-                f"weight_update_staging={self.weight_update_staging!r}; use one of {', '.join(WEIGHT_UPDATE_STAGINGS)}"
-            )
-        if self.attention not in ATTENTION_IMPLS:
-            raise ConfigError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION_IMPLS)}")
+        for f in dataclasses.fields(self):
+            check(f, getattr(self, f.name))
         check_pages_fit(self.num_pages, self.page_size, self.max_model_len)
 
     @classmethod
@@ -100,28 +55,33 @@ class EngineConfig:
     ) -> EngineConfig:
         """The config of `args` once the model and the devices are known: the pool's size, the
         sequence bound, and (for a probe) the kernel the backend resolved `attention` to."""
-        return cls(
-            page_size=args.page_size,
-            num_pages=num_pages,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=args.enable_prefix_caching,
-            weight_update_staging=args.weight_update_staging,
-            disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-            attention=attention or args.attention,
-            deterministic=args.deterministic,
-            max_waiting=args.max_waiting,
-            drain_timeout_s=args.drain_timeout_s,
-            max_version_lag=args.max_version_lag,
-            compilation_cache=args.compilation_cache,
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
-            enable_return_routed_experts=args.enable_return_routed_experts,
+        given = {f.name: getattr(args, f.name) for f in EngineArgs.engine_fields()}
+        resolved = dict(
+            num_pages=num_pages, max_model_len=max_model_len, attention=attention or args.attention
         )
+        return cls(**{**given, **resolved})
 
     @property
     def pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
+
+
+def _engine_config() -> type:
+    """Engine knobs, named as in vLLM so users feel at home: the `EngineArgs` rows marked
+    `engine`, whose help says what each means (`num_pages` and `max_model_len` resolved)."""
+    fields = [
+        (
+            f.name,
+            "int" if f.name in RESOLVED else f.type,
+            dataclasses.field(default=RESOLVED.get(f.name, f.default), metadata=f.metadata),
+        )
+        for f in EngineArgs.engine_fields()
+    ]
+    cls = dataclasses.make_dataclass(
+        "EngineConfig", fields, bases=(_EngineConfig,), frozen=True, kw_only=True
+    )
+    cls.__module__, cls.__doc__ = __name__, _engine_config.__doc__
+    return cls
+
+
+EngineConfig = _engine_config()

@@ -131,8 +131,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         raise ConfigError(f"attention={acfg.attention!r}: on TPU use 'auto', 'pallas' or 'reference'")
     if acfg.buckets not in BUCKETS:
         raise ConfigError(f"buckets={acfg.buckets!r}: use 'all', 'largest' or 'decode'")
-    if not 0 < acfg.gpu_memory_utilization <= 1:
-        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {acfg.gpu_memory_utilization}")
+    # checks each option against its row's choices and bound (hotswap/args.py `check`)
     engine_args = EngineArgs(**{f.name: getattr(acfg, f.name) for f in EngineArgs.fields("aot")})
     chip = chip_of(acfg.topology)
     devices = topology_devices(acfg.topology)
@@ -149,7 +148,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         if acfg.enable_lora
         else 0
     )
-    # the params (and adapter buffers) and what a hot update needs beside them (weights/in_place.py)
+    # the params (and adapter buffers) and what a hot update needs beside them (weights/place.py)
     weights = catalog.weights_per_chip(mcfg, target, acfg.weight_update_staging)
     weights = dataclasses.replace(weights, params=weights.params + lora_bytes)
     window = kv_sizing.window_bound(
@@ -208,7 +207,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     serving = params_bytes + lora_bytes + kv_bytes + extra
     worst = max(steps, key=lambda s: s.temp_bytes + s.output_bytes - s.alias_bytes)
     # A hot update: a staged copy beside the serving params, or in place what one pass holds
-    # in flight (weights/in_place.py), with the conversion programs' temporaries.
+    # in flight (weights/place.py), with the conversion programs' temporaries.
     update = weights.total + kv_bytes + max((s.temp_bytes for s in others), default=0)
     # A decode step at max_num_seqs reads this chip's params and every row's cached K/V
     # (rows at max_model_len, as far as the pool holds them): bandwidth-bound on TPU.
