@@ -36,11 +36,10 @@ def trainer(ckpt: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from hotswap.model.config import ModelConfig
+    from hotswap.checkpoint import hf
     from hotswap.weights import transfer
-    from hotswap.weights.sources import resolve_source
 
-    params = jax.tree.map(jnp.asarray, resolve_source(ckpt, ModelConfig.from_dir(ckpt), current=None))
+    params = jax.tree.map(jnp.asarray, hf.load_hf_dir(ckpt)[1])
     print(json.dumps(transfer.publish(params).to_json()), flush=True)
     sys.stdin.read()
 

@@ -1,21 +1,19 @@
-"""A GGUF file's weights as params, cached: dequantized and in the params layout, once.
+"""A GGUF file's tensors dequantized, cached: the GGUF reader's detail (`weights/readers.py`).
 
-Turning a quantized GGUF file into params costs more than the rest of a warm start
-(SmolLM2-135M Q4_1: about 1 s to dequantize with `gguf`, 0.5 s more to unpermute q/k,
-transpose to `[in, out]` and copy). The result depends only on the file, the dtype and
-the conversion code, so the first load stores it (when converting took over
-`WORTH_CACHING_S`) as one safetensors file (the project's own codec,
-`safetensors_io.py`: no pickle) under the hotswap cache directory (`weights/`), and a
-later load reads it back. The entry is keyed by the file's resolved
-path, size and modification time, the dtype, every parameter's name, shape and dtype
-(the spec table's, so a layout change is a new entry) and the source of the modules that
-do the conversion. An entry that is missing, stale or unreadable is a miss.
+Dequantizing a quantized GGUF file costs more than the rest of a warm start (SmolLM2-135M
+Q4_1: about 1 s with `gguf`, plus the q/k unpermute). The result depends only on the file,
+the dtype and the reading code, so the first read stores it (when it took over
+`WORTH_CACHING_S`) as one safetensors file of HF-named tensors (the project's own codec,
+`safetensors_io.py`: no pickle) under the hotswap cache directory (`weights/`), and a later
+read loads it back. The entry is keyed by the file's resolved path, size and modification
+time, the dtype, every HF tensor's name and shape (the spec table's, so a layout change is a
+new entry) and the source of the modules that do the reading. An entry that is missing,
+stale or unreadable is a miss.
 
-A cached copy is as large as the params (650 MB in float32 for SmolLM2-135M, its
-untied head included), so one entry per file is kept: storing a new one drops the file's
-older ones. Delete `weights/` to reclaim the space. Loaded params are views of one
-buffer read from the entry (nothing aliases the file) and go through the same
-validation as any other (`weights/ingest.py`).
+A cached copy is as large as the dequantized tensors (650 MB in float32 for SmolLM2-135M),
+so one entry per file is kept: storing a new one drops the file's older ones. Delete
+`weights/` to reclaim the space. Loaded tensors are views of one buffer read from the entry
+(nothing aliases the file) and go through the same plan and placing as any other source.
 """
 
 from __future__ import annotations
@@ -25,23 +23,21 @@ import hashlib
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from hotswap.cache_dir import cache_dir
-from hotswap.checkpoint import hf
 from hotswap.checkpoint.payload import decode_safetensors
 from hotswap.checkpoint.safetensors_io import write_safetensors
 from hotswap.errors import PayloadError
 from hotswap.model.config import ModelConfig
-from hotswap.model.spec import Params, ParamSpec, param_specs, path_name
+from hotswap.model.spec import hf_specs
 
-FORMAT = 1  # bump when an entry's layout changes
+FORMAT = 2  # bump when an entry's layout changes
 # Files converted faster than this are not stored: reading them back would save little
 # (and the seeded files tests write would only fill the cache).
 WORTH_CACHING_S = 0.25
 _HERE = Path(__file__).resolve().parent
-# The code a cached conversion comes from: the GGUF reader, the HF layout change, the spec table.
+# The code a cached read comes from: the GGUF reader, the HF names, the spec table.
 _CONVERSION = (_HERE / "gguf_io.py", _HERE / "hf.py", _HERE.parent / "model" / "spec.py")
 
 
@@ -50,19 +46,9 @@ def _conversion_hash() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in _CONVERSION)).hexdigest()
 
 
-def _specs(cfg: ModelConfig) -> list[ParamSpec]:
-    tree = param_specs(cfg)
-    return [
-        tree["embed"],
-        *(s for layer in tree["layers"] for s in layer.values()),
-        tree["final_norm"],
-        tree["lm_head"],
-    ]
-
-
 def _entry(source: Path, cfg: ModelConfig, dtype: np.dtype) -> Path:
     st = source.stat()
-    specs = [(s.name, s.shape) for s in _specs(cfg)]
+    specs = sorted((name, s.hf_shape) for name, s in hf_specs(cfg).items())
     key = repr((FORMAT, st.st_size, st.st_mtime_ns, str(dtype), specs, _conversion_hash()))
     return _root() / f"{_file_tag(source)}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
@@ -76,11 +62,11 @@ def _file_tag(source: Path) -> str:
     return hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:16]
 
 
-def load(source: Path, cfg: ModelConfig, dtype: np.dtype) -> Params | None:
-    """The params converted earlier from `source` for `cfg` and `dtype`, or None.
+def load(source: Path, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.ndarray] | None:
+    """The tensors read earlier from `source` for `cfg` and `dtype`, or None.
 
     The entry is read whole into one fresh buffer (a single read, no memory map) and the
-    params are views of it: they alias nothing outside this process."""
+    tensors are views of it: they alias nothing outside this process."""
     try:
         with open(_entry(source, cfg, dtype), "rb") as f:
             buf = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
@@ -89,27 +75,21 @@ def load(source: Path, cfg: ModelConfig, dtype: np.dtype) -> Params | None:
         tensors = decode_safetensors(buf)
     except (OSError, PayloadError):
         return None
-    params = hf.empty_tree(cfg)
-    for spec in _specs(cfg):
-        a = tensors.get(spec.name)
-        if a is None or a.shape != spec.shape or a.dtype != dtype:
-            return None
-        hf.set_leaf(params, spec.path, a)
-    return params
+    if not tensors or any(a.dtype != dtype for a in tensors.values()):
+        return None
+    return tensors
 
 
-def store(source: Path, cfg: ModelConfig, params: Params) -> None:
-    """Keep `params` (converted from `source`) for later loads. Best effort: skipped on error."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    dtype = np.dtype(flat[0][1].dtype)
+def store(source: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: np.dtype) -> None:
+    """Keep `tensors` (read from `source`) for later reads. Best effort: skipped on error."""
     target = _entry(source, cfg, dtype)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        write_safetensors(tmp, {path_name(path): np.asarray(a) for path, a in flat})
+        write_safetensors(tmp, {name: np.asarray(a) for name, a in tensors.items()})
         tmp.replace(target)  # atomic: a concurrent reader sees no entry or a whole one
-        # Entries of this file from before (another dtype, an edited file or conversion code)
-        # are dropped: each is as large as the params, and nothing would ever read most again.
+        # Entries of this file from before (another dtype, an edited file or reading code)
+        # are dropped: each is as large as the tensors, and nothing would ever read most again.
         for old in _root().glob(f"{_file_tag(source)}-*.safetensors"):
             if old != target:
                 old.unlink(missing_ok=True)

@@ -340,7 +340,7 @@ def hf_tensors(f: GGUFFile, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.n
     return out
 
 
-def _in_gguf_terms(f: GGUFFile, e: WeightsMismatch) -> WeightsMismatch:
+def in_gguf_terms(f: GGUFFile, e: WeightsMismatch) -> WeightsMismatch:
     """The validator's error (HF names) with the file, the GGUF name of its tensor and, for an
     expert tensor, the metadata its expected shape came from."""
     message = str(e)
@@ -355,30 +355,34 @@ def _in_gguf_terms(f: GGUFFile, e: WeightsMismatch) -> WeightsMismatch:
     return WeightsMismatch(f"{f.path}: {name}{said}: {message}")
 
 
-def read_gguf(
-    path: str | os.PathLike, *, dtype: str | None = None
-) -> tuple[GGUFFile, ModelConfig, dict[str, np.ndarray]]:
-    """(the opened file, its ModelConfig, its HF-named tensors in the config's dtype)."""
-    f = GGUFFile(path)
-    cfg = ModelConfig.from_hf(hf_config(f), dtype=dtype)
-    return f, cfg, hf_tensors(f, cfg, hf.np_dtype(cfg.dtype))
+def model_config(f: GGUFFile, *, dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata states; `dtype` overrides the file's."""
+    return ModelConfig.from_hf(hf_config(f), dtype=dtype)
+
+
+def cached_hf_tensors(f: GGUFFile, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The file's HF-named tensors in `cfg`'s dtype, dequantized once and cached
+    (`converted.py`): a second read loads them back."""
+    target = hf.np_dtype(cfg.dtype)
+    tensors = converted.load(f.path, cfg, target)
+    if tensors is None:
+        start = time.perf_counter()
+        tensors = hf_tensors(f, cfg, target)
+        if time.perf_counter() - start > converted.WORTH_CACHING_S:
+            converted.store(f.path, cfg, tensors, target)
+    return tensors
 
 
 def load_gguf(
     path: str | os.PathLike, *, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, Tokenizer | None]:
-    """Read a GGUF file into (ModelConfig, numpy params, Tokenizer or None). `dtype` overrides the file's.
-    The converted params are cached (`converted.py`): a second load reads them back."""
+    """A GGUF file as (ModelConfig, numpy params, Tokenizer or None), converted on the host: a
+    tool's view of the file (tests' oracle, `hotswap create-model`). The engine reads a GGUF
+    through the ingest pipeline (`weights/readers.py`), on its devices."""
     f = GGUFFile(path)
-    cfg = ModelConfig.from_hf(hf_config(f), dtype=dtype)
-    target = hf.np_dtype(cfg.dtype)
-    params = converted.load(f.path, cfg, target)
-    if params is None:
-        start = time.perf_counter()
-        try:
-            params = hf.params_from_hf(cfg, hf_tensors(f, cfg, target))
-        except WeightsMismatch as e:
-            raise _in_gguf_terms(f, e) from e
-        if time.perf_counter() - start > converted.WORTH_CACHING_S:
-            converted.store(f.path, cfg, params)
+    cfg = model_config(f, dtype=dtype)
+    try:
+        params = hf.params_from_hf(cfg, cached_hf_tensors(f, cfg))
+    except WeightsMismatch as e:
+        raise in_gguf_terms(f, e) from e
     return cfg, params, tokenizer_from_metadata(f.metadata, where=str(f.path))

@@ -5,8 +5,8 @@ for two reasons found in orbax 0.12.8: a target leaf without a sharding
 restores whatever is on disk, silently ignoring the requested shape; and the
 errors it does raise (structure mismatch, "not compatible with the stored
 shape") are long tensorstore dumps that do not name the param. Checking first
-turns every mismatch into one WeightsMismatch line that names the leaf (the one
-validator, `model/validate.py`, on the metadata: nothing is read before it passes).
+turns every mismatch into one WeightsMismatch line that names the leaf (`read_layout` is
+what the ingest pipeline's plan checks, `weights/plan.py`: nothing is read before it passes).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hotswap.errors import CheckpointError, WeightsPathNotAllowed
-from hotswap.model import validate
 from hotswap.model.spec import Params, path_name
 
 
@@ -59,25 +58,25 @@ def save_params(params: Params, path: str | os.PathLike, *, overwrite: bool = Fa
     return path
 
 
+def read_layout(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Params name -> (shape, dtype) of every array the checkpoint holds, from its metadata
+    (nothing else is read): what the ingest pipeline's plan checks before `restore_params`."""
+    on_disk = _flat(_read_metadata(Path(path).expanduser().resolve()))
+    return {name: (tuple(m.shape), np.dtype(m.dtype)) for name, m in on_disk.items()}
+
+
 def restore_params(path: str | os.PathLike, abstract_params: Params | None = None) -> Params:
     """Read an orbax checkpoint into the params layout, as jax arrays.
 
-    With `abstract_params` (ShapeDtypeStruct leaves, optionally sharded), every
-    leaf must exist on disk with the same shape; floating dtypes are cast to the
-    abstract dtype (a float32 checkpoint into a bfloat16 engine), anything else
-    must match exactly. Leaves without a sharding go to the default device.
+    With `abstract_params` (ShapeDtypeStruct leaves, optionally sharded, checked against
+    `read_layout` first: `weights/plan.py`), each leaf is restored in its shape; floating
+    dtypes are cast to the abstract dtype (a float32 checkpoint into a bfloat16 engine).
+    Leaves without a sharding go to the default device.
     """
     path = Path(path).expanduser().resolve()
     raw_tree = _read_metadata(path)
     on_disk = _flat(raw_tree)
     wanted = on_disk if abstract_params is None else _flat(abstract_params)
-    if abstract_params is not None:  # before any byte moves: the one validator, on the metadata
-        validate.layout(
-            {name: validate.meta(m) for name, m in on_disk.items()},
-            abstract_params,
-            where=f"orbax checkpoint {str(path)!r}: ",
-            cast_floats=True,
-        )
 
     # The target must mirror the on-disk structure (orbax compares them), so build
     # it from the metadata tree and fill in each leaf's wanted shape/dtype/sharding.

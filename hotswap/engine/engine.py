@@ -46,8 +46,7 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
-from hotswap.weights import in_place, sources
-from hotswap.weights import lora as lora_source
+from hotswap.weights import pipeline, place, plan, readers
 from hotswap.weights.chunks import ChunkStager
 from hotswap.weights.options import UpdateOptions
 
@@ -93,13 +92,13 @@ class Engine:
             spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), spec)
         self.abstract = spec
         platform = next(iter(spec["embed"].sharding.device_set)).platform
-        self.staging = in_place.resolve(ecfg.weight_update_staging, platform)  # how updates stage
-        # The first load is an update into an empty state: the same read -> validate -> place
+        self.staging = place.resolve(ecfg.weight_update_staging, platform)  # how updates stage
+        # The first load is an update into an empty state: the same read -> plan -> place
         # (`params` is any weight source). The path was given by whoever built the engine, so
         # `weights_root` (which bounds later updates) does not apply to it.
-        staged = sources.stage_source(params, mcfg, current=None, abstract=self.abstract)
+        staged = pipeline.stage(params, mcfg, self.abstract)
         empty = empty_state(mcfg, ecfg, kv_sharding=kv_sharding, backend=self.backend)
-        self.state = lifecycle.update_weights(empty, staged, abstract=self.abstract)  # version 1
+        self.state = lifecycle.update_weights(empty, staged)  # version 1
         if ecfg.enable_lora:
             empty_adapters = Adapters.empty(mcfg, self.abstract, ecfg.max_loras, ecfg.max_lora_rank)
             self.state = dataclasses.replace(self.state, adapters=empty_adapters)
@@ -254,15 +253,18 @@ class Engine:
         recompiles. Read and validated (rank <= max_lora_rank, target modules, shapes, NaN)
         before the lock; a bad adapter changes nothing."""
         self._adapters().check_room(name)
-        adapter = lora_source.read(source, self.mcfg, weights_root=self.weights_root)
-        if adapter is None:
+        opened = readers.read(source, self.mcfg, weights_root=self.weights_root, abstract=self.abstract)
+        if opened.adapter is None:
             raise WeightsMismatch(
                 "not a LoRA adapter: pass a PEFT adapter directory (adapter_config.json and "
                 "adapter_model.safetensors), PEFT-named safetensors or tensors"
             )
-        factors = lora_source.stage(
-            adapter, self.mcfg, self.abstract, lora_alpha=lora_alpha, max_rank=self.ecfg.max_lora_rank
+        options = UpdateOptions(lora_alpha=lora_alpha)
+        checked = plan.plan(
+            opened, self.mcfg, self.abstract, options=options, max_lora_rank=self.ecfg.max_lora_rank
         )
+        factors = place.factors(checked)
+        adapter = opened.adapter
         with self._lock:
             self._refuse_in_use(name)
             new = self._adapters().load(name, factors, source if isinstance(source, str) else adapter.where)
@@ -365,27 +367,17 @@ class Engine:
         continues meanwhile and a bad source changes nothing. A LoRA adapter is merged into
         the base weights (the state's `base`, kept on the device; `lora_alpha` when the source
         does not state it); full weights replace the base. In place (`weight_update_staging`,
-        `weights/in_place.py`) the source is checked first and written over the serving
+        `weights/place.py`) the source is checked first and written over the serving
         weights under the lock, so the device holds one copy of them.
         """
         opts = UpdateOptions.of(options, **fields)
-        policy, version, partial = opts.policy, opts.version, opts.partial
-        drain_timeout_s, check_finite, lora_alpha = opts.drain_timeout_s, opts.check_finite, opts.lora_alpha
-        row = policies.policy(policy)
+        row = policies.policy(opts.policy)
+        # Outside the lock: serving goes on. A bad source is refused here, nothing touched.
+        opened = readers.read(source, self.mcfg, weights_root=self.weights_root, abstract=self.abstract)
+        checked = plan.plan(opened, self.mcfg, self.abstract, options=opts)
         st = self.state
-        source_args = dict(
-            current=st.base if st.base is not None else st.params,
-            lora_alpha=lora_alpha,
-            partial=partial,
-            weights_root=self.weights_root,
-            abstract=self.abstract,
-            check_finite=check_finite,
-        )
-        if self.staging == "in_place":  # outside the lock: serving goes on
-            checked = in_place.check_source(source, self.mcfg, **source_args)
-        else:
-            staged = sources.stage_source(source, self.mcfg, **source_args)
-        del st, source_args  # nothing here may hold the serving weights past the swap
+        prepared = place.prepare(checked, self.staging, st.base if st.base is not None else st.params)
+        del st  # nothing here may hold the serving weights past the swap
         with self._lock:
             if self.state.weights_on_host:
                 raise EngineAsleep(
@@ -400,35 +392,31 @@ class Engine:
                         "cached page(s); use policy 'drain', 'abort' or 'recompute', or wait until idle and "
                         "call reset_prefix_cache() first"
                     )
-        timeout_s = drain_timeout_s if drain_timeout_s is not None else self.ecfg.drain_timeout_s
+        timeout_s = opts.drain_timeout_s if opts.drain_timeout_s is not None else self.ecfg.drain_timeout_s
         with self._drained(row.drains, timeout_s):
             with self._lock:
                 row = self._while_paused(row)  # a pause landed during the drain: its mode decides
-                if self.staging == "in_place":
-                    staged = self._place_in_place(checked)
+                staged = prepared.staged or self._write_in_place(prepared)
                 keep = [s.seq_id for s in self.sched.running] if row.keeps_tables else []
-                new = lifecycle.update_weights(
-                    self.state, staged, abstract=self.abstract, version=version, keep=keep
-                )
+                new = lifecycle.update_weights(self.state, staged, version=opts.version, keep=keep)
                 self._apply_policy(row)  # requests only: the new state already holds no other page
                 self.state = new
                 if row.keeps_tables:
                     self._recompute_stale()
                 return self.state.weights_version
 
-    def _place_in_place(self, checked: in_place.Checked):
+    def _write_in_place(self, prepared: place.Prepared) -> place.StagedParams:
         """Pass 2 of an in-place update, under the lock: drop the serving leaves it replaces, then
-        place the checked source in their room. If the device fails meanwhile, the weights are
+        write the checked source into their room. If the device fails meanwhile, the weights are
         gone: the state stays without them (as after sleep level 2), requests in flight are
         aborted, and WeightsLost says so."""
-        if checked.staged is not None:
-            return checked.staged
+        replaced = prepared.plan.replaced
         current = self.state.base if self.state.base is not None else self.state.params
-        kept = in_place.keeping(current, checked.replaced) if checked.replaced is not None else None
+        kept = place.keeping(current, replaced) if replaced is not None else None
         self.state = lifecycle.drop_weights(self.state)
         del current  # the replaced leaves' last holder: dropped, they free their device memory
         try:
-            return in_place.place(checked, self.mcfg, self.abstract, kept)
+            return place.write(prepared, kept)
         except Exception as e:
             self._abort_all()  # nothing can step without weights: in-flight requests end, aborted
             raise WeightsLost(
@@ -551,7 +539,7 @@ class Engine:
         """Stage one chunk (HF-named tensors, payload bytes, or a parsed JSON `tensors` list);
         on `finished`, commit every staged tensor atomically, as one update run with `options`."""
         opts = UpdateOptions.of(options, **fields)  # refused before anything is staged
-        tensors = sources.wire_tensors(tensors_or_bytes, content_type)
+        tensors = readers.wire_tensors(tensors_or_bytes, content_type)
         merged = self.stager.add(tensors, finished=finished, update_id=update_id)
         if merged is None:
             return None

@@ -23,7 +23,7 @@ from hotswap.errors import ConfigError, EngineAsleep, HotswapError, LifecycleCon
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
-from hotswap.weights.ingest import StagedParams, place_params, stage_params
+from hotswap.weights.place import StagedParams, place_params
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 SLEEP_LEVELS = (1, 2)
@@ -55,35 +55,32 @@ def wake_tags(tags, error: type[HotswapError] = ConfigError) -> frozenset[str]:
     return tags
 
 
-def abstract_of(params: Params) -> Params:
-    """ShapeDtypeStruct tree (with shardings) of placed params."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
-
-
 def update_weights(
     state: EngineState,
-    params: Params | StagedParams,
+    staged: StagedParams,
     *,
-    abstract: Params | None = None,
     version: int | None = None,
     keep: tuple[int, ...] | list[int] = (),
 ) -> EngineState:
-    """A new state serving `params` as version+1 (or `version`), with an empty prefix index.
+    """A new state serving `staged` (the ingest pipeline's output, `weights/place.py`: checked
+    and placed, the only thing this takes) as version+1 (or `version`), with an empty prefix
+    index.
 
     The new pool holds only the block tables of the sequences in `keep` (the `keep`
     policy's running sequences): every other page is free, and every page's recorded
     version is cleared except those kept pages', so provenance stays true.
     """
+    if not isinstance(staged, StagedParams):
+        raise TypeError(
+            f"lifecycle.update_weights takes StagedParams (weights/pipeline.py stage()), got {type(staged).__name__}"
+        )
     if state.weights_on_host:
         raise EngineAsleep("weights are asleep at level 1: call wakeup(['weights']) before update_weights")
-    abstract = abstract if abstract is not None else abstract_of(state.params)
     new_version = state.weights_version + 1 if version is None else int(version)
     if new_version <= state.weights_version:
         raise LifecycleConflict(
             f"version {new_version} must be greater than the current version {state.weights_version}"
         )
-    staged = params if isinstance(params, StagedParams) and params.abstract is abstract else None
-    staged = staged or stage_params(params, abstract)
     pool = state.pool.holding(keep)
     kv = state.kv
     if kv is not None:
@@ -107,7 +104,7 @@ def update_weights(
 
 def drop_weights(state: EngineState) -> EngineState:
     """The state without its params (and base): an in-place update is about to write new ones
-    into their room (`weights/in_place.py`). Asleep for "weights" until `update_weights` gives
+    into their room (`weights/place.py`, in place). Asleep for "weights" until `update_weights` gives
     it some, as after sleep level 2; the KV cache, the pool and in-flight tables stay."""
     return dataclasses.replace(state, params=None, base=None, asleep=state.asleep | {"weights"})
 

@@ -56,14 +56,15 @@ class LLM:
         self.model_id = hub.display_name(model, self.model_dir)
         dtype = eargs.dtype or default_dtype(jax.default_backend())
         if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
-            # params from the converted cache (`converted.py`) when there is one: dequantizing is slow
-            mcfg, params, tokenizer = gguf_io.load_gguf(self.model_dir, dtype=dtype)
+            f = gguf_io.GGUFFile(self.model_dir)
+            mcfg = gguf_io.model_config(f, dtype=dtype)
+            tokenizer = gguf_io.tokenizer_from_metadata(f.metadata, where=str(f.path))
         else:
             mcfg = ModelConfig.from_hf(hf.read_hf_config(self.model_dir), dtype=dtype)
-            params = self.model_dir  # read, validated and converted by the engine, as an update is
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
-        self.engine = _start_engine(mcfg, params, tokenizer, eargs, mesh)
+        # The weights are read, checked and placed by the engine, as an update is (`weights/`).
+        self.engine = _start_engine(mcfg, self.model_dir, tokenizer, eargs, mesh)
         self.tool_parser = formats.choose(
             eargs.tool_call_parser, tokenizer.chat_template if tokenizer else None
         )

@@ -43,13 +43,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from hotswap.checkpoint import orbax_io
 from hotswap.engine import lifecycle, multihost_transfer
 from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError, TransferError
-from hotswap.model import validate
-from hotswap.weights import sources, transfer
+from hotswap.model.params import path_name
+from hotswap.weights import lora as lora_source
+from hotswap.weights import place, plan, readers, transfer
+from hotswap.weights.options import UpdateOptions
 
 log = logging.getLogger(__name__)
 PREFIX = "hotswap/cmd"
@@ -113,13 +114,43 @@ def _encode_sampling(p: SamplingParams | None) -> dict | None:
     return dataclasses.asdict(p) if p is not None else None
 
 
-def _broadcast_weights(engine: Engine, kind: str, value=None, nbytes: int = 0):
-    """Weight data from process 0 to all, as a device collective. `value` only matters on process 0."""
-    if kind == "bytes":
-        buf = np.frombuffer(value, np.uint8) if value is not None else np.zeros(nbytes, np.uint8)
-        return multihost_utils.broadcast_one_to_all(buf).tobytes()
-    like = value if value is not None else jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), engine.abstract)
-    return multihost_utils.broadcast_one_to_all(like)
+@dataclasses.dataclass(frozen=True)
+class _Sendable:
+    """A checked source as named host arrays, and the form that reads them back: "hf" (HF
+    names), "tree" (params names), or an adapter's form (`validate.LORA_FORMS`)."""
+
+    form: str
+    tensors: dict[str, np.ndarray]
+    alpha: float | None = None
+    rslora: bool = False
+
+
+def _sendable(checked: plan.Plan) -> _Sendable:
+    """Process 0's checked source as host arrays every process can receive."""
+    if checked.kind == "adapter":
+        a = checked.opened.adapter
+        tensors = {n: np.asarray(jax.device_get(x)) for n, x in a.tensors.items()}
+        return _Sendable(a.form, tensors, a.alpha, a.rslora)
+    if checked.kind == "hf":
+        return _Sendable("hf", {n: np.asarray(jax.device_get(x)) for n, x in checked.tensors.items()})
+    tree = place.tree_of(checked)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return _Sendable("tree", {path_name(p): np.asarray(jax.device_get(x)) for p, x in flat})
+
+
+def _received(engine: Engine, cmd: dict, tensors: dict | None = None):
+    """The broadcast source on every process (`tensors` only matter on process 0), as the
+    reader table reads it: HF-named tensors, a params tree, or an adapter."""
+    form, manifest = cmd["form"], cmd["manifest"]
+    like = tensors or {n: np.zeros(shape, np.dtype(dt)) for n, (shape, dt) in manifest.items()}
+    got = multihost_utils.broadcast_one_to_all(like)
+    if form == "hf":
+        return got
+    if form == "tree":
+        flat, treedef = jax.tree_util.tree_flatten_with_path(engine.abstract)
+        return treedef.unflatten([got[path_name(p)] for p, _ in flat])
+    where = f"adapter ({form}) from process 0"
+    return lora_source.AdapterSource(got, form, alpha=cmd["alpha"], rslora=cmd["rslora"], where=where)
 
 
 class Driver:
@@ -171,61 +202,58 @@ class Driver:
                 self.channel.forget_through(index)
             return outputs
 
-    def update_weights(
-        self,
-        source,
-        *,
-        policy="drain",
-        version=None,
-        partial=False,
-        drain_timeout_s=None,
-        check_finite=True,
-        lora_alpha=None,
-    ):
-        """As Engine.update_weights. Paths are read by every process (a shared filesystem or bucket);
-        a per-process transfer offer (`transfer.publish(params, for_processes=N)`) is pulled by every
-        process, each its own shards (`multihost_transfer`); bytes, in-memory trees and one-offer
-        transfer refs are resolved here and sent over a device broadcast."""
-        if partial:
+    def update_weights(self, source, options: UpdateOptions | None = None, **fields) -> int:
+        """As Engine.update_weights, on every process. The source's reader row says how it gets
+        there (`readers.ACROSS`): a path is read by every process (a shared filesystem or
+        bucket); a per-process transfer offer (`transfer.publish(params, for_processes=N)`) is
+        opened by every process, each its own shards (`multihost_transfer`); anything else is
+        read and checked here (the plan: a bad source is refused before any follower hears of
+        it) and its tensors are sent over a device broadcast."""
+        opts = UpdateOptions.of(options, **fields)
+        if opts.partial:
             raise ConfigError(
                 "partial updates are not supported across processes; send the full weights (or a checkpoint path)"
             )
-        del drain_timeout_s  # a timeout would let processes stop draining at different steps
-        args = dict(policy=policy, version=version, check_finite=check_finite)
-        with self.engine.lock:
-            if isinstance(source, (str, os.PathLike)):
-                # Refuse a path outside weights_root here, before any follower starts on it.
-                source = os.fspath(orbax_io.resolve_weights_path(source, self.engine.weights_root))
-                self._send("update_weights", kind="path", path=source, lora_alpha=lora_alpha, **args)
-            elif isinstance(source, transfer.TransferRef) and source.processes > 1:
+        # No deadline: a timeout would let processes stop draining at different steps.
+        opts = dataclasses.replace(opts, drain_timeout_s=math.inf)
+        e = self.engine
+        with e.lock:
+            path = readers.resolve_path(source, e.weights_root)  # refused here, outside the root
+            across = readers.row_for(source, path).across
+            if across == "path":
+                self._send("update_weights", kind="path", path=os.fspath(path), options=opts.to_dict())
+                return e.update_weights(os.fspath(path), opts)
+            if across == "offers":
                 if source.processes != jax.process_count():  # refused before any follower starts
                     raise TransferError(
                         f"transfer {source.address} uuid {source.uuid}: published for {source.processes} "
                         f"engine processes, this engine runs in {jax.process_count()}"
                     )
-                self._send("update_weights", kind="transfer", transfer=source.to_json(), **args)
-                return multihost_transfer.update(self.engine, source, **args)
-            elif isinstance(source, (bytes, bytearray, memoryview)):
-                self._send("update_weights", kind="bytes", nbytes=len(source), lora_alpha=lora_alpha, **args)
-                source = _broadcast_weights(self.engine, "bytes", bytes(source))
-            else:
-                e = self.engine
-                tree = sources.resolve_source(source, e.mcfg, current=None, abstract=e.abstract)
-                tree = jax.tree.map(np.asarray, tree)  # host copies; global arrays must be replicated
-                # Shapes must be right before the broadcast: followers receive into engine-shaped
-                # buffers. Finiteness is checked once, by the update itself, on every process.
-                validate.tree(tree, e.abstract)
-                self._send("update_weights", kind="tree", lora_alpha=lora_alpha, **args)
-                source = _broadcast_weights(e, "tree", tree)
-            return self.engine.update_weights(source, **args, lora_alpha=lora_alpha, drain_timeout_s=math.inf)
+                self._send("update_weights", kind="offers", transfer=source.to_json(), options=opts.to_dict())
+                return multihost_transfer.update(e, source, opts)
+            checked = plan.plan(
+                readers.read(source, e.mcfg, abstract=e.abstract), e.mcfg, e.abstract, options=opts
+            )
+            sent = _sendable(checked)
+            cmd = {
+                "kind": "tensors",
+                "form": sent.form,
+                "manifest": {n: (list(np.shape(x)), np.dtype(x.dtype).name) for n, x in sent.tensors.items()},
+                "alpha": sent.alpha,
+                "rslora": sent.rslora,
+                "options": opts.to_dict(),
+            }
+            self._send("update_weights", **cmd)
+            return e.update_weights(_received(e, cmd, sent.tensors), opts)
 
-    def update_weights_chunk(self, tensors_or_bytes, *, finished, update_id=None, **kwargs):
+    def update_weights_chunk(
+        self, tensors_or_bytes, *, finished, update_id=None, content_type=None, options=None, **fields
+    ):
         """Chunks are staged here only; the merged update is broadcast as one in-memory source."""
-        tensors = sources.wire_tensors(
-            tensors_or_bytes, kwargs.pop("content_type", "application/octet-stream")
-        )
+        opts = UpdateOptions.of(options, **fields)
+        tensors = readers.wire_tensors(tensors_or_bytes, content_type or "application/octet-stream")
         merged = self.engine.stager.add(tensors, finished=finished, update_id=update_id)
-        return None if merged is None else self.update_weights(merged, **kwargs)
+        return None if merged is None else self.update_weights(merged, opts)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         drains = lifecycle.sleep_drains(level, mode)  # refused here, before any follower hears of it
@@ -263,27 +291,13 @@ def apply(engine: Engine, cmd: dict):
         return engine.abort(cmd["request_id"])
     if op == "step":
         return engine.step()
-    if op == "update_weights" and cmd["kind"] == "transfer":
-        return multihost_transfer.update(
-            engine,
-            transfer.TransferRef.from_json(cmd["transfer"]),
-            policy=cmd["policy"],
-            version=cmd["version"],
-            check_finite=cmd["check_finite"],
-        )
     if op == "update_weights":
-        kind = cmd["kind"]
-        source = (
-            cmd["path"] if kind == "path" else _broadcast_weights(engine, kind, nbytes=cmd.get("nbytes", 0))
-        )
-        return engine.update_weights(
-            source,
-            policy=cmd["policy"],
-            version=cmd["version"],
-            drain_timeout_s=math.inf,
-            check_finite=cmd.get("check_finite", True),
-            lora_alpha=cmd.get("lora_alpha"),
-        )
+        options = UpdateOptions(**cmd["options"])
+        if cmd["kind"] == "offers":
+            return multihost_transfer.update(engine, transfer.TransferRef.from_json(cmd["transfer"]), options)
+        if cmd["kind"] == "path":
+            return engine.update_weights(cmd["path"], options)
+        return engine.update_weights(_received(engine, cmd), options)
     if op == "sleep":
         return engine.sleep(cmd["level"], "abort")
     if op == "wakeup":

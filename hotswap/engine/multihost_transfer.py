@@ -2,7 +2,7 @@
 
 `transfer.publish(params, for_processes=N)` makes one offer per engine process;
 the Driver broadcasts only the reference (`kind="transfer"`), and every process
-runs `update` on it: each pulls its own shards (`transfer.pull_shards`), then
+runs `update` on it: each opens its own offer and pulls its shards (`transfer.open_offer`), then
 all of them agree, then all of them stage and swap.
 
 The agreement is what keeps a failure clean. A pull fails on one process only
@@ -19,17 +19,18 @@ whose checks fail the same way everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
-import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from hotswap import errors
 from hotswap.engine.engine import Engine
 from hotswap.errors import HotswapError, TransferError
-from hotswap.weights import transfer
+from hotswap.weights import place, plan, readers, transfer
+from hotswap.weights.options import UpdateOptions
 
 REPORT_BYTES = 1024  # one process's outcome: empty for ok, else JSON {"type", "message"}
 
@@ -63,23 +64,16 @@ def agree(err: BaseException | None) -> HotswapError | None:
     return cls(f"process {p}: {message}{more}")
 
 
-def update(
-    engine: Engine,
-    ref: transfer.TransferRef,
-    *,
-    policy: str = "drain",
-    version: int | None = None,
-    check_finite: bool = True,
-) -> int:
-    """Pull this process's shards, agree with the others, then swap; the same result everywhere."""
+def update(engine: Engine, ref: transfer.TransferRef, options: UpdateOptions) -> int:
+    """Open and check this process's offer, pull its shards, agree with the others, then swap;
+    the same result everywhere."""
     tree, err = None, None
     try:
-        tree = transfer.pull_shards(ref, engine.abstract, jax.process_index())
+        opened = readers.read(ref, engine.mcfg, abstract=engine.abstract)
+        tree = place.fetched(plan.plan(opened, engine.mcfg, engine.abstract, options=options))
     except Exception as e:  # noqa: BLE001 (any failure must still reach the agreement)
         err = e
     failed = agree(err)
     if failed is not None:
         raise failed
-    return engine.update_weights(
-        tree, policy=policy, version=version, drain_timeout_s=math.inf, check_finite=check_finite
-    )
+    return engine.update_weights(tree, dataclasses.replace(options, drain_timeout_s=math.inf))

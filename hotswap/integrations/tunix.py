@@ -42,7 +42,9 @@ from hotswap.engine.llm import LLM
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, NonFiniteWeights
 from hotswap.model import sharding
+from hotswap.weights import lora as lora_source
 from hotswap.weights import nnx as nnx_params
+from hotswap.weights.options import UpdateOptions
 
 
 def _engine_mesh(mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
@@ -123,7 +125,8 @@ class HotswapRollout(base_rollout.BaseRollout):
         self.llm = LLM.from_flax(
             own, warmup=warmup, mesh=_engine_mesh(mesh), lora_alpha=self._lora_alpha, **engine_kwargs
         )
-        self._policy = policy
+
+        self._options = UpdateOptions(policy=policy, lora_alpha=self._lora_alpha)
         self._model: tuple[int, nnx.Module] | None = None
         # One entry per generate call: (engine version at the call, set of versions of its tokens).
         self.version_log: list[tuple[int, set[int]]] = []
@@ -237,17 +240,14 @@ class HotswapRollout(base_rollout.BaseRollout):
         A bad state (another family or size, a missing layer, NaN, a LoRA factor of the wrong
         shape) raises a typed error naming the parameter, and the old version keeps serving.
         """
-        if nnx_params.is_lora_state(params):
-            self.llm.update_weights(params, policy=self._policy, lora_alpha=self._lora_alpha)
-            self._lora = nnx.State(jax.tree.map(jnp.copy, params)) if self._lora is not None else None
-            return
-        new = nnx_params.params_from_state(params, self.llm.config)
-        dt = jnp.dtype(self.llm.config.dtype)
-        new = jax.tree.map(lambda x: x if x.dtype == dt else x.astype(dt), new)  # on device
-        new = nnx_params.reshard(new, self.llm.engine.abstract)
+        adapter = lora_source.is_nnx_lora(params)
         try:
-            self.llm.update_weights(new, policy=self._policy)
+            self.llm.update_weights(params, self._options)  # read by NNX names, cast, placed
         except NonFiniteWeights as e:  # the engine names its params leaf; add the NNX path
+            if adapter:
+                raise
             leaf, _, rest = str(e).partition(":")
             name = nnx_params.nnx_name(self.llm.config, leaf) or leaf
             raise NonFiniteWeights(f"{name} (params {leaf}):{rest}") from e
+        if adapter and self._lora is not None:
+            self._lora = nnx.State(jax.tree.map(jnp.copy, params))

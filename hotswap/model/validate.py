@@ -158,11 +158,11 @@ def tree(params: Params, abstract: Params) -> None:
     layout(got, abstract)
 
 
-def ordered_layout(entries: list[Mapping[str, Any]], abstract: Params, *, where: str) -> None:
-    """A transfer manifest (entries of name, shape, dtype in the sender's flatten order)."""
-    layout({e["name"]: (e["shape"], e["dtype"]) for e in entries}, abstract, where=where)
+def ordered_layout(got: Mapping[str, tuple[tuple[int, ...], Any]], abstract: Params, *, where: str) -> None:
+    """A transfer manifest (name -> (shape, dtype) in the sender's flatten order)."""
+    layout(got, abstract, where=where)
     want = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
-    if [e["name"] for e in entries] != want:
+    if list(got) != want:
         raise WeightsMismatch(f"{where}params tree structure differs from the engine's (leaf order)")
 
 

@@ -39,7 +39,7 @@ from hotswap.model.params import Params, abstract_params
 from hotswap.model.spec import is_spec, param_specs
 from hotswap.programs import kv_sizing
 from hotswap.programs.step import Buckets, lower_step, placeholder_inputs
-from hotswap.weights import hf_device, in_place
+from hotswap.weights import hf_device, place
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
@@ -283,13 +283,13 @@ def params_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bo
 
 def weights_per_chip(mcfg: ModelConfig, target: Target, staging: str) -> kv_sizing.Weights:
     """One chip's params and what a hot update needs beside them under `staging`
-    (`weight_update_staging`; `weights/in_place.py` `update_reserve`): what the KV sizing
+    (`weight_update_staging`; `weights/place.py` `update_reserve`): what the KV sizing
     takes off each chip before the cache."""
     per = _leaf_bytes_per_chip(mcfg, target)
     params = max((sum(leaves) for leaves in per.values()), default=0)
     largest = max((max(leaves) for leaves in per.values()), default=0)
-    resolved = in_place.resolve(staging, next(iter(target.kv.device_set)).platform)
-    return kv_sizing.Weights(params, in_place.update_reserve(resolved, params, largest), resolved)
+    resolved = place.resolve(staging, next(iter(target.kv.device_set)).platform)
+    return kv_sizing.Weights(params, place.update_reserve(resolved, params, largest), resolved)
 
 
 def _leaf_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> dict:

@@ -10,7 +10,7 @@
               ÷ bytes of one page (all layers, this chip's kv heads)
 
   per chip, the tightest chip deciding. `weights` is the params plus what a hot update
-  needs beside them (`weights/in_place.py` `update_reserve`): a second copy when updates are
+  needs beside them (`weights/place.py` `update_reserve`): a second copy when updates are
   staged whole (`weight_update_staging="copy"`: a rejected update must leave the old ones
   serving, so the new ones are built beside them), the tensors one pass holds in flight when
   they are checked first and written in place (the default on TPU/GPU). A cache sized for
@@ -45,7 +45,7 @@ from hotswap.model.config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """One chip's params and what a hot update needs beside them (`reserve`, by `staging`:
-    `weights/in_place.py` `update_reserve`); `params` counts LoRA buffers where there are any."""
+    `weights/place.py` `update_reserve`); `params` counts LoRA buffers where there are any."""
 
     params: int
     reserve: int

@@ -1,3 +1,4 @@
-"""Weights in, one pipeline: one reader per source form (directories, GGUF, bytes, trees, NNX
-states, transfer refs: `sources.read`) -> the one validator (`model/validate.py`) -> placement
-on the engine's shardings with one finiteness pass (`hf_device.py`, `ingest.py`, `finiteness.py`)."""
+"""Weights in: one pipeline, four stages, whatever the source. `readers.read` (one table of
+readers, one row per form) -> `plan.plan` (the one validator call, spec-driven; no bytes
+moved) -> `place.prepare` (a strategy row: copy, in_place, merge) -> `StagedParams`, the only
+thing `engine/lifecycle.update_weights` takes. `pipeline.stage` runs the line for a copy."""

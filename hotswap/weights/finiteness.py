@@ -1,7 +1,7 @@
 """The finiteness pass of a weight update: which values are read for NaN/Inf, once, and the error.
 
 Every source is checked here, in the one pass of its placing step (`hf_device.py` for
-HF-named tensors, `ingest.py` for params trees): the engine's first load is staged the
+HF-named tensors, `place.py` for params trees): the engine's first load is staged the
 same way, so it is checked once too. `kernels/finite.py` computes the answer (a C++
 call on one CPU device, a reduction in HBM elsewhere); this module decides what it reads:
 
@@ -28,7 +28,7 @@ from hotswap.errors import NonFiniteWeights
 from hotswap.kernels import finite
 
 
-class Pass:
+class Check:
     """One update's finiteness check: tensors are added as they are converted (device work
     dispatched, not waited for); `raise_first` then reports the first bad one by name."""
 

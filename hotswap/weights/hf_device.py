@@ -44,9 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from hotswap.checkpoint import experts, hf
+from hotswap.checkpoint import hf
 from hotswap.kernels import cpu_convert
-from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.model.spec import EMBED, ParamSpec, param_specs
@@ -54,7 +53,7 @@ from hotswap.weights import finiteness
 
 # Host->device copies in flight before waiting for their conversions, in bytes a chip: bounds
 # the extra device memory (inputs not yet converted) on backends where device_put copies, and
-# what the KV sizing reserves for an update (`weights/in_place.py` `update_reserve`). 256 MiB
+# what the KV sizing reserves for an update (`weights/place.py` `update_reserve`). 256 MiB
 # is 10-25 ms of a chip's host transfers: enough to keep its conversions fed.
 IN_FLIGHT_BYTES = 256 << 20
 
@@ -146,6 +145,7 @@ def _fused(x: jax.Array, dtype: np.dtype, sharding) -> bool:
 def hf_to_device(
     cfg: ModelConfig,
     tensors: Mapping[str, Any],
+    chosen: Mapping[str, ParamSpec],
     abstract: Params,
     *,
     base: Params | None = None,
@@ -153,13 +153,13 @@ def hf_to_device(
 ) -> Params:
     """HF-named `[out, in]` tensors -> params on `abstract`'s shardings and dtypes.
 
-    Names, shapes, dtypes and a tied head are checked (`model/validate.py`) before
-    any copy. With `check_finite`, a NaN/Inf raises NonFiniteWeights naming the HF
-    tensor. With `base` (the current params) `tensors` may be any subset; the
-    other leaves are the base's, unchanged and uncopied. For tied models a new
-    embedding also rebuilds `lm_head`.
+    `chosen`: each tensor's spec row, as the plan checked them (`weights/plan.py`; experts
+    stacked in `tensors`). With `check_finite`, a NaN/Inf raises NonFiniteWeights naming the
+    HF tensor. With `base` (the current params) `tensors` may be any subset; the other leaves
+    are the base's, unchanged and uncopied. For tied models a new embedding also rebuilds
+    `lm_head`.
     """
-    chosen, new, head = _convert(cfg, tensors, abstract, partial=base is not None, check_finite=check_finite)
+    new, head = _convert(cfg, tensors, chosen, abstract, check_finite=check_finite)
     params = hf.empty_tree(cfg) if base is None else hf.copy_tree(base)
     for name, spec in chosen.items():
         hf.set_leaf(params, spec.path, new[name])
@@ -171,47 +171,31 @@ def hf_to_device(
 
 
 def check_on_device(
-    cfg: ModelConfig,
-    tensors: Mapping[str, Any],
-    abstract: Params,
-    *,
-    partial: bool,
-    check_finite: bool = True,
-) -> frozenset[tuple[str | int, ...]]:
-    """`hf_to_device`'s checks (names, shapes, dtypes, then NaN/Inf in the converted values)
-    with nothing kept: each converted tensor is dropped once its flag is dispatched, so the
-    device holds only the tensors in flight (`weights/in_place.py`). Without `check_finite`
-    only the validator runs. Returns the paths of the leaves the update replaces (a tied
-    embedding's `lm_head` among them)."""
-    if check_finite:
-        chosen, _, _ = _convert(cfg, tensors, abstract, partial=partial, check_finite=True, keep=False)
-    else:
-        stacked = experts.stack(cfg, tensors, partial=partial)
-        chosen = validate.hf_tensors(cfg, stacked, np.dtype(abstract["embed"].dtype), partial=partial)
-    tied = cfg.tie_word_embeddings and EMBED in chosen
-    return frozenset({spec.path for spec in chosen.values()} | ({("lm_head",)} if tied else set()))
+    cfg: ModelConfig, tensors: Mapping[str, Any], chosen: Mapping[str, ParamSpec], abstract: Params
+) -> None:
+    """`hf_to_device`'s NaN/Inf pass over the converted values with nothing kept: each
+    converted tensor is dropped once its flag is dispatched, so the device holds only the
+    tensors in flight (`weights/place.py`, in place)."""
+    _convert(cfg, tensors, chosen, abstract, check_finite=True, keep=False)
 
 
 def _convert(
     cfg: ModelConfig,
     tensors: Mapping[str, Any],
+    chosen: Mapping[str, ParamSpec],
     abstract: Params,
     *,
-    partial: bool,
     check_finite: bool,
     keep: bool = True,
-) -> tuple[dict, dict[str, jax.Array], jax.Array | None]:
-    """Validate, then convert each chosen tensor onto the device, largest first, with the
-    finiteness pass. Returns (chosen specs by HF name, converted arrays by HF name, the tied
-    head or None); with `keep=False` no array is kept."""
-    target = np.dtype(abstract["embed"].dtype)
-    tensors = experts.stack(cfg, tensors, partial=partial)
-    chosen = validate.hf_tensors(cfg, tensors, target, partial=partial)
+) -> tuple[dict[str, jax.Array], jax.Array | None]:
+    """Convert each chosen tensor onto the device, largest first, with the finiteness pass.
+    Returns (converted arrays by HF name, the tied head or None); with `keep=False` no array
+    is kept."""
     head_want, head = abstract["lm_head"], None
     head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose
     new: dict[str, jax.Array] = {}
     dtypes: dict[str, np.dtype] = {}
-    check = finiteness.Pass(check_finite)
+    check = finiteness.Check(check_finite)
     pending, pending_bytes = [], 0
     for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
         spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
@@ -243,4 +227,4 @@ def _convert(
             pending, pending_bytes = [], 0
         del out, x
     check.raise_first(list(chosen), tensors, dtypes)  # checkpoint order
-    return chosen, new, head
+    return new, head

@@ -1,6 +1,7 @@
-"""LoRA adapters in, through the one pipeline: read (one reader per form) -> validate by the
-source's own names (`model/validate.lora_tensors`) -> one finiteness pass -> factors placed on
-the devices of the weights they adapt.
+"""LoRA adapters: their forms' readers (rows of `readers.READERS`) and their placing (`stage`).
+An adapter goes through the one pipeline: read -> plan (`model/validate.lora_tensors`, by the
+source's own names) -> one finiteness pass -> factors placed on the devices of the weights
+they adapt (merged into the base, `place.py` `merge`, or written into a named slot).
 
 Forms, told apart by their names:
 
@@ -24,7 +25,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,11 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.checkpoint import orbax_io, payload
 from hotswap.checkpoint.safetensors_io import read_safetensors
 from hotswap.errors import CheckpointError, ConfigError, PickleRefused, WeightsMismatch
-from hotswap.model import validate
-from hotswap.model.config import ModelConfig
 from hotswap.model.lora import Factors, factor_shardings
 from hotswap.model.params import Params
 from hotswap.weights import finiteness
@@ -63,22 +60,30 @@ def _is_lora_param(var: Any) -> bool:
     return any(c.__name__ == "LoRAParam" and c.__module__.startswith("flax") for c in type(var).__mro__)
 
 
-def _flax_adapter(source: Any) -> AdapterSource | None:
-    """An NNX state whose variables are all `nnx.LoRAParam`s (Tunix's LoRA sync), else None."""
+def _nnx_flat(source: Any) -> dict[str, Any]:
     from flax import nnx  # the [tunix] extra: only reached for a flax source
 
     state = nnx.state(source) if isinstance(source, nnx.Module) else source
     if not isinstance(state, nnx.State):
-        return None
-    flat = {".".join(str(getattr(k, "key", k)) for k in p): v for p, v in nnx.to_flat_state(state)}
-    if not flat or not all(_is_lora_param(v) for v in flat.values()):
-        return None
+        return {}
+    return {".".join(str(getattr(k, "key", k)) for k in p): v for p, v in nnx.to_flat_state(state)}
+
+
+def is_nnx_lora(source: Any) -> bool:
+    """An NNX state (or module) whose variables are all `nnx.LoRAParam`s (Tunix's LoRA sync)."""
+    flat = _nnx_flat(source)
+    return bool(flat) and all(_is_lora_param(v) for v in flat.values())
+
+
+def from_nnx(source: Any) -> AdapterSource:
+    """An NNX state of `nnx.LoRAParam` leaves (`is_nnx_lora`), its factors by qwix's names."""
+    flat = _nnx_flat(source)
     values = {n: v.get_value() if hasattr(v, "get_value") else v.value for n, v in flat.items()}
     return AdapterSource(values, "nnx", where="nnx state")
 
 
-def _params_adapter(source: Mapping) -> AdapterSource | None:
-    """`{"layers": [{"wq": {"lora_a", "lora_b"}, ...}]}` (no embedding): a params-layout adapter."""
+def _params_flat(source: Mapping) -> dict[str, Any] | None:
+    """`{"layers": [{"wq": {"lora_a", "lora_b"}, ...}]}` (no embedding) flattened, else None."""
     layers = source.get("layers")
     if "embed" in source or not isinstance(layers, (list, tuple)):
         return None
@@ -89,14 +94,19 @@ def _params_adapter(source: Mapping) -> AdapterSource | None:
                 return None
             for factor, x in pair.items():
                 flat[f"layers.{i}.{key}.{factor}"] = x
-    return AdapterSource(flat, "params", where="adapter tree") if flat else None
+    return flat or None
 
 
-def _is_peft(names) -> bool:
-    return any(".lora_A." in n or ".lora_B." in n for n in names)
+def is_params_adapter(source: Mapping) -> bool:
+    """A params-layout adapter: `{"layers": [{"wq": {"lora_a", "lora_b"}, ...}]}`."""
+    return _params_flat(source) is not None
 
 
-def _peft_dir(path: Path) -> tuple[AdapterSource, list[str]]:
+def from_params_tree(source: Mapping) -> AdapterSource:
+    return AdapterSource(_params_flat(source), "params", where="adapter tree")
+
+
+def peft_dir(path: Path) -> tuple[AdapterSource, list[str]]:
     """`adapter_config.json` + `adapter_model.safetensors`, as PEFT's `save_pretrained` writes
     them -> (the adapter, its config's target_modules)."""
     where = str(path / ADAPTER_CONFIG)
@@ -128,45 +138,17 @@ def _peft_dir(path: Path) -> tuple[AdapterSource, list[str]]:
     ), [targets] if isinstance(targets, str) else list(targets)
 
 
-def read(source: Any, cfg: ModelConfig, *, weights_root=None) -> AdapterSource | None:
-    """The adapter `source` holds, or None when it is not a LoRA adapter (a base weight source).
-    A directory's `adapter_config.json` must target this model's adaptable modules."""
-    if any(c.__module__.startswith("flax.nnx") for c in type(source).__mro__):
-        return _flax_adapter(source)
-    if isinstance(source, (str, os.PathLike)):
-        path = orbax_io.resolve_weights_path(source, weights_root)
-        if not (path / ADAPTER_CONFIG).exists():
-            return None
-        adapter, targets = _peft_dir(path)
-        # PEFT's "all-linear" and regexes name no module list: the tensors' own names are checked
-        if targets and not any(t == "all-linear" or t.startswith("(") or "*" in t for t in targets):
-            validate.lora_targets(cfg, [t.split(".")[-1] for t in targets], adapter.where)
-        return adapter
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        payload.sniff_refuse_pickle(source)
-        if not payload._looks_like_safetensors(source):
-            return None
-        tensors = payload.decode_safetensors(bytes(source))
-        return AdapterSource(tensors, "peft", where="payload") if _is_peft(tensors) else None
-    if isinstance(source, Mapping) and all(isinstance(k, str) for k in source):
-        if _is_peft(source):
-            return AdapterSource(source, "peft", where="tensors")
-        return _params_adapter(source)
-    return None
-
-
 def stage(
     adapter: AdapterSource,
-    cfg: ModelConfig,
+    chosen: Mapping[str, tuple],
     abstract: Params,
     *,
     lora_alpha: float | None = None,
-    max_rank: int | None = None,
     check_finite: bool = True,
 ) -> Factors:
-    """Validated (by the adapter's own names), checked for NaN/Inf and placed: params name ->
-    (A `[*in, r]`, B `[r, *out]` scaled), f32, on the adapted weights' devices."""
-    chosen = validate.lora_tensors(cfg, adapter.tensors, adapter.form, max_rank=max_rank)
+    """An adapter as its plan checked it (`chosen`: params name -> (row, A name, B name, rank,
+    part), `weights/plan.py`), checked for NaN/Inf and placed: params name -> (A `[*in, r]`,
+    B `[r, *out]` scaled), f32, on the adapted weights' devices."""
     alpha = adapter.alpha
     if alpha is None:
         alpha = lora_alpha
@@ -177,7 +159,7 @@ def stage(
             f"{adapter.where}: a LoRA adapter's scale is alpha / r, and this source does not state its "
             "alpha; pass lora_alpha"
         )
-    check = finiteness.Pass(check_finite)
+    check = finiteness.Check(check_finite)
     pairs = sorted({n for _, a, b, _, _ in chosen.values() for n in (a, b)})  # a stacked pair once
     check.add({n: adapter.tensors[n] for n in pairs})
     check.raise_first(pairs)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -44,7 +45,6 @@ import numpy as np
 from flax import nnx
 
 from hotswap.errors import ConfigError, WeightsMismatch
-from hotswap.model import validate
 from hotswap.model.config import FULL, SLIDING, ModelConfig, RopeScaling
 from hotswap.model.spec import Params, ParamSpec, is_spec, param_specs
 
@@ -248,15 +248,6 @@ def flat_variables(source: nnx.State | nnx.Module) -> dict[str, Any]:
     return {n: v for n, v in flat.items() if isinstance(v, nnx.Param)}
 
 
-def is_lora_state(source: Any) -> bool:
-    """An NNX state (or module) whose variables are all `nnx.LoRAParam`s: a LoRA adapter."""
-    state = nnx.state(source) if isinstance(source, nnx.Module) else source
-    if not isinstance(state, nnx.State):
-        return False
-    flat = [v for _, v in nnx.to_flat_state(state)]
-    return bool(flat) and all(isinstance(v, nnx.LoRAParam) for v in flat)
-
-
 def base_state(model: nnx.Module) -> nnx.State:
     """A module's base weights: its Params but the LoRA factors (`nnx.LoRAParam`, a Param subclass)."""
     return nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
@@ -305,23 +296,23 @@ def _value(var) -> jax.Array:
     return var.get_value() if hasattr(var, "get_value") else var.value
 
 
-def params_from_state(
-    source: nnx.State | nnx.Module, cfg: ModelConfig, abstract: Params | None = None
-) -> Params:
-    """An NNX state (or module) of `cfg`'s family -> hotswap params, by the spec table.
-
-    Validated once (`model/validate.py`): a missing, unexpected or wrongly shaped
-    parameter (and, given the engine's `abstract` params, a wrong dtype) raises
-    WeightsMismatch naming the NNX parameter. Finiteness is the engine's placing step's.
-    """
-    flat = {n: _value(v) for n, v in flat_variables(source).items()}
-    specs = param_specs(cfg)
+def flat_values(source: nnx.State | nnx.Module, cfg: ModelConfig) -> dict[str, Any]:
+    """NNX path -> array of every parameter of an NNX state (or module) of `cfg`'s family, as
+    the ingest pipeline reads it (`readers.py`); checked by NNX names in `plan.py`."""
     unmapped = [
-        s.name for s in jax.tree.leaves(specs, is_leaf=is_spec) if s.nnx_name is None and s.path != HEAD
+        s.name
+        for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+        if s.nnx_name is None and s.path != HEAD
     ]
     if unmapped:
         raise ConfigError(f"{cfg.arch}: no Tunix NNX layout is known for params {unmapped[0]}")
-    validate.nnx_variables(flat, cfg, abstract)
+    return {n: _value(v) for n, v in flat_variables(source).items()}
+
+
+def params_from_flat(flat: Mapping[str, Any], cfg: ModelConfig) -> Params:
+    """Checked NNX variables (`flat_values`) -> hotswap params, by the spec table: the trainer's
+    own arrays, except the Gemmas' q/k/v (sliced and transposed, a copy each) and a tied head."""
+    specs = param_specs(cfg)
 
     def leaf(s: ParamSpec):
         if s.nnx_name is None:  # tied head: the spec row's transform of the embedding, on its devices
@@ -331,6 +322,12 @@ def params_from_state(
         return flat[s.nnx_name]
 
     return jax.tree.map(leaf, specs, is_leaf=is_spec)
+
+
+def params_from_state(source: nnx.State | nnx.Module, cfg: ModelConfig) -> Params:
+    """An NNX state (or module) of `cfg`'s family -> hotswap params, unchecked (a tool's view;
+    an update checks it by NNX names first: `LLM.update_weights(state)`)."""
+    return params_from_flat(flat_values(source, cfg), cfg)
 
 
 def nnx_name(cfg: ModelConfig, params_name: str) -> str | None:

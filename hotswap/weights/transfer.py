@@ -3,10 +3,11 @@
 A trainer calls `publish(params)`: its params stay on its devices, a transfer server
 in its process offers them once, and it gets back a `TransferRef(address, uuid)`,
 small enough to send over HTTP (`POST /update_weights {"transfer": {...}}`) or to
-pass to `LLM.update_weights`. The engine side, `pull(ref, abstract)`, connects to
-that address and pulls the arrays straight into the engine's shardings; the tree it
-returns then goes through the same validation, finiteness check and staging as any
-in-process params tree (`weights/sources.py`).
+pass to `LLM.update_weights`. The engine side is a row of the ingest pipeline's reader
+table (`weights/readers.py`): `open_offer(ref, abstract)` connects to that address and reads
+the manifest, the plan (`weights/plan.py`) checks it, and only then does `fetch` pull the
+arrays straight into the engine's shardings, to be checked for NaN/Inf and placed as any
+in-process params tree (`weights/place.py`).
 
 What one publish offers, under three consecutive uuids (each can be pulled once):
 
@@ -28,7 +29,7 @@ the data pull leaves one params-sized buffer until the process exits.
 
 For an engine that runs in several processes, `publish(params, for_processes=N)` makes
 one offer per engine process (at `uuid + 4 * p`), each with only that process's shards
-(`process_offer`, `pull_shards`: the last section).
+(`process_offer`, `_open_shards`: the last section).
 
 Transfer servers bind 127.0.0.1 unless told otherwise: anything that can reach
 the port can offer or fetch arrays, and there is no authentication.
@@ -44,7 +45,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -52,7 +53,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from hotswap.errors import TransferError
-from hotswap.model import validate
 from hotswap.model.spec import path_name
 
 MAGIC = 0x48535754  # "HSWT"
@@ -235,7 +235,7 @@ def _reachable(ref: TransferRef, deadline: float) -> None:
 def _receive_specs(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferRef) -> list:
     """What to pull into: the engine's own specs when the trainer's shards are this process's
     shards of them (no copy after the pull); else, for a trainer whose leaves are whole
-    arrays, one device here (`ingest.place_params` then reshards on the device)."""
+    arrays, one device here (`place.place_params` then reshards on the device)."""
 
     def own(spec) -> list:
         return [
@@ -294,31 +294,50 @@ def _first_device(want: list[tuple[str, Any]]):
     return jax.sharding.SingleDeviceSharding(min(want[0][1].sharding.addressable_devices, key=lambda d: d.id))
 
 
-def pull(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> Any:
-    """Pull a published tree into `abstract`'s structure (ShapeDtypeStructs with shardings).
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """An offer opened: its manifest read (`layout`, name -> (shape, dtype) in the sender's
+    flatten order), no weight moved yet; `fetch(abstract)` moves them (`weights/place.py`, once
+    `weights/plan.py` has checked the layout)."""
 
-    Raises TransferError (unreachable, timed out, peer gone) or WeightsMismatch (names the
-    tensor: the manifest goes through the one validator before any weight moves) and
-    returns nothing partial. The result is validated; its values are checked for NaN/Inf
-    where it is placed (`ingest.stage_params`), as for any tree.
-    """
+    where: str
+    layout: dict[str, tuple[tuple[int, ...], str]]
+    fetch: Callable[[Any], Any]
+
+
+def _layout(leaves: list[dict]) -> dict[str, tuple[tuple[int, ...], str]]:
+    try:
+        return {e["name"]: (tuple(e["shape"]), e["dtype"]) for e in leaves}
+    except (KeyError, TypeError) as e:
+        raise TransferError(f"unreadable manifest entry: {e}") from None
+
+
+def open_offer(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> Offer:
+    """Connect to a published tree and read its manifest. A one-offer ref is pulled whole
+    (`_fetch_whole`); a per-process one (`processes` > 1) by this process, its own shards
+    (`_fetch_shards`). Raises TransferError (unreachable, timed out, peer gone); the weights,
+    fetched later, return nothing partial."""
     if ref.processes != 1:
-        raise TransferError(
-            f"transfer {ref.address} uuid {ref.uuid}: published for {ref.processes} engine processes "
-            "(publish(for_processes=...)); this engine pulls one offer"
-        )
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    want = [(path_name(p), spec) for p, spec in flat]
+        return _open_shards(ref, abstract, jax.process_index(), bind)
+    want = [(path_name(p), spec) for p, spec in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     deadline = time.monotonic() + ref.timeout_s
     try:
         _reachable(ref, deadline)
         conn = server(bind).connect(ref.address)
         leaves = _pull_manifest(conn, ref, deadline, _first_device(want))["leaves"]
-        validate.ordered_layout(leaves, abstract, where=_where(ref))  # before any weight moves
-        arrays = _pull_weights(conn, ref, _receive_specs(leaves, want, ref), deadline)
     except jax.errors.JaxRuntimeError as e:  # connect() or pull() refusing before any wait
         raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: {e}") from None
-    return treedef.unflatten(arrays)
+
+    def fetch(abstract: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        want = [(path_name(p), spec) for p, spec in flat]
+        try:
+            arrays = _pull_weights(conn, ref, _receive_specs(leaves, want, ref), deadline)
+        except jax.errors.JaxRuntimeError as e:
+            raise TransferError(f"transfer {ref.address} uuid {ref.uuid}: {e}") from None
+        return treedef.unflatten(arrays)
+
+    return Offer(_where(ref), _layout(leaves), fetch)
 
 
 # --------------------------------------------------------------------------- per-process offers
@@ -327,7 +346,7 @@ def pull(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> Any:
 # params out the way the engine does (`sharding.engine_shardings` over N x L devices, where the
 # engine has L devices per process): its devices, sorted by id, are split into N consecutive
 # groups and group p's shards are process p's offer. Each process pulls its own offer
-# (`pull_shards`) into single-device buffers and assembles the engine's global arrays from
+# (`_open_shards`) into single-device buffers and assembles the engine's global arrays from
 # them; a shard whose slice is not one the process holds is refused by name before any weight
 # moves. A per-process ref cannot be pulled by `pull` (a single-process engine), and a
 # one-offer ref sent to several processes is pulled by process 0 and broadcast (the generic
@@ -399,41 +418,46 @@ def _shard_specs(leaves: list[dict], want: list[tuple[str, Any]], ref: TransferR
     return specs, counts
 
 
-def pull_shards(ref: TransferRef, abstract: Any, process: int, *, bind: str = DEFAULT_BIND) -> Any:
-    """Engine process `process`'s offer of a per-process publish, as the engine's global arrays.
-
-    Only this process's shards move; each global array is assembled from them
-    (`jax.make_array_from_single_device_arrays`: no copy, no collective). Raises as `pull`.
-    """
+def _open_shards(ref: TransferRef, abstract: Any, process: int, bind: str) -> Offer:
+    """Engine process `process`'s offer of a per-process publish. Only this process's shards
+    move; each global array is assembled from them (`jax.make_array_from_single_device_arrays`:
+    no copy, no collective)."""
     if ref.processes != jax.process_count() or not 0 <= process < ref.processes:
         raise TransferError(
             f"transfer {ref.address} uuid {ref.uuid}: published for {ref.processes} engine process(es), "
             f"this engine runs in {jax.process_count()}"
         )
     mine = ref.offer(process)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    want = [(path_name(p), spec) for p, spec in flat]
+    want = [(path_name(p), spec) for p, spec in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     deadline = time.monotonic() + ref.timeout_s
     try:
         _reachable(mine, deadline)
         conn = server(bind).connect(mine.address)
         manifest = _pull_manifest(conn, mine, deadline, _first_device(want))
-        if manifest.get("process") != process or manifest.get("processes") != ref.processes:
-            raise TransferError(
-                f"transfer {mine.address} uuid {mine.uuid}: not process {process}'s offer of "
-                f"{ref.processes} (the manifest says process {manifest.get('process')!r} of "
-                f"{manifest.get('processes')!r})"
-            )
-        validate.ordered_layout(manifest["leaves"], abstract, where=_where(mine))  # before any weight moves
-        specs, counts = _shard_specs(manifest["leaves"], want, mine)
-        arrays = iter(_pull_weights(conn, mine, specs, deadline))
     except jax.errors.JaxRuntimeError as e:
         raise TransferError(f"transfer {mine.address} uuid {mine.uuid}: {e}") from None
-    return treedef.unflatten(
-        [
-            jax.make_array_from_single_device_arrays(
-                spec.shape, spec.sharding, [next(arrays) for _ in range(n)]
-            )
-            for (_, spec), n in zip(want, counts, strict=True)
-        ]
-    )
+    if manifest.get("process") != process or manifest.get("processes") != ref.processes:
+        raise TransferError(
+            f"transfer {mine.address} uuid {mine.uuid}: not process {process}'s offer of "
+            f"{ref.processes} (the manifest says process {manifest.get('process')!r} of "
+            f"{manifest.get('processes')!r})"
+        )
+
+    def fetch(abstract: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        want = [(path_name(p), spec) for p, spec in flat]
+        try:
+            specs, counts = _shard_specs(manifest["leaves"], want, mine)
+            arrays = iter(_pull_weights(conn, mine, specs, deadline))
+        except jax.errors.JaxRuntimeError as e:
+            raise TransferError(f"transfer {mine.address} uuid {mine.uuid}: {e}") from None
+        return treedef.unflatten(
+            [
+                jax.make_array_from_single_device_arrays(
+                    spec.shape, spec.sharding, [next(arrays) for _ in range(n)]
+                )
+                for (_, spec), n in zip(want, counts, strict=True)
+            ]
+        )
+
+    return Offer(_where(mine), _layout(manifest["leaves"]), fetch)

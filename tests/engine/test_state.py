@@ -23,7 +23,7 @@ from hotswap.engine.state import empty_state
 from hotswap.errors import NonFiniteWeights
 from hotswap.kernels.backend import Backend
 from hotswap.model.params import abstract_params
-from hotswap.weights import ingest
+from hotswap.weights import pipeline, place
 
 ECFG = EngineConfig(
     page_size=16,
@@ -45,7 +45,7 @@ def world(tiny_dir):
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), abstract_params(mcfg)
     )
     state = lifecycle.update_weights(
-        empty_state(mcfg, ECFG), ingest.place_params(params, abstract), abstract=abstract
+        empty_state(mcfg, ECFG), place.StagedParams(place.place_params(params, abstract), abstract)
     )
     sched, runner = (
         Scheduler(ECFG),
@@ -98,18 +98,18 @@ def test_the_filled_state_holds_pages_entries_and_refcounts(world):
 
 
 def test_update_weights_returns_a_state_with_nothing_from_before(world):
-    state, _, abstract, params, _ = world
+    state, _, abstract, params, mcfg = world
     snap = _snapshot(state)
-    new = lifecycle.update_weights(state, params, abstract=abstract)
+    new = lifecycle.update_weights(state, pipeline.stage(params, mcfg, abstract))
     assert new.weights_version == state.weights_version + 1
     _assert_empty(new)
     _assert_unchanged(state, snap)  # the input value still describes the old weights' cache
 
 
 def test_update_weights_keeps_exactly_the_kept_sequences_pages(world):
-    state, seqs, abstract, params, _ = world
+    state, seqs, abstract, params, mcfg = world
     kept = seqs[0].seq_id
-    new = lifecycle.update_weights(state, params, abstract=abstract, keep=[kept])
+    new = lifecycle.update_weights(state, pipeline.stage(params, mcfg, abstract), keep=[kept])
     assert new.pool.tables == {kept: state.pool.table(kept)}
     table = list(state.pool.table(kept))  # a list: numpy reads a tuple as one index per axis
     assert np.flatnonzero(new.pool.refcount).tolist() == sorted(table)
@@ -122,11 +122,15 @@ def test_update_weights_keeps_exactly_the_kept_sequences_pages(world):
 
 
 def test_a_rejected_update_changes_nothing(world):
-    state, _, abstract, params, _ = world
+    """The pipeline refuses bad weights before any transition; the transition takes only what
+    the pipeline staged (raw params are a TypeError, never staged behind the caller's back)."""
+    state, _, abstract, params, mcfg = world
     snap = _snapshot(state)
     bad = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), params)
     with pytest.raises(NonFiniteWeights):
-        lifecycle.update_weights(state, bad, abstract=abstract)
+        lifecycle.update_weights(state, pipeline.stage(bad, mcfg, abstract))
+    with pytest.raises(TypeError, match="StagedParams"):
+        lifecycle.update_weights(state, params)
     _assert_unchanged(state, snap)
 
 

@@ -311,7 +311,7 @@ def test_gemma_presets_have_the_published_shapes(name, want):
 # into VMEM and back around the kernel before the pool was pinned to HBM, and whose temporaries
 # (the sampler's [32, V/tp] f32 rows at a 262k vocabulary, about 75 MB whatever the pool) were
 # over 5% of the 1.2 GB of cache two copies of its params left; updated in place (the default on
-# TPU, weights/in_place.py) it keeps one copy and about 5.4 GB of cache a chip.
+# TPU, weights/place.py) it keeps one copy and about 5.4 GB of cache a chip.
 GEMMA_AOT = [
     pytest.param("gemma-3-27b", "v5e:2x4", 8, 16384, 62, id="gemma-3-27b-v5e"),
     pytest.param("gemma-2-9b", "v6e:2x2", 4, 8192, 42, id="gemma-2-9b-v6e"),

@@ -21,15 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hotswap.checkpoint import hf
 from hotswap.model import sharding
-from hotswap.model.config import ModelConfig
 from hotswap.weights import transfer
-from hotswap.weights.sources import resolve_source
 
 
 def main(path: str, mode: str) -> None:
-    cfg = ModelConfig.from_dir(path)
-    params = jax.tree.map(jnp.asarray, resolve_source(path, cfg, current=None))
+    cfg, params = hf.load_hf_dir(path)
+    params = jax.tree.map(jnp.asarray, params)
     if mode == "tp2" or mode.startswith("procs"):
         shardings, _ = sharding.engine_shardings(cfg, 2)
         params = jax.tree.map(jax.device_put, params, shardings)

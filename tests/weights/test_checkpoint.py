@@ -36,7 +36,7 @@ from hotswap.errors import (  # noqa: E402
 )
 from hotswap.model.config import ModelConfig  # noqa: E402
 from hotswap.model.params import abstract_params, param_paths, param_shapes  # noqa: E402
-from hotswap.weights.sources import stage_source  # noqa: E402
+from hotswap.weights import pipeline  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -289,12 +289,12 @@ def test_missing_and_unexpected_tensors(tiny):
 
 
 def _stage(cfg, tensors, dtype=None):
-    """HF tensors staged as an engine stages a source (`weights/sources.py`), on one device."""
+    """HF tensors staged as an engine stages a source (`weights/pipeline.py`), on one device."""
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), abstract_params(cfg, dtype)
     )
-    return stage_source(tensors, cfg, current=None, abstract=abstract)
+    return pipeline.stage(tensors, cfg, abstract)
 
 
 def test_wrong_shape_dtype_and_nonfinite(tiny):

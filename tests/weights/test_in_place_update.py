@@ -1,4 +1,4 @@
-"""In-place weight updates (`weight_update_staging="in_place"`, `weights/in_place.py`): checked
+"""In-place weight updates (`weight_update_staging="in_place"`, `weights/place.py`): checked
 first while serving goes on, then written over the serving weights, so the device holds one copy;
 a bad update is still refused before anything serving is touched."""
 
@@ -12,7 +12,7 @@ from hotswap import LLM, SamplingParams
 from hotswap.checkpoint import hf
 from hotswap.errors import EngineAsleep, NonFiniteWeights, WeightsLost, WeightsMismatch
 from hotswap.programs import catalog
-from hotswap.weights import hf_device, in_place
+from hotswap.weights import hf_device, place
 
 KW = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, page_size=16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -53,8 +53,8 @@ def _same(a, b):
 
 
 def test_auto_is_in_place_on_an_accelerator_and_a_copy_on_cpu(llm, copy_llm, tiny_dir):
-    assert in_place.resolve("auto", "tpu") == in_place.resolve("auto", "gpu") == "in_place"
-    assert in_place.resolve("auto", "cpu") == "copy"
+    assert place.resolve("auto", "tpu") == place.resolve("auto", "gpu") == "in_place"
+    assert place.resolve("auto", "cpu") == "copy"
     assert llm.engine.staging == "in_place" and copy_llm.engine.staging == "copy"
     assert LLM(tiny_dir, warmup=False, **KW).engine.staging == "copy"
 
@@ -80,14 +80,14 @@ def test_an_in_place_update_frees_the_old_weights_before_placing_the_new(
     llm.update_weights(tiny_dir)  # a known start whatever ran before
     before, params = _live_bytes(), _params_bytes(llm)
     seen = {}
-    place = in_place.place
+    write = place.write
 
     def watching(*args, **kwargs):
         seen["live"] = _live_bytes()
         seen["params"] = llm.engine.state.params
-        return place(*args, **kwargs)
+        return write(*args, **kwargs)
 
-    monkeypatch.setattr(in_place, "place", watching)
+    monkeypatch.setattr(place, "write", watching)
     version = llm.engine.weights_version
     assert llm.update_weights(tiny_dir_b) == version + 1
     assert seen["params"] is None  # the state held no weights while the new ones went in
@@ -172,16 +172,15 @@ def test_a_lora_adapter_is_read_once_and_merged_as_the_staged_path_merges_it(
         engine.update_weights(tiny_dir)
     base = _gen(llm)
     reads = []
-    read = lora_source.read
+    read = lora_source.peft_dir
 
-    def counting(source, *args, **kwargs):
-        got = read(source, *args, **kwargs)
-        reads.append(got is not None)
-        return got
+    def counting(path):
+        reads.append(path)
+        return read(path)
 
-    monkeypatch.setattr(lora_source, "read", counting)
+    monkeypatch.setattr(lora_source, "peft_dir", counting)
     llm.update_weights(str(adapter))
-    assert reads == [True]
+    assert len(reads) == 1
     copy_llm.update_weights(str(adapter))
     merged = _gen(llm)
     _same(merged, _gen(copy_llm))

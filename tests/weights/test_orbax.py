@@ -15,6 +15,7 @@ from hotswap.checkpoint.orbax_io import resolve_weights_path, restore_params, sa
 from hotswap.errors import CheckpointError, WeightsMismatch, WeightsPathNotAllowed  # noqa: E402
 from hotswap.model.config import ModelConfig  # noqa: E402
 from hotswap.model.params import abstract_params, param_paths, param_shapes  # noqa: E402
+from hotswap.weights import place, plan, readers  # noqa: E402
 
 CFG = ModelConfig(
     arch="qwen3",
@@ -93,6 +94,12 @@ def test_restore_into_sharded_abstract_tree(saved):
     _assert_same(got, params)
 
 
+def _restore(path, abstract):
+    """An orbax checkpoint as the engine ingests it: its metadata checked by the plan
+    (`weights/plan.py`) before `restore_params` reads a byte."""
+    return place.fetched(plan.plan(readers.read(path, CFG), CFG, abstract))
+
+
 def test_restore_wrong_shape_names_the_leaf(saved):
     _, path = saved
     abstract = abstract_params(CFG)
@@ -100,17 +107,17 @@ def test_restore_wrong_shape_names_the_leaf(saved):
     with pytest.raises(
         WeightsMismatch, match=r"layers\.1\.w_up: expected \(32, 99\) float32, got \(32, 48\)"
     ):
-        restore_params(path, abstract)
+        _restore(path, abstract)
 
 
 def test_restore_wrong_structure(saved):
     _, path = saved
     other = ModelConfig(**{**CFG.__dict__, "num_layers": 3})
     with pytest.raises(WeightsMismatch, match=r"missing tensor\(s\): layers\.2\."):
-        restore_params(path, abstract_params(other))
+        _restore(path, abstract_params(other))
     no_qk = ModelConfig(**{**CFG.__dict__, "qk_norm": False})
     with pytest.raises(WeightsMismatch, match="unexpected.*k_norm"):
-        restore_params(path, abstract_params(no_qk))
+        _restore(path, abstract_params(no_qk))
 
 
 def test_restore_non_float_cast_refused(saved):
@@ -118,7 +125,7 @@ def test_restore_non_float_cast_refused(saved):
     abstract = abstract_params(CFG)
     abstract["final_norm"] = jax.ShapeDtypeStruct((CFG.hidden_size,), np.int32)
     with pytest.raises(WeightsMismatch, match="final_norm: expected .* int32, got .* float32"):
-        restore_params(path, abstract)
+        _restore(path, abstract)
 
 
 def test_restore_missing_or_not_orbax(tmp_path):
