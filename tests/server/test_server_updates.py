@@ -1,7 +1,7 @@
 """Weight updates on a real `hotswap serve` of this file's own, driven by the official `openai`
-client and plain httpx. Tests run in file order and share its weights history:
-v1 seed0 -> v2 seed1 (safetensors) -> v3 seed1 (path) -> v4 seed0 (2 chunks) -> v5 (partial JSON)
--> sleep level 2 -> v6 seed1 (chunks) -> v7 seed0 (safetensors while streams run) -> metrics.
+client and plain httpx. Each test first puts the server on the weights it starts from
+(`serving("seed0")`: a path update, awake) and checks versions relative to that one, so the
+tests run alone and in any order.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from helpers import KNOBS
 from hotswap.checkpoint.hf import read_hf_tensors
 from hotswap.checkpoint.payload import encode_json_entries, encode_safetensors
 
-SEEN: dict[str, str] = {}  # outputs recorded by earlier tests (module order) for later comparison
-
 
 @pytest.fixture(scope="module")
 def api_server(weights_root, tmp_path_factory, request):
@@ -60,17 +58,39 @@ def oracle(tiny_dir_b):
     return {"llm": llm, "text": out.text}
 
 
-def test_update_with_safetensors_bytes(api_client, api_http, oracle, tiny_dir_b):
-    SEEN["v1"] = complete(api_client).choices[0].text  # seed0, and now cached
+@pytest.fixture(scope="module")
+def serving(api_http):
+    """`serving("seed0")` puts the server on that checkpoint of the weights root, awake, and
+    returns the new weights version: the state a test starts from."""
+
+    def at(checkpoint: str) -> int:
+        r = api_http.post("/update_weights", json={"path": checkpoint, "policy": "abort"}, headers=admin())
+        assert r.status_code == 200, r.text
+        if api_http.get("/is_sleeping", headers=admin()).json()["is_sleeping"]:
+            assert api_http.post("/wakeup", headers=admin()).json()["is_sleeping"] is False
+        return r.json()["weights_version"]
+
+    return at
+
+
+@pytest.fixture(scope="module")
+def seed0_text(api_client, serving):
+    """What the server says on the seed-0 weights (the greedy completion of LONG_PROMPT)."""
+    serving("seed0")
+    return complete(api_client).choices[0].text
+
+
+def test_update_with_safetensors_bytes(api_client, api_http, oracle, tiny_dir_b, serving, seed0_text):
+    v = serving("seed0")
+    assert complete(api_client).choices[0].text == seed0_text  # and now cached
     r = update_bytes(api_http, read_hf_tensors(tiny_dir_b), policy="drain")
     assert r.status_code == 200, r.text
-    assert r.json() == {"weights_version": 2, "policy": "drain"}
+    assert r.json() == {"weights_version": v + 1, "policy": "drain"}
     out = complete(api_client)
-    assert out.model_extra["weights_version"] == 2
+    assert out.model_extra["weights_version"] == v + 1
     assert out.usage.prompt_tokens_details.cached_tokens == 0  # the old KV is never reused
-    assert out.choices[0].text == oracle["text"] != SEEN["v1"]
-    assert complete(api_client).usage.prompt_tokens_details.cached_tokens > 0  # v2 pages are cached now
-    SEEN["v2"] = out.choices[0].text
+    assert out.choices[0].text == oracle["text"] != seed0_text
+    assert complete(api_client).usage.prompt_tokens_details.cached_tokens > 0  # new pages are cached now
 
 
 class _Canary:
@@ -83,7 +103,8 @@ class _Canary:
         return (os.makedirs, (self.path,))
 
 
-def test_pickle_refused_keeps_serving(api_client, api_http, tiny_dir, tmp_path):
+def test_pickle_refused_keeps_serving(api_client, api_http, tiny_dir, tmp_path, oracle, serving):
+    v = serving("seed1")
     arrays = {k: np.asarray(v) for k, v in list(read_hf_tensors(tiny_dir).items())[:2]}
     for ctype in ("application/octet-stream", "application/python-pickle", "application/json"):
         headers = {**admin(), "Content-Type": ctype}
@@ -113,11 +134,12 @@ def test_pickle_refused_keeps_serving(api_client, api_http, tiny_dir, tmp_path):
     assert all(e["code"] == "pickle_refused" and "safetensors" in e["message"] for e in errors[:-1]), errors
     assert errors[-1]["code"] == "bad_payload"
     assert not canary.exists()
-    assert api_http.get("/weights_version", headers=admin()).json()["weights_version"] == 2
-    assert complete(api_client).choices[0].text == SEEN["v2"]
+    assert api_http.get("/weights_version", headers=admin()).json()["weights_version"] == v
+    assert complete(api_client).choices[0].text == oracle["text"]
 
 
-def test_update_from_path(api_client, api_http, oracle):
+def test_update_from_path(api_client, api_http, oracle, serving):
+    v = serving("seed0")
     for bad in ("../model", "/etc", "seed1/../../model"):
         r = api_http.post("/update_weights", json={"path": bad}, headers=admin())
         assert r.status_code == 403, (bad, r.text)
@@ -126,38 +148,42 @@ def test_update_from_path(api_client, api_http, oracle):
     )
     assert r.status_code == 400 and "colour" in r.json()["error"]["message"]
     r = api_http.post("/update_weights", json={"path": "seed1", "policy": "abort"}, headers=admin())
-    assert r.json() == {"weights_version": 3, "policy": "abort"}
+    assert r.json() == {"weights_version": v + 1, "policy": "abort"}
     out = complete(api_client)
     assert out.usage.prompt_tokens_details.cached_tokens == 0 and out.choices[0].text == oracle["text"]
 
 
-def test_chunked_update(api_client, api_http, tiny_dir):
+def test_chunked_update(api_client, api_http, tiny_dir, serving, seed0_text):
+    v = serving("seed1")
     tensors = read_hf_tensors(tiny_dir)  # back to the seed-0 weights
     names = sorted(tensors)
     first, second = names[: len(names) // 2], names[len(names) // 2 :]
     r = update_bytes(api_http, {k: tensors[k] for k in first}, finished="false", update_id="u1")
     assert r.status_code == 200 and r.json()["staged"] == len(first)
     version = api_http.get("/weights_version", headers=admin()).json()["weights_version"]
-    assert version == 3  # nothing committed
+    assert version == v  # nothing committed
     second = {k: tensors[k] for k in second}
     r = update_bytes(api_http, second, finished="true", update_id="u1", policy="recompute")
-    assert r.json() == {"weights_version": 4, "policy": "recompute"}
+    assert r.json() == {"weights_version": v + 1, "policy": "recompute"}
     out = complete(api_client)
-    assert out.usage.prompt_tokens_details.cached_tokens == 0 and out.choices[0].text == SEEN["v1"]
+    assert out.usage.prompt_tokens_details.cached_tokens == 0 and out.choices[0].text == seed0_text
 
 
-def test_json_tensors_and_reject_policy(api_client, api_http, tiny_dir):
+def test_json_tensors_and_reject_policy(api_client, api_http, tiny_dir, serving, seed0_text):
+    v = serving("seed0")
+    complete(api_client)  # its pages are cached now
     name = "model.norm.weight"
     entry = {"tensors": encode_json_entries({name: read_hf_tensors(tiny_dir)[name]}), "partial": True}
     r = api_http.post("/update_weights", json={**entry, "policy": "reject"}, headers=admin())
     assert r.status_code == 409 and "reject" in r.json()["error"]["message"]  # cached pages exist
     assert api_http.post("/reset_prefix_cache", headers=admin()).status_code == 200
     r = api_http.post("/update_weights", json={**entry, "policy": "reject"}, headers=admin())
-    assert r.json() == {"weights_version": 5, "policy": "reject"}
-    assert complete(api_client).choices[0].text == SEEN["v1"]  # same values: same output
+    assert r.json() == {"weights_version": v + 1, "policy": "reject"}
+    assert complete(api_client).choices[0].text == seed0_text  # same values: same output
 
 
-def test_sleep_wakeup_update_sequence(api_client, api_http, oracle, tiny_dir_b):
+def test_sleep_wakeup_update_sequence(api_client, api_http, oracle, tiny_dir_b, serving):
+    v = serving("seed0")
     r = api_http.post("/sleep", params={"level": 2}, headers=admin())
     assert r.status_code == 200 and r.json()["is_sleeping"]
     # Asleep: 503 at once (the api_client fixture has max_retries=0; by default the client retries 503s).
@@ -178,13 +204,13 @@ def test_sleep_wakeup_update_sequence(api_client, api_http, oracle, tiny_dir_b):
     r = update_bytes(api_http, {k: tensors[k] for k in names[:3]}, finished="false")
     assert r.json()["staged"] == 3
     r = update_bytes(api_http, {k: tensors[k] for k in names[3:]}, finished="true")
-    assert r.json()["weights_version"] == 6
+    assert r.json()["weights_version"] == v + 1
     assert api_http.get("/is_sleeping", headers=admin()).json()["is_sleeping"]  # kv_cache still asleep
     assert (
         api_http.post("/wakeup", params={"tags": "kv_cache"}, headers=admin()).json()["is_sleeping"] is False
     )
     out = complete(api_client)
-    assert out.model_extra["weights_version"] == 6 and out.choices[0].text == oracle["text"]
+    assert out.model_extra["weights_version"] == v + 1 and out.choices[0].text == oracle["text"]
 
 
 LONG_RUN = {"max_tokens": 120, "temperature": 0.0}  # all 120 tokens (the prompts are <= 8 tokens)
@@ -227,18 +253,19 @@ def _via_sse(base: str, prompt: str, first: threading.Event, finished: threading
     }
 
 
-def test_update_while_streaming(api_server, api_client, api_http, oracle, tiny_dir):
+def test_update_while_streaming(api_server, api_client, api_http, oracle, tiny_dir, serving, seed0_text):
     """A plain drain update arrives while streams run: each reports the version that made its tokens.
 
     Decoding 120 tokens takes ~0.1 s here, so the server is paused (SIGSTOP) while a and b are
     mid-stream and the update (and c) are sent: they reach it with both streams in flight.
     """
+    v = serving("seed1")
     prompts = {"a": "Hello", "b": "The weather today", "c": "Once upon"}
-    ref6 = {
+    ref_v = {
         k: complete(api_client, p, extra_body=IGNORE_EOS, **LONG_RUN).choices[0].text
         for k, p in prompts.items()
     }
-    assert complete(api_client).choices[0].text == oracle["text"]  # v6 (seed1), and now cached
+    assert complete(api_client).choices[0].text == oracle["text"]  # version v (seed1), and now cached
     assert complete(api_client).usage.prompt_tokens_details.cached_tokens > 0
     body = encode_safetensors(read_hf_tensors(tiny_dir))  # back to seed0
     proc, base = api_server.proc, api_server.base
@@ -270,31 +297,34 @@ def test_update_while_streaming(api_server, api_client, api_http, oracle, tiny_d
         break
     else:
         pytest.fail("a and b never were both still streaming when the server was paused")
-    assert r.status_code == 200 and r.json() == {"weights_version": 7, "policy": "drain"}, r.text
+    assert r.status_code == 200 and r.json() == {"weights_version": v + 1, "policy": "drain"}, r.text
 
     for k, s in streams.items():  # drain never mixes: one version per stream, on every chunk
         assert len(s["versions"]) == 1 and s["finish"] == "length", (k, s)
         assert "weights_version_spans" not in s["last"], k
     version = {k: next(iter(s["versions"])) for k, s in streams.items()}
-    # a and b were streaming when the update arrived: drained, they finish on v6, with v6's text.
-    assert version["a"] == version["b"] == 6
-    assert streams["a"]["text"] == ref6["a"] and streams["b"]["text"] == ref6["b"]
-    # c either got a slot before the drain began (v6) or was held by it and ran on v7; either way
-    # its text is what the version it reports produces.
-    ref7 = complete(api_client, prompts["c"], extra_body=IGNORE_EOS, **LONG_RUN)
-    assert ref7.model_extra["weights_version"] == 7 and ref7.choices[0].text != ref6["c"]
-    assert streams["c"]["text"] == {6: ref6["c"], 7: ref7.choices[0].text}[version["c"]], version
+    # a and b were streaming when the update arrived: drained, they finish on v, with v's text.
+    assert version["a"] == version["b"] == v
+    assert streams["a"]["text"] == ref_v["a"] and streams["b"]["text"] == ref_v["b"]
+    # c either got a slot before the drain began (v) or was held by it and ran on v + 1; either
+    # way its text is what the version it reports produces.
+    ref_next = complete(api_client, prompts["c"], extra_body=IGNORE_EOS, **LONG_RUN)
+    assert ref_next.model_extra["weights_version"] == v + 1 and ref_next.choices[0].text != ref_v["c"]
+    assert streams["c"]["text"] == {v: ref_v["c"], v + 1: ref_next.choices[0].text}[version["c"]], version
 
-    # The prompt cached under v6 is recomputed under v7, and the output is seed0's again.
+    # The prompt cached under v is recomputed under v + 1, and the output is seed0's again.
     out = complete(api_client)
-    assert out.model_extra["weights_version"] == 7
+    assert out.model_extra["weights_version"] == v + 1
     assert out.usage.prompt_tokens_details.cached_tokens == 0
-    assert out.choices[0].text == SEEN["v1"] != oracle["text"]
+    assert out.choices[0].text == seed0_text != oracle["text"]
 
 
-def test_metrics(api_http):
+def test_metrics(api_client, api_http, serving):
+    v = serving("seed0")  # an update, and a prompt served twice (its second time from the cache)
+    complete(api_client)
+    complete(api_client)
     values = metrics(api_http)
-    assert values["hotswap_weights_version"] == 7
-    assert values["hotswap_weight_updates_total"] == 6
+    assert values["hotswap_weights_version"] == v
+    assert values["hotswap_weight_updates_total"] == v - 1  # every committed update, since version 1
     assert values["hotswap_prefix_cache_hit_tokens_total"] > 0
     assert values["hotswap_num_requests_running"] == 0
