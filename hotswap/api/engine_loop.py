@@ -161,7 +161,7 @@ class ServerContext:
     # Generation requests: received, and how they ended (total = sum(outcomes) + in flight).
     requests_total: int = 0
     outcomes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
-    # SGLang / vLLM name weights versions with strings; hotswap's are ints (api/rl_common.py).
+    # SGLang / vLLM name weights versions with strings; hotswap's are ints (api/version_labels.py).
     version_labels: dict[int, str] = dataclasses.field(default_factory=dict)
     vllm_transfer: Any = None  # the vLLM four-phase update in progress (api/routes_vllm.py)
     # The family whose tool calls chat reads and writes (`--tool-call-parser`, else the template's).

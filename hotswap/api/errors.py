@@ -50,6 +50,14 @@ class UnsupportedMediaType(HotswapError):
     code = "unsupported_media_type"
 
 
+class PickleBodyRefused(UnsupportedMediaType):
+    """A body whose bytes are a pickle, on an SGLang or vLLM route (their 415); never unpickled.
+    hotswap's own `/update_weights` answers PickleRefused's 400, and a pickled field inside a JSON
+    body (`serialized_named_tensors`) is a PickleRefused on every route."""
+
+    code = "pickle_refused"
+
+
 # The one table. Looked up along the exception's MRO, so a subclass without its own
 # row inherits its parent's; the status column agrees with each class's `.status`
 # (checked at import below) so engine code and HTTP code cannot drift apart.
@@ -125,6 +133,7 @@ __all__ = [
     "ModelNotFound",
     "NonFiniteWeights",
     "PayloadError",
+    "PickleBodyRefused",
     "PickleRefused",
     "PromptTooLong",
     "QueueFull",

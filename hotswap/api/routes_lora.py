@@ -8,7 +8,8 @@ never unpickled). Loading validates the adapter before anything changes (rank ab
 `--max-lora-rank`, an unknown target module, another model's shapes, NaN, a name past
 `--max-loras`: a typed 4xx naming the problem), then writes it into its buffer slot in place;
 reloading a name bumps its version, so its cached prefixes stop matching. A request's `model`
-then names the adapter (`/v1/models` lists them).
+then names the adapter (`/v1/models` lists them). Both dialects are adapters over
+api/actions.py (`load_adapter`, `unload_adapter`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from hotswap.api import actions
 from hotswap.api.engine_loop import ctx_of, require_admin
-from hotswap.api.errors import HotswapError, RequestError, WeightsPathNotAllowed, exception_body
+from hotswap.api.errors import HotswapError
+from hotswap.api.routes_sglang import failure
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 
@@ -40,20 +43,8 @@ class _UnloadLoRA(BaseModel):
     lora_int_id: int | None = None
 
 
-def _path(request: Request, path: str) -> str:
-    ctx = ctx_of(request)
-    if ctx.engine.weights_root is None:
-        raise WeightsPathNotAllowed("adapters load from a path only under --weights-root DIR")
-    if "\x00" in path:
-        raise RequestError("lora_path contains a NUL byte")
-    return path
-
-
 async def _load(body: _LoadLoRA, request: Request):
-    ctx = ctx_of(request)
-    ctx.check_admitting()
-    path = _path(request, body.lora_path)
-    return await ctx.run_sync(ctx.engine.load_lora_adapter, body.lora_name, path, lora_alpha=body.lora_alpha)
+    return await actions.load_adapter(ctx_of(request), body.lora_name, body.lora_path, body.lora_alpha)
 
 
 @router.post("/v1/load_lora_adapter")
@@ -65,14 +56,8 @@ async def load_vllm(body: _LoadLoRA, request: Request) -> Response:
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_vllm(body: _UnloadLoRA, request: Request) -> Response:
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.unload_lora_adapter, body.lora_name)
+    await actions.unload_adapter(ctx_of(request), body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-
-def _sglang_fail(e: HotswapError) -> JSONResponse:
-    status, body, headers = exception_body(e)
-    return JSONResponse({**body, "success": False, "message": str(e)}, status_code=status, headers=headers)
 
 
 def _loaded(request: Request) -> dict:
@@ -85,15 +70,14 @@ async def load_sglang(body: _LoadLoRA, request: Request) -> JSONResponse:
     try:
         await _load(body, request)
     except HotswapError as e:
-        return _sglang_fail(e)
+        return failure(e)
     return JSONResponse({"success": True, "error_message": "", "loaded_adapters": _loaded(request)})
 
 
 @router.post("/unload_lora_adapter")
 async def unload_sglang(body: _UnloadLoRA, request: Request) -> JSONResponse:
-    ctx = ctx_of(request)
     try:
-        await ctx.run_sync(ctx.engine.unload_lora_adapter, body.lora_name)
+        await actions.unload_adapter(ctx_of(request), body.lora_name)
     except HotswapError as e:
-        return _sglang_fail(e)
+        return failure(e)
     return JSONResponse({"success": True, "error_message": "", "loaded_adapters": _loaded(request)})

@@ -4,25 +4,25 @@ Every response and every stream chunk carries a top-level `weights_version`;
 a choice whose tokens came from more than one version carries
 `weights_version_spans`. A stream always ends with `data: [DONE]`; an error
 after the first byte is sent as an error event first, never as a silent cut.
-A client that disconnects has its engine request aborted.
+A client that disconnects has its engine request aborted. The stream and the collector are
+api/streaming.py's, which SGLang's `/generate` uses too; what is here is OpenAI's chunk shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from hotswap.api import rl_common
-from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key, settle
-from hotswap.api.errors import EngineAsleep, PromptTooLong, exception_body
+from hotswap.api import streaming
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
+from hotswap.api.errors import EngineAsleep, PromptTooLong
 from hotswap.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +33,7 @@ from hotswap.api.protocol import (
     usage,
     version_fields,
 )
+from hotswap.api.version_labels import wire_version_fields
 from hotswap.engine.chat import chat_prompt
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
@@ -40,9 +41,6 @@ from hotswap.tools.choice import ToolChoice
 from hotswap.tools.parsers import Delta, ToolStream, collect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
-
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
-CLIENT_GONE = 499  # nginx's "client closed request": never seen by a client, only in access logs
 
 
 def _check_length(ctx: ServerContext, prompt_ids: list[int], max_tokens: int | None) -> None:
@@ -80,108 +78,55 @@ async def _start(
     return queue, rids
 
 
-async def _collect(ctx: ServerContext, request: Request, queue: asyncio.Queue, rids: list[str]):
-    """Final outputs in prompt order, or None if the client went away (its requests are aborted)."""
-    final: dict[str, RequestOutput] = {}
-    try:
-        while len(final) < len(rids):
-            try:
-                item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return None
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                final[item.request_id] = item
-    finally:
-        for rid in rids:
-            if rid not in final:
-                ctx.loop.abort(rid)
-    return [final[r] for r in rids]
-
-
-def _ended(outs: list[RequestOutput]) -> str:
-    """The outcome of a request whose outputs all finished: 'aborted' if any choice was aborted."""
-    aborted = any(c.finish_reason == "abort" for o in outs for c in o.outputs)
-    return "aborted" if aborted else "completed"
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 def _chunk_version(out: RequestOutput, comp: CompletionOutput) -> int:
     return comp.weights_versions[-1] if comp.weights_versions else out.weights_version
 
 
-async def _stream(
-    ctx: ServerContext,
-    queue: asyncio.Queue,
+def _choice_chunks(
     rids: list[str],
     sp: SamplingParams,
-    head: list[dict],
     choice: Callable[[int, CompletionOutput, str, int, int], dict | None],
     wrap: Callable[[list[dict], int], dict],
-    include_usage: bool,
-    request: Request,
-) -> AsyncIterator[str]:
-    """SSE for all prompts x n choices; `choice(index, comp, text_delta, first_new_token, text_offset)`,
-    None for no chunk yet (a tool-call reader holds the text back; its tokens go with the next one).
+) -> streaming.Render:
+    """One chunk per choice that has new text, for all prompts x n choices;
+    `choice(index, comp, text_delta, first_new_token, text_offset)`, None for no chunk yet (a
+    tool-call reader holds the text back; its tokens go with the next one).
 
     The text of a chunk is the engine's `text_delta` (engine/outputs.py holds back what a
     stop string could still cut and partial characters), so the chunks add up to the text."""
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done_choices: set[int] = set()
-    final: dict[str, RequestOutput] = {}
     prompt_index = {rid: i for i, rid in enumerate(rids)}
-    try:
-        for chunk in head:
-            yield _sse(chunk)
-        while len(final) < len(rids):
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            for comp in item.outputs:
-                ci = prompt_index[item.request_id] * sp.n + comp.index
-                if ci in done_choices:
-                    continue
-                text = comp.text_delta
-                if not text and comp.finish_reason is None:
-                    continue  # held back (partial character or stop-string prefix)
-                start, offset = sent_tokens.get(ci, 0), sent_chars.get(ci, 0)
-                body = choice(ci, comp, text, start, offset)
-                if body is None:
-                    continue
-                sent_tokens[ci] = len(comp.token_ids)
-                sent_chars[ci] = offset + len(text)
-                if comp.finish_reason is not None:
-                    done_choices.add(ci)
-                yield _sse(wrap([body], _chunk_version(item, comp)))
-            if item.finished:
-                final[item.request_id] = item
-        outs = [final[r] for r in rids]
-        if include_usage:
-            yield _sse({**wrap([], response_version(outs)), "usage": usage(outs)})
-        settle(request, _ended(outs))
-    except Exception as e:  # after the first byte the status is sent: report in-band, then [DONE]
-        settle(request, "errored")
-        yield _sse(exception_body(e)[1])
-    finally:  # also runs on client disconnect (the generator is cancelled / closed)
-        settle(request, "aborted")  # a no-op unless the stream was cut short
-        for rid in rids:
-            if rid not in final:
-                ctx.loop.abort(rid)
-    yield "data: [DONE]\n\n"
+
+    def render(item: RequestOutput) -> list[dict]:
+        chunks = []
+        for comp in item.outputs:
+            ci = prompt_index[item.request_id] * sp.n + comp.index
+            if ci in done_choices:
+                continue
+            text = comp.text_delta
+            if not text and comp.finish_reason is None:
+                continue  # held back (partial character or stop-string prefix)
+            start, offset = sent_tokens.get(ci, 0), sent_chars.get(ci, 0)
+            body = choice(ci, comp, text, start, offset)
+            if body is None:
+                continue
+            sent_tokens[ci] = len(comp.token_ids)
+            sent_chars[ci] = offset + len(text)
+            if comp.finish_reason is not None:
+                done_choices.add(ci)
+            chunks.append(wrap([body], _chunk_version(item, comp)))
+        return chunks
+
+    return render
 
 
-def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:
-    # X-Accel-Buffering: a reverse proxy must not hold back tokens.
-    return StreamingResponse(
-        gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+def _usage_tail(include: bool, wrap: Callable[[list[dict], int], dict]):
+    """`stream_options.include_usage`: a last chunk with no choices and the usage."""
+    if not include:
+        return None
+    return lambda outs: [{**wrap([], response_version(outs)), "usage": usage(outs)}]
 
 
 def routed(c: CompletionOutput) -> dict:
@@ -207,7 +152,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ]
     queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream, lora_name)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    wire = rl_common.wire_version_fields(ctx, request.url.path)
+    wire = wire_version_fields(ctx, request.url.path)
 
     def wrap(choices: list[dict], version: int) -> dict:
         return {
@@ -243,12 +188,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             for i in range(n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming(_stream(ctx, queue, rids, sp, head, choice, wrap, include_usage, request))
+        render = _choice_chunks(rids, sp, choice, wrap)
+        tail = _usage_tail(include_usage, wrap)
+        return streaming.stream(streaming.events(ctx, request, queue, rids, render, head=head, tail=tail))
 
-    outs = await _collect(ctx, request, queue, rids)
-    settle(request, "aborted" if outs is None else _ended(outs))
+    outs = await streaming.collect(ctx, request, queue, rids)
     if outs is None:
-        return Response(status_code=CLIENT_GONE)
+        return streaming.gone()
     choices = [
         choice(p * sp.n + c.index, c, echo[p] + c.text, 0, len(echo[p]))
         for p, o in enumerate(outs)
@@ -288,7 +234,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     queue, rids = await _start(ctx, [ids], sp, body.stream, lora_name)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
-    wire = rl_common.wire_version_fields(ctx, request.url.path)
+    wire = wire_version_fields(ctx, request.url.path)
 
     def wrap(choices: list[dict], version: int) -> dict:
         return {
@@ -349,12 +295,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             for i in range(sp.n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _streaming(_stream(ctx, queue, rids, sp, head, delta_choice, wrap, include_usage, request))
+        render = _choice_chunks(rids, sp, delta_choice, wrap)
+        tail = _usage_tail(include_usage, wrap)
+        return streaming.stream(streaming.events(ctx, request, queue, rids, render, head=head, tail=tail))
 
-    outs = await _collect(ctx, request, queue, rids)
-    settle(request, "aborted" if outs is None else _ended(outs))
+    outs = await streaming.collect(ctx, request, queue, rids)
     if outs is None:
-        return Response(status_code=CLIENT_GONE)
+        return streaming.gone()
 
     def message_choice(c: CompletionOutput) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}

@@ -1,4 +1,5 @@
-"""SGLang-compatible RL routes, with SGLang's names, bodies and response shapes.
+"""SGLang-compatible RL routes, with SGLang's names, bodies and response shapes: an adapter
+over api/actions.py (the actions) and api/streaming.py (`/generate`'s stream).
 
 What AReaL and slime call on an SGLang server, mapped onto hotswap's transitions:
 `/update_weights_from_disk`, `/update_weights_from_tensor` (safe encodings only),
@@ -12,34 +13,37 @@ admin key, `/generate` included: the api key opens `/v1/*` only, and an RL contr
 pauses and updates holds the admin key anyway.
 
 Failures answer SGLang's `{"success": false, "message": ...}` with the status of hotswap's
-error table (api/errors.py); a pickled body gets 415 and is never unpickled.
+error table (api/errors.py); a body whose bytes are a pickle gets 415, a pickled
+`serialized_named_tensors` field 400, and neither is ever unpickled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from hotswap.api import rl_common, structured_fields
-from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin, settle
-from hotswap.api.errors import HotswapError, RequestError, WeightsPathNotAllowed, exception_body
-from hotswap.engine.lifecycle import SLEEP_TAGS, wake_tags
+from hotswap.api import actions, streaming, structured_fields
+from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
+from hotswap.api.errors import HotswapError, PickleBodyRefused, RequestError, exception_body
+from hotswap.api.version_labels import label, spans
+from hotswap.engine import lifecycle
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
+from hotswap.weights.options import UpdateOptions
 
 router = APIRouter()
 admin = [Depends(require_admin)]
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-def _fail(e: HotswapError) -> JSONResponse:
-    # SGLang's shape, plus hotswap's `error` object (every 4xx/5xx body here carries one).
+def failure(e: HotswapError) -> JSONResponse:
+    """SGLang's shape, plus hotswap's `error` object (every 4xx/5xx body here carries one)."""
     status, body, headers = exception_body(e)
     return JSONResponse({**body, "success": False, "message": str(e)}, status_code=status, headers=headers)
 
@@ -66,77 +70,49 @@ def _in_flight(ctx: ServerContext) -> int:
     return ctx.engine.num_running() + ctx.engine.num_waiting()
 
 
-async def _abort_all(ctx: ServerContext) -> None:
-    """SGLang's abort_all_requests: every request ends now (pause(abort) without staying paused)."""
-    was = ctx.engine.pause_mode
-
-    def run():
-        ctx.engine.pause("abort")
-        if was is None:
-            ctx.engine.resume()
-        else:
-            ctx.engine.pause(was)  # still paused, in the mode the controller chose
-
-    await ctx.run_sync(run)
-
-
 @router.post("/update_weights_from_disk", dependencies=admin)
 async def update_weights_from_disk(body: _UpdateFromDisk, request: Request) -> JSONResponse:
     """Not paused: waits for in-flight requests (drain), as SGLang does; paused: applies now."""
     ctx = ctx_of(request)
     try:
         ctx.check_admitting()
-        if ctx.engine.weights_root is None:
-            raise WeightsPathNotAllowed(
-                "updates from a path are disabled: start the server with --weights-root DIR"
-            )
-        if "\x00" in body.model_path:
-            raise RequestError("model_path contains a NUL byte")
+        source = actions.path(ctx, body.model_path, "model_path")
         if body.abort_all_requests:
-            await _abort_all(ctx)
+            await actions.abort_all(ctx)
         paused = _in_flight(ctx) if ctx.engine.is_paused else 0
-        version = await ctx.run_sync(ctx.engine.update_weights, body.model_path)
+        await actions.update(ctx, source, UpdateOptions(), label=body.weight_version)
     except HotswapError as e:
-        return _fail(e)
-    rl_common.set_label(ctx, version, body.weight_version)
-    ctx.weight_updates += 1
+        return failure(e)
     return JSONResponse(
         {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": paused}
     )
 
 
+def _flag(value: Any) -> bool:
+    """A boolean that may come as a query string."""
+    return value is True or str(value).lower() in ("1", "true")
+
+
 @router.post("/update_weights_from_tensor", dependencies=admin)
 async def update_weights_from_tensor(request: Request) -> JSONResponse:
     """JSON `{"tensors": [...], "weight_version", "flush_cache", "abort_all_requests"}`, or
-    safetensors bytes with those as query parameters. `serialized_named_tensors`: 415."""
+    safetensors bytes with those as query parameters. `serialized_named_tensors`: 400."""
     ctx = ctx_of(request)
-    content_type = request.headers.get("content-type", "application/octet-stream")
-    raw = await request.body()
     try:
-        ctx.check_admitting()
-        rl_common.refuse_pickle(raw)  # whatever the content type says
-        opts: dict[str, Any] = dict(request.query_params)
-        if content_type.split(";", 1)[0].strip().lower() == "application/json":
-            data = rl_common.json_body(raw)
-            rl_common.refuse_serialized(data)
-            if "tensors" not in data:
-                raise RequestError(
-                    f'update_weights_from_tensor JSON needs "tensors"; send {rl_common.SAFE_FORMATS}'
-                )
-            payload, opts = data.pop("tensors"), {**opts, **data}
-            if not isinstance(payload, list) or not all(isinstance(t, dict) for t in payload):
-                raise RequestError('"tensors" must be a list of {name, dtype, shape, data} entries')
+        body = await actions.read_update(request, pickle_error=PickleBodyRefused)
+        fields = {**request.query_params, **body.fields}
+        if body.payload is None:
+            missing = f'update_weights_from_tensor JSON needs "tensors"; send {actions.SAFE_FORMATS}'
+            payload: Any = actions.tensor_entries(body.fields, missing)
         else:
-            payload = raw
-        if str(opts.get("abort_all_requests", "")).lower() in ("1", "true"):
-            await _abort_all(ctx)
-        version = await ctx.run_sync(
-            ctx.engine.update_weights_chunk, payload, finished=True, content_type=content_type
+            payload = body.payload
+        if _flag(fields.get("abort_all_requests")):
+            await actions.abort_all(ctx)
+        await actions.update_chunk(
+            ctx, payload, content_type=body.content_type, label=fields.get("weight_version")
         )
     except HotswapError as e:
-        return _fail(e)
-    rl_common.set_label(ctx, version, opts.get("weight_version"))
-    ctx.weight_updates += 1
+        return failure(e)
     return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
 
@@ -149,27 +125,23 @@ class _Pause(BaseModel):
 async def pause_generation(request: Request) -> JSONResponse:
     ctx = ctx_of(request)
     try:
-        body = _Pause.model_validate(rl_common.json_body(await request.body()))
-        if body.mode not in ("abort", "retract", "in_place"):
-            raise RequestError(f"unknown pause mode {body.mode!r}; use abort, retract or in_place")
-        await ctx.run_sync(ctx.engine.pause, body.mode)
+        body = _Pause.model_validate(await actions.read_fields(request, pickle_error=PickleBodyRefused))
+        await actions.pause(ctx, body.mode, PAUSE_MODES)
     except HotswapError as e:
-        return _fail(e)
+        return failure(e)
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
 @router.post("/continue_generation", dependencies=admin)
 async def continue_generation(request: Request) -> JSONResponse:
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.resume)
+    await actions.resume(ctx_of(request))
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
 async def flush_cache(request: Request) -> Response:
     """Succeeds even while requests run: they keep their pages, only the index is emptied."""
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.reset_prefix_cache)
+    await actions.reset_prefix_cache(ctx_of(request))
     return PlainTextResponse("Cache flushed.\n")
 
 
@@ -178,8 +150,9 @@ class _Tags(BaseModel):
     tags: list[str] | None = None
 
 
-def _tags(body: bytes) -> frozenset[str]:
-    return wake_tags(_Tags.model_validate(rl_common.json_body(body)).tags, RequestError)
+async def _tags(request: Request) -> frozenset[str]:
+    fields = await actions.read_fields(request, pickle_error=PickleBodyRefused)
+    return lifecycle.wake_tags(_Tags.model_validate(fields).tags, RequestError)
 
 
 @router.post("/release_memory_occupation", dependencies=admin)
@@ -188,16 +161,10 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
     what was not asked to be released, so exactly `tags` stay released."""
     ctx = ctx_of(request)
     try:
-        tags = _tags(await request.body())
-
-        def run():
-            ctx.engine.sleep(1)
-            if SLEEP_TAGS - tags:
-                ctx.engine.wakeup(sorted(SLEEP_TAGS - tags))
-
-        await ctx.run_sync(run)
+        tags = await _tags(request)
+        await actions.release(ctx, tags)
     except HotswapError as e:
-        return _fail(e)
+        return failure(e)
     return JSONResponse({"success": True, "message": f"Released {', '.join(sorted(tags))}."})
 
 
@@ -205,17 +172,17 @@ async def release_memory_occupation(request: Request) -> JSONResponse:
 async def resume_memory_occupation(request: Request) -> JSONResponse:
     ctx = ctx_of(request)
     try:
-        tags = _tags(await request.body())
-        await ctx.run_sync(ctx.engine.wakeup, sorted(tags))
+        tags = await _tags(request)
+        await actions.wakeup(ctx, sorted(tags))
     except HotswapError as e:
-        return _fail(e)
+        return failure(e)
     return JSONResponse({"success": True, "message": f"Resumed {', '.join(sorted(tags))}."})
 
 
 @router.get("/get_weight_version", dependencies=admin)
 async def get_weight_version(request: Request) -> dict[str, Any]:
     ctx = ctx_of(request)
-    return {"weight_version": rl_common.label(ctx, ctx.engine.weights_version)}
+    return {"weight_version": label(ctx, ctx.engine.weights_version)}
 
 
 class _NewVersion(BaseModel):
@@ -229,8 +196,8 @@ async def update_weight_version(body: _NewVersion, request: Request) -> JSONResp
     """Relabel the serving version (the weights do not change)."""
     ctx = ctx_of(request)
     if body.abort_all_requests:
-        await _abort_all(ctx)
-    rl_common.set_label(ctx, ctx.engine.weights_version, body.new_version)
+        await actions.abort_all(ctx)
+    actions.relabel(ctx, body.new_version)
     return JSONResponse({"success": True, "new_version": body.new_version})
 
 
@@ -312,9 +279,9 @@ def _body(
         "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": len(c.token_ids),
         "cached_tokens": out.num_cached_tokens,
-        "weight_version": rl_common.label(ctx, versions[-1] if versions else out.weights_version),
-        "weight_versions": rl_common.spans(ctx, versions),
-        "kv_weight_versions": rl_common.spans(ctx, c.kv_versions),  # hotswap: oldest KV per token
+        "weight_version": label(ctx, versions[-1] if versions else out.weights_version),
+        "weight_versions": spans(ctx, versions),
+        "kv_weight_versions": spans(ctx, c.kv_versions),  # hotswap: oldest KV per token
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
@@ -338,35 +305,14 @@ async def generate(body: _Generate, request: Request) -> Response:
     params.return_routed_experts = body.return_routed_experts
     routed_from = body.routed_experts_start_len if body.return_routed_experts else None
     queue: asyncio.Queue = asyncio.Queue()
-    rid = await ctx.submit(ids, params, body.stream, queue)
+    rids = [await ctx.submit(ids, params, body.stream, queue)]
 
-    async def outputs():
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            ctx.loop.abort(rid)  # a no-op once finished; ends it if the client went away
+    def render(out: RequestOutput) -> list[dict[str, Any]]:
+        return [_body(ctx, out, body.return_logprob, routed_from)]
 
-    def ended(out: RequestOutput) -> None:
-        settle(request, "aborted" if out.outputs[0].finish_reason == "abort" else "completed")
-
-    if not body.stream:
-        final = None
-        async for out in outputs():
-            final = out
-        ended(final)
-        return JSONResponse(_body(ctx, final, body.return_logprob, routed_from))
-
-    async def sse():
-        async for out in outputs():
-            if out.finished:
-                ended(out)
-            yield f"data: {json.dumps(_body(ctx, out, body.return_logprob, routed_from))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    if body.stream:
+        return streaming.stream(streaming.events(ctx, request, queue, rids, render))
+    outs = await streaming.collect(ctx, request, queue, rids)
+    if outs is None:
+        return streaming.gone()
+    return JSONResponse(render(outs[0])[0])

@@ -13,6 +13,9 @@ The four-phase update: `/init_weight_transfer_engine` accepts only the `http` ba
 NCCL, CUDA IPC and the others are refused with a 400 naming what exists. `/start_weight_update`
 opens a staged update, each `/update_weights` stages one chunk, `/finish_weight_update`
 commits them all at once (validate -> swap; nothing changes if anything is wrong).
+
+Each route is an adapter over api/actions.py. A body whose bytes are a pickle gets 415, a
+pickled `serialized_named_tensors` in `update_info` 400, and neither is ever unpickled.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from hotswap.api import rl_common
+from hotswap.api import actions
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
-from hotswap.api.errors import LifecycleConflict, RequestError
-from hotswap.engine import lifecycle
+from hotswap.api.errors import LifecycleConflict, PickleBodyRefused, RequestError
+from hotswap.api.version_labels import VLLM_PREFIX, label
 
-PREFIX = rl_common.VLLM_PREFIX
-BACKENDS = {"http": "hotswap's safe payloads over HTTP: " + rl_common.SAFE_FORMATS}
+PREFIX = VLLM_PREFIX
+BACKENDS = {"http": "hotswap's safe payloads over HTTP: " + actions.SAFE_FORMATS}
+PAUSE_MODES = ("abort", "wait", "keep")
 REFUSED_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt")
 
 router = APIRouter(prefix=PREFIX, dependencies=[Depends(require_admin)])
@@ -59,17 +63,13 @@ async def pause(
 ) -> JSONResponse:
     """abort | wait | keep. `clear_cache` empties the prefix index; running sequences keep
     their pages (under `keep` they resume over their old KV, labelled mixed)."""
-    if mode not in ("abort", "wait", "keep"):
-        raise RequestError(f"unknown pause mode {mode!r}; use abort, wait or keep")
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.pause, mode, clear_cache=clear_cache)
+    await actions.pause(ctx_of(request), mode, PAUSE_MODES, clear_cache=clear_cache)
     return JSONResponse({"status": "paused"})
 
 
 @router.post("/resume")
 async def resume(request: Request) -> JSONResponse:
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.resume)
+    await actions.resume(ctx_of(request))
     return JSONResponse({"status": "resumed"})
 
 
@@ -83,16 +83,13 @@ async def is_paused(request: Request) -> JSONResponse:
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")) -> Response:
-    lifecycle.sleep_level(level, RequestError)  # refused before the engine thread is asked
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.sleep, level, mode)
+    await actions.sleep(ctx_of(request), level, mode)
     return Response(status_code=200)
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request, tags: list[str] | None = Query(None)) -> Response:
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.wakeup, tags or None)
+    await actions.wakeup(ctx_of(request), tags)
     return Response(status_code=200)
 
 
@@ -103,24 +100,22 @@ async def is_sleeping(request: Request) -> JSONResponse:
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
-    ctx = ctx_of(request)
-    await ctx.run_sync(ctx.engine.reset_prefix_cache)
+    await actions.reset_prefix_cache(ctx_of(request))
     return Response(status_code=200)
 
 
 @router.get("/weight_info")
 async def weight_info(request: Request) -> JSONResponse:
     ctx = ctx_of(request)
-    return JSONResponse({"weight_version": rl_common.label(ctx, ctx.engine.weights_version)})
+    return JSONResponse({"weight_version": label(ctx, ctx.engine.weights_version)})
 
 
 @router.post("/update_weight_version")
 async def update_weight_version(request: Request) -> JSONResponse:
-    ctx = ctx_of(request)
-    data = rl_common.json_body(await request.body())
+    data = await actions.read_fields(request, pickle_error=PickleBodyRefused)
     if not isinstance(data.get("new_version"), str):
         raise RequestError('update_weight_version needs {"new_version": "<label>"}')
-    rl_common.set_label(ctx, ctx.engine.weights_version, data["new_version"])
+    actions.relabel(ctx_of(request), data["new_version"])
     return JSONResponse({"success": True, "new_version": data["new_version"]})
 
 
@@ -130,7 +125,7 @@ async def update_weight_version(request: Request) -> JSONResponse:
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(request: Request) -> JSONResponse:
     ctx = ctx_of(request)
-    data = rl_common.json_body(await request.body())
+    data = await actions.read_fields(request, pickle_error=PickleBodyRefused)
     init_info = data.get("init_info")
     if not isinstance(init_info, dict):
         raise RequestError("Missing 'init_info' in request body")
@@ -156,7 +151,7 @@ async def start_weight_update(request: Request) -> JSONResponse:
             "start_weight_update called while a weight update is already in progress. "
             "Call finish_weight_update first."
         )
-    ctx.engine.stager.abort()  # a fresh staging area: nothing half-sent from before is committed
+    actions.drop_staged(ctx)  # a fresh staging area: nothing half-sent from before is committed
     t.update_id = f"vllm-{uuid.uuid4().hex}"
     return JSONResponse({"message": "Weight update started"})
 
@@ -172,28 +167,20 @@ def _open(ctx: ServerContext) -> str:
 async def update_weights(request: Request) -> JSONResponse:
     """One chunk: JSON `{"update_info": {"tensors": [entries]}}` or safetensors bytes."""
     ctx = ctx_of(request)
-    content_type = request.headers.get("content-type", "application/octet-stream")
-    raw = await request.body()
-    rl_common.refuse_pickle(raw)  # first: a pickle is refused whatever state the update is in
-    uid = _open(ctx)
-    payload: Any = raw
-    if content_type.split(";", 1)[0].strip().lower() == "application/json":
-        data = rl_common.json_body(raw)
-        info = data.get("update_info")
+    # The body first: a pickle, or a pickled field, is refused whatever state the update is in.
+    body = await actions.read_update(request, pickle_error=PickleBodyRefused)
+    payload: Any = body.payload
+    if payload is None:
+        info = body.fields.get("update_info")
         if not isinstance(info, dict):
             raise RequestError("Missing 'update_info' in request body")
-        rl_common.refuse_serialized(info)
-        if "tensors" not in info:
-            raise RequestError(
-                'the http backend takes update_info {"tensors": [{name, dtype, shape, data (base64)}]} '
-                "(names/dtype_names/shapes describe an NCCL broadcast, which is not available here)"
-            )
-        payload = info["tensors"]
-        if not isinstance(payload, list) or not all(isinstance(t, dict) for t in payload):
-            raise RequestError('"tensors" must be a list of {name, dtype, shape, data} entries')
-    await ctx.run_sync(
-        ctx.engine.update_weights_chunk, payload, finished=False, update_id=uid, content_type=content_type
-    )
+        payload = actions.tensor_entries(
+            info,
+            'the http backend takes update_info {"tensors": [{name, dtype, shape, data (base64)}]} '
+            "(names/dtype_names/shapes describe an NCCL broadcast, which is not available here)",
+        )
+    uid = _open(ctx)
+    await actions.update_chunk(ctx, payload, content_type=body.content_type, finished=False, update_id=uid)
     return JSONResponse({"message": "Weights updated"})
 
 
@@ -202,13 +189,10 @@ async def finish_weight_update(request: Request) -> JSONResponse:
     """Commit every staged chunk as one update; `weight_version` labels the new version."""
     ctx = ctx_of(request)
     uid = _open(ctx)
-    data = rl_common.json_body(await request.body())
-    t = _transfer(ctx)
+    data = await actions.read_fields(request, pickle_error=PickleBodyRefused)
     try:
-        version = await ctx.run_sync(ctx.engine.update_weights_chunk, {}, finished=True, update_id=uid)
+        await actions.update_chunk(ctx, {}, update_id=uid, label=data.get("weight_version"))
     finally:
-        t.update_id = None  # committed or refused: either way this update is over
-        ctx.engine.stager.abort()
-    rl_common.set_label(ctx, version, data.get("weight_version"))
-    ctx.weight_updates += 1
+        _transfer(ctx).update_id = None  # committed or refused: either way this update is over
+        actions.drop_staged(ctx)
     return JSONResponse({"message": "Weight update finished"})

@@ -145,16 +145,16 @@ class _Canary:
         return (open, (self.path, "w"))
 
 
-def test_pickled_tensor_body_is_refused_415(server, tmp_path):
+def test_pickled_tensors_are_refused(server, tmp_path):
+    """A body whose bytes are a pickle: SGLang's and vLLM's 415. A pickled
+    `serialized_named_tensors` field: PickleRefused's 400, on every route that reads one (before
+    vLLM's route asks whether an update is open)."""
     canary = tmp_path / "pwned"
     blob = pickle.dumps(_Canary(canary))
     for headers in ({"content-type": "application/octet-stream"}, {"content-type": "application/json"}):
         r = _post(server, "/update_weights_from_tensor", content=blob, headers={**ADMIN, **headers})
         assert r.status_code == 415, r.text
         assert r.json()["success"] is False and "safetensors" in r.json()["message"]
-    body = {"serialized_named_tensors": [blob.hex()], "flush_cache": True}
-    r = _post(server, "/update_weights_from_tensor", json=body)
-    assert r.status_code == 415 and "never" in r.json()["message"]
     r = _post(
         server,
         "/vllm/update_weights",
@@ -162,6 +162,13 @@ def test_pickled_tensor_body_is_refused_415(server, tmp_path):
         headers={**ADMIN, "content-type": "application/octet-stream"},
     )
     assert r.status_code == 415 and "safetensors" in r.json()["error"]["message"]
+    field = {"serialized_named_tensors": [blob.hex()], "flush_cache": True}
+    r = _post(server, "/update_weights_from_tensor", json=field)
+    assert r.status_code == 400 and "never" in r.json()["message"], r.text
+    assert r.json()["error"]["code"] == "pickle_refused"
+    for path, body in (("/vllm/update_weights", {"update_info": field}), ("/update_weights", field)):
+        r = _post(server, path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "pickle_refused", (path, r.text)
     assert not canary.exists()
     assert httpx.get(f"{server.base}/get_weight_version", headers=ADMIN).json() == {
         "weight_version": "step-1"
