@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -20,6 +22,7 @@ from hotswap.checkpoint.payload import encode_safetensors
 from hotswap.weights.options import UpdateOptions
 
 OCTET = {"content-type": "application/octet-stream"}
+API = Path(__file__).resolve().parents[2] / "hotswap" / "api"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,20 @@ def _metric(tc, name: str) -> float:
         if line.startswith(f"hotswap_{name} "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def _api_files_matching(pattern: str) -> set[str]:
+    return {p.name for p in sorted(API.glob("*.py")) if re.search(pattern, p.read_text())}
+
+
+def test_one_body_reader_no_payload_decoder():
+    """Bodies are read in actions.py only (one JSON parse, one pickle sniff), and no module of
+    the HTTP layer decodes payload bytes: the engine's `wire_tensors` does, in its one place."""
+    assert _api_files_matching(r"\bjson\.loads\(|\bsniff_refuse_pickle\(|\.body\(\)") == {"actions.py"}
+    decoders = r"b64decode|frombuffer|decode_payload|decode_json|decode_safetensors|wire_tensors\(|safetensors_layout"
+    assert not _api_files_matching(decoders)
+    # The engine is asked to update (and its counter written) by the actions layer alone.
+    assert _api_files_matching(r"\.update_weights(?:_chunk)?\b(?!_)|weight_updates \+=") == {"actions.py"}
 
 
 def test_update_fields_are_update_options():
