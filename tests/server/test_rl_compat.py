@@ -1,6 +1,7 @@
 """RL controllers as they are written for SGLang and vLLM, against a real `hotswap serve` process
 with plain HTTP: pause -> update -> resume with streams open, labelled versions, per-token spans,
-the pickle refusal, and the staleness bound. One server for the module; tests run in file order.
+the pickle refusal, and the staleness bound. One server for the module; each test first puts it
+on the weights and version label it starts from (`serving`), so the tests run alone and in any order.
 """
 
 from __future__ import annotations
@@ -56,6 +57,30 @@ def oracle(ckpts):
     return get
 
 
+@pytest.fixture(scope="module")
+def serving(server):
+    """`serving("seed1", "step-1")` puts the server on that checkpoint of the weights root, under
+    that version label, nothing cached, unpaused and awake: the state a test starts from."""
+
+    def at(checkpoint: str, label: str) -> None:
+        if httpx.get(f"{server.base}/vllm/is_paused", headers=ADMIN).json()["is_paused"]:
+            assert _post(server, "/continue_generation").status_code == 200
+        body = {"model_path": checkpoint, "weight_version": label, "flush_cache": True}
+        r = _post(server, "/update_weights_from_disk", json=body)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        if httpx.get(f"{server.base}/is_sleeping", headers=ADMIN).json()["is_sleeping"]:
+            assert _post(server, "/resume_memory_occupation", json={}).json()["success"] is True
+
+    return at
+
+
+@pytest.fixture(scope="module")
+def http_transfer(server):
+    """vLLM's four-phase update needs a transfer backend first: hotswap's one, `http`."""
+    r = _post(server, "/vllm/init_weight_transfer_engine", json={"init_info": {"backend": "http"}})
+    assert r.status_code == 200, r.text
+
+
 def _post(server, path, headers=None, **kw):
     return httpx.post(f"{server.base}{path}", headers={**ADMIN, **(headers or {})}, timeout=120, **kw)
 
@@ -95,11 +120,12 @@ def _greedy_continuation(llm, prefix, n):
     return llm.generate([prefix], sp, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_sglang_rl_sequence(server, oracle):
+def test_sglang_rl_sequence(server, oracle, serving):
+    serving("seed0", "step-0")
     # A prompt cached under the old weights, to show nothing cached from before is reused.
     body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     r = httpx.post(f"{server.base}/generate", json=body, headers=ADMIN, timeout=60)
-    assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "1", r.text
+    assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "step-0", r.text
     sp = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
     streams = _open(
         server, "/generate", [{"input_ids": p, "sampling_params": sp, "stream": True} for p in PROMPTS]
@@ -125,7 +151,7 @@ def test_sglang_rl_sequence(server, oracle):
         meta = final["meta_info"]
         assert meta["finish_reason"] == {"type": "length"} and len(final["output_ids"]) == NEW
         spans = meta["weight_versions"]
-        assert [x["version"] for x in spans] == ["1", "step-1"], spans  # paused mid-stream
+        assert [x["version"] for x in spans] == ["step-0", "step-1"], spans  # paused mid-stream
         k = spans[1]["start"]
         # retract: the KV under every post-update token was recomputed on the new weights
         assert meta["kv_weight_versions"][-1] == {"version": "step-1", "start": k, "end": NEW}
@@ -145,10 +171,11 @@ class _Canary:
         return (open, (self.path, "w"))
 
 
-def test_pickled_tensors_are_refused(server, tmp_path):
+def test_pickled_tensors_are_refused(server, tmp_path, serving):
     """A body whose bytes are a pickle: SGLang's and vLLM's 415. A pickled
     `serialized_named_tensors` field: PickleRefused's 400, on every route that reads one (before
     vLLM's route asks whether an update is open)."""
+    serving("seed1", "step-1")
     canary = tmp_path / "pwned"
     blob = pickle.dumps(_Canary(canary))
     for headers in ({"content-type": "application/octet-stream"}, {"content-type": "application/json"}):
@@ -214,7 +241,8 @@ def _final_choice(s: _Stream) -> dict:
     return next(c for e in s.events for c in e["choices"] if c.get("finish_reason"))
 
 
-def test_vllm_rl_sequence_keep(server, ckpts):
+def test_vllm_rl_sequence_keep(server, ckpts, serving):
+    serving("seed1", "step-1")
     r = _post(server, "/vllm/init_weight_transfer_engine", json={"init_info": {"backend": "nccl"}})
     assert r.status_code == 400 and "'http'" in r.text  # says which backend exists
     assert (
@@ -243,7 +271,8 @@ def test_vllm_rl_sequence_keep(server, ckpts):
         assert c["weights_version_spans"][1]["start"] == spans[1]["start"]
 
 
-def test_max_version_lag_under_keep(server, ckpts):
+def test_max_version_lag_under_keep(server, ckpts, serving, http_transfer):
+    serving("seed0", "step-2")
     streams = _vllm_streams(server)
     _post(server, "/vllm/pause", params={"mode": "keep", "clear_cache": "false"})
     _four_phase(server, ckpts["seed1"], "step-3")
@@ -269,7 +298,8 @@ def test_max_version_lag_under_keep(server, ckpts):
     assert paused_mid_stream > 0
 
 
-def test_flush_cache_while_running_and_memory_occupation(server):
+def test_flush_cache_while_running_and_memory_occupation(server, serving):
+    serving("seed0", "step-0")
     streams = _vllm_streams(server)
     r = _post(server, "/flush_cache")
     assert r.status_code == 200 and r.text.startswith("Cache flushed")
@@ -283,7 +313,8 @@ def test_flush_cache_while_running_and_memory_occupation(server):
     assert httpx.get(f"{server.base}/is_sleeping", headers=ADMIN).json()["is_sleeping"] is False
 
 
-def test_compat_routes_take_the_admin_key(server):
+def test_compat_routes_take_the_admin_key(server, serving):
+    serving("seed0", "step-0")
     body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
     assert httpx.post(f"{server.base}/generate", json=body, headers=AUTH, timeout=30).status_code == 403
     for path in ("/pause_generation", "/vllm/pause", "/vllm/v1/completions"):
@@ -292,7 +323,8 @@ def test_compat_routes_take_the_admin_key(server):
     assert httpx.get(f"{server.base}/vllm/is_paused", headers=ADMIN).json() == {"is_paused": False}
 
 
-def test_sglang_update_from_tensor_safe_formats_and_refusals(server, ckpts, oracle):
+def test_sglang_update_from_tensor_safe_formats_and_refusals(server, ckpts, oracle, serving):
+    serving("seed0", "step-4")
     blob = encode_safetensors(read_hf_tensors(ckpts["seed1"]))
     r = _post(
         server,
