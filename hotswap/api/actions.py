@@ -164,7 +164,7 @@ class ChunkFields(UpdateFields):
 # --------------------------------------------------------------------------- weight updates
 
 
-def path(ctx: ServerContext, value: str, field: str = "path") -> str:
+def path_source(ctx: ServerContext, value: str, field: str = "path") -> str:
     """A path source, checked before the engine resolves it under `--weights-root` (which it
     must lie under: the engine's resolver refuses anything outside with a 403)."""
     if ctx.engine.weights_root is None:
@@ -176,7 +176,7 @@ def path(ctx: ServerContext, value: str, field: str = "path") -> str:
     return value
 
 
-def transfer(ref: Any):
+def transfer_source(ref: Any):
     """A `hotswap.weights.transfer` reference from its JSON: {"address", "uuid", "timeout_s"?, "processes"?}."""
     from hotswap.weights.transfer import TransferRef  # imports the transfer library: only when used
 
@@ -191,7 +191,7 @@ def _committed(ctx: ServerContext, version: int, label: str | None) -> int:
 
 
 async def update(ctx: ServerContext, source: Any, options: UpdateOptions, *, label: str | None = None) -> int:
-    """One whole update (a checked `path`, a `transfer` reference); the new version, labelled
+    """One whole update (`path_source`, `transfer_source`); the new version, labelled
     `label` for SGLang and vLLM controllers."""
     ctx.check_admitting()
     version = await ctx.run_sync(ctx.engine.update_weights, source, options)
@@ -308,7 +308,7 @@ async def reset_prefix_cache(ctx: ServerContext) -> None:
 
 async def load_adapter(ctx: ServerContext, name: str, lora_path: str, lora_alpha: float | None):
     ctx.check_admitting()
-    source = path(ctx, lora_path, "lora_path")
+    source = path_source(ctx, lora_path, "lora_path")
     return await ctx.run_sync(ctx.engine.load_lora_adapter, name, source, lora_alpha=lora_alpha)
 
 

@@ -121,9 +121,9 @@ async def update_weights(request: Request) -> dict[str, Any]:
     if kind == "path":
         if not isinstance(data["path"], str):
             raise RequestError('"path" must be a string: a directory under --weights-root')
-        source = actions.path(ctx, data["path"])
+        source = actions.path_source(ctx, data["path"])
     else:
-        source = actions.transfer(data["transfer"])
+        source = actions.transfer_source(data["transfer"])
     return _answer(await actions.update(ctx, source, fields.options()), fields.policy)
 
 

@@ -76,7 +76,7 @@ async def update_weights_from_disk(body: _UpdateFromDisk, request: Request) -> J
     ctx = ctx_of(request)
     try:
         ctx.check_admitting()
-        source = actions.path(ctx, body.model_path, "model_path")
+        source = actions.path_source(ctx, body.model_path, "model_path")
         if body.abort_all_requests:
             await actions.abort_all(ctx)
         paused = _in_flight(ctx) if ctx.engine.is_paused else 0
