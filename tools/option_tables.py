@@ -9,6 +9,7 @@ checks that the pages hold exactly what this writes.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def rendered(page: Path, scope: str, marker: str, lang: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tools/option_tables.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale page")
+    check = p.parse_args(argv).check
     stale = []
     for lang in LANGS:
         for name, (scope, marker) in TABLES.items():
@@ -49,11 +53,11 @@ def main(argv: list[str]) -> int:
             text = rendered(page, scope, marker, lang)
             if text != page.read_text():
                 stale.append(page)
-                if "--check" not in argv:
+                if not check:
                     page.write_text(text)
     for page in stale:
-        print(f"{page.relative_to(ROOT)}: {'stale option table' if '--check' in argv else 'rewritten'}")
-    return 1 if stale and "--check" in argv else 0
+        print(f"{page.relative_to(ROOT)}: {'stale option table' if check else 'rewritten'}")
+    return 1 if stale and check else 0
 
 
 if __name__ == "__main__":

@@ -7,11 +7,17 @@ engine runs on (not `jax.default_backend()`: compiling ahead of time for TPU dev
 the model's head_dim, and logs one line saying what it picked and why. The frozen value is the
 jitted steps' static argument, so every step kind is compiled for one backend.
 
-| attention   | where                                    | reads                                 |
-|-------------|------------------------------------------|---------------------------------------|
-| "pallas"    | TPU ("auto"); interpreted elsewhere      | writes the step's K/V, then reads     |
-| "cpu"       | one CPU device, C++ kernels built ("auto") | cache before the step + own K/V; writes |
-| "reference" | everything else ("auto")                 | cache before the step + own K/V       |
+Each attention kind's implementations are one row of a table (`Kernels`): its attention and
+the page layout it reads, the matmuls, norms and sampler statistics around it, what `score`
+runs, and where an explicit choice of it can run. `choose` picks the row once (`KERNELS`, or
+`FIXED` in deterministic mode) and every method of the Backend runs what that row names.
+
+| row                    | where                               | reads                               |
+|------------------------|-------------------------------------|-------------------------------------|
+| `KERNELS["pallas"]`    | TPU ("auto"); interpreted elsewhere | writes the step's K/V, then reads   |
+| `KERNELS["cpu"]`       | one CPU device, C++ built ("auto")  | cache before step + own K/V; writes |
+| `FIXED["cpu"]`         | the same, with `deterministic=True` | as "cpu", in fixed-order blocks     |
+| `KERNELS["reference"]` | everything else ("auto")            | cache before step + own K/V         |
 
 The Pallas pages are lane-folded `[num_pages, ps, 2*Hkv*hd]` (`ragged_paged_attention`): on TPU
 that is the layout its Mosaic call reads in place for head_dim 64 as for 128. The CPU paths keep
@@ -29,13 +35,14 @@ times first (`cache_heads`). Cached head c is kv head c // r, and device c's q h
 device attends with its own head's pages and the result is the unreplicated attention's.
 
 Deterministic mode (`deterministic=True`) keeps the C++ backend and selects its fixed-order
-kernels: every matmul on `cpu_matmul.fixed_matmuls` (a row's sums one chain over K, whatever the
-row count), attention in 16-key blocks at fixed positions (`cpu_attention`'s `fixed`), and
-`score` through the same kernels (`dense_matmuls`, `causal_attention`, `token_logprobs`). A
-token's log-prob is then the same bits alone or in any batch, chunk or prefix hit, and `score`
-returns them. It needs the C++ kernels (one CPU device, f32): other paths refuse it. The
-finiteness check of new weights is not here: it runs on arrays wherever they
-are, before any engine exists (checkpoint loads), and `finite.py` decides it per array.
+kernels, the row `FIXED["cpu"]`: every matmul on `cpu_matmul.fixed_matmuls` (a row's sums one
+chain over K, whatever the row count), attention in 16-key blocks at fixed positions
+(`cpu_attention`'s `fixed`), and `score` through the same kernels (`dense_matmuls`,
+`causal_attention`, `token_logprobs`). A token's log-prob is then the same bits alone or in any
+batch, chunk or prefix hit, and `score` returns them. It needs the C++ kernels (one CPU device,
+f32): other paths refuse it. The finiteness check of new weights is not here: it runs on arrays
+wherever they are, before any engine exists (checkpoint loads), and `finite.py` decides it per
+array.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -95,8 +102,250 @@ def _pallas_on_tpu_problem(head_dim: int) -> str | None:
     return None
 
 
+# ---- each kind's implementations --------------------------------------------------------
+# An `attend` takes the step's K/V as the cache holds them (`Backend.cache_heads`) and returns
+# (output [B, C, Hq, hd], the layer's pages after the step).
+
+
+def _reference_attend(backend: Backend, q, k, v, pages, batch, scale, window, softcap):
+    """The jnp reference leaves the pages as they were (the engine writes k/v after the step,
+    `Backend.write`): a decode batch ([B, 1] queries) or a packed prefill."""
+    if q.shape[1] == 1:
+        o = reference.decode_attention(
+            q,
+            pages,
+            k,
+            v,
+            batch.page_ids,
+            batch.page_rows,
+            batch.page_cols,
+            batch.chunk_starts,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+        )
+        return o, pages
+    o = reference.prefill_attention(
+        q,
+        pages,
+        k,
+        v,
+        batch.page_ids,
+        batch.page_rows,
+        batch.page_cols,
+        batch.positions,
+        batch.kv_lens,
+        batch.chunk_starts,
+        batch.segments,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+    )
+    return o, pages
+
+
+def _cpu_attend(backend: Backend, q, k, v, pages, batch, scale, window, softcap, *, fixed: bool):
+    """The C++ kernel reads, then writes k/v into its aliased page buffer; `fixed`: in 16-key
+    blocks at fixed positions (deterministic mode)."""
+    return cpu_attention.paged_attention(
+        q,
+        pages,
+        k,
+        v,
+        batch.block_tables,
+        batch.positions,
+        batch.chunk_starts,
+        batch.kv_lens,
+        scale=scale,
+        slots=batch.slots,
+        fixed=fixed,
+        window=window,
+        softcap=softcap,
+    )
+
+
+def _pallas_attend(backend: Backend, q, k, v, pages, batch, scale, window, softcap):
+    """Pallas writes the step's K/V first and reads the written pages; on a mesh, in shard_map
+    over the kv-head axis (module doc)."""
+    from hotswap.kernels import ragged_paged_attention
+
+    def local(q, k, v, pages, block_tables, positions, kv_lens, slots):
+        written = reference.write_kv(pages, k, v, slots)
+        o = ragged_paged_attention.paged_attention(
+            q,
+            written,
+            block_tables,
+            positions,
+            kv_lens,
+            scale=scale,
+            interpret=backend.interpret,
+            window=window,
+            softcap=softcap,
+        )
+        return o, written
+
+    args = (q, k, v, pages, batch.block_tables, batch.positions, batch.kv_lens, batch.slots)
+    if backend.mesh is None:
+        return local(*args)
+    heads = PartitionSpec(None, None, backend.head_axis, None)  # q, k, v, out: [B, C, H, hd]
+    lanes = PartitionSpec(None, None, backend.head_axis)  # pages: each device its heads' lanes
+    rep = PartitionSpec()
+    return jax.shard_map(
+        local,
+        mesh=backend.mesh,
+        in_specs=(heads, heads, heads, lanes, rep, rep, rep, rep),
+        out_specs=(heads, lanes),
+        check_vma=False,  # the Pallas call has no replication rule
+    )(*args)
+
+
+def _fixed_causal_attention(q, k, v, lengths, scale: float, *, window: int | None, softcap):
+    """The step's fixed-order C++ kernel over [B, L] sequences, every key the chunk's own, so
+    each query sums exactly what a step computes for it."""
+    b, n, hkv, hd = k.shape
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    no_pages = jnp.zeros((1, 1, 2 * hkv, hd), q.dtype)  # nothing cached: never read
+    zeros = jnp.zeros((b,), jnp.int32)
+    return cpu_attention.paged_attention(
+        q,
+        no_pages,
+        k,
+        v,
+        zeros[:, None],
+        positions,
+        zeros,
+        lengths,
+        scale=scale,
+        fixed=True,
+        window=window,
+        softcap=softcap,
+    )
+
+
+def _log_softmax_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+
+
+def _fixed_token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """What the sampler returns: logit - logsumexp by the C++ row kernel."""
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    _, lse = cpu_sampling.argmax_logsumexp(flat)
+    chosen = jnp.take_along_axis(flat, tokens.reshape(-1, 1), axis=-1)[:, 0]
+    return (chosen - lse).reshape(lead)
+
+
+def _reference_runs(platform: str, n: int, head_dim: int, dtype: str, where: str) -> str:
+    return "asked for: the jnp reference"
+
+
+def _cpu_runs(platform: str, n: int, head_dim: int, dtype: str, where: str) -> str:
+    if platform != "cpu" or n != 1:
+        raise ConfigError(
+            "attention='cpu' runs on the CPU backend with the KV cache on one device; "
+            f"here the cache is on {where}: use 'auto'"
+        )
+    if dtype not in CPU_DTYPES:
+        raise ConfigError(
+            f"attention='cpu' takes dtype {' or '.join(CPU_DTYPES)}, not {dtype!r}: "
+            "use attention='auto' (the jnp reference for this dtype) or another dtype"
+        )
+    if not cpu_build.available():
+        raise ConfigError("attention='cpu' needs the C++ kernels, which did not build here: use 'auto'")
+    return "asked for: the C++ kernels"
+
+
+def _pallas_runs(platform: str, n: int, head_dim: int, dtype: str, where: str) -> str:
+    if platform != "tpu":
+        return f"asked for: the Pallas kernel, interpreted ({platform} has no Mosaic)"
+    problem = _pallas_on_tpu_problem(head_dim)
+    if problem is not None:
+        raise ConfigError(f"attention='pallas' on TPU: {problem}; use 'auto' or 'reference'")
+    return "asked for: the Pallas kernel"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Kernels:
+    """One kind's implementations: the step's attention and the page layout it reads, the
+    matmuls, norms and sampler statistics around it, the cache-free forward's (`score`), and
+    where an explicit choice of it runs. A row of `KERNELS` or `FIXED`; the defaults are the jnp
+    ones. Compared by identity: each row is one module-level value."""
+
+    name: str  # the `attention` option's value
+    # (backend, q, k, v, pages, batch, scale, window, softcap) -> (out, pages): `Backend.attend`
+    attend: Callable[..., tuple[jax.Array, jax.Array]]
+    runs_here: Callable[[str, int, int, str, str], str]  # (platform, n, head_dim, dtype, where) -> why
+    folded_pages: bool = False  # pages [num_pages, ps, 2*Hkv*hd], not [.., 2*Hkv, hd] (module doc)
+    read_then_write: bool = False  # `Backend.read_then_write`
+    reads_before_step: bool = False  # attention reads the cache before the step plus own K/V
+    flat_pages: bool = False  # the cached pages as one flat list (`Batch.page_ids`)
+    ragged_steps: bool = False  # a step is one [T, 1] block (`Backend.ragged_steps`)
+    # What a step's page buckets (programs/step.py `Buckets`) cost it: `any_table_width`, the
+    # kernel reads only the pages before each row's chunk whatever the block table's width;
+    # `reads_table_width`, a decode reads all B*P pages of its table and a prefill only the keys
+    # cached before each chunk (often none).
+    any_table_width: bool = False
+    reads_table_width: bool = False
+    matmuls: Callable = jnp_matmuls
+    routed_experts: Callable = functools.partial(routed_experts.sliced, mms=jnp_matmuls)
+    dense_matmuls: Callable = jnp_matmuls
+    causal_attention: Callable = reference.dense_causal_attention
+    token_logprobs: Callable = _log_softmax_logprobs
+    mean_square: Callable = jnp_mean_square
+    row_stats: Callable = reference.argmax_logsumexp
+    keep_thresholds: Callable = reference.keep_thresholds
+    categorical: Callable = reference.categorical
+
+
+# attention kind -> its kernels (the module doc's table)
+KERNELS = {
+    "pallas": Kernels("pallas", _pallas_attend, _pallas_runs, folded_pages=True),
+    "cpu": Kernels(
+        "cpu",
+        functools.partial(_cpu_attend, fixed=False),
+        _cpu_runs,
+        reads_before_step=True,
+        ragged_steps=True,
+        any_table_width=True,
+        matmuls=cpu_matmul.matmuls,  # the C++ matmul for decode-sized rows, else XLA's dot
+        routed_experts=cpu_experts.routed_experts,  # reads the routed rows in place
+        row_stats=cpu_sampling.argmax_logsumexp,
+        keep_thresholds=cpu_sampling.keep_thresholds,
+        categorical=cpu_sampling.categorical,
+    ),
+    "reference": Kernels(
+        "reference",
+        _reference_attend,
+        _reference_runs,
+        read_then_write=True,
+        reads_before_step=True,
+        flat_pages=True,
+        reads_table_width=True,
+    ),
+}
+# Deterministic mode: the kinds that have batch-invariant kernels (module doc), and those kernels.
+FIXED = {
+    "cpu": dataclasses.replace(
+        KERNELS["cpu"],
+        attend=functools.partial(_cpu_attend, fixed=True),
+        matmuls=cpu_matmul.fixed_matmuls,
+        routed_experts=functools.partial(routed_experts.sliced, mms=cpu_matmul.fixed_matmuls),
+        dense_matmuls=cpu_matmul.fixed_matmuls,
+        causal_attention=_fixed_causal_attention,
+        token_logprobs=_fixed_token_logprobs,
+        mean_square=cpu_sampling.row_mean_square,
+    ),
+}
+ATTENTIONS = tuple(KERNELS)  # what "auto" resolves to
+# The experts' grouped matmul by platform (`Backend.grouped_matmul`); XLA's `ragged_dot` elsewhere.
+GROUPED_MATMULS = {"cpu": grouped_matmul.tiled, "tpu": grouped_matmul.megablox}
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
+    """The kernels a step runs (module doc): built by `choose`; equal for equal choices."""
+
     attention: str  # one of ATTENTIONS
     platform: str  # of the engine's devices: "tpu", "cpu", "gpu"
     mesh: Mesh | None = None  # the cache's mesh when it spans more than one device
@@ -104,6 +353,18 @@ class Backend:
     deterministic: bool = False  # batch-invariant kernels (module doc)
     kv_replicas: int = 1  # devices holding each kv head's pages (module doc)
     reason: str = dataclasses.field(default="", compare=False)
+    # the row of `attention` (of `FIXED` when deterministic): what every method below runs
+    kernels: Kernels = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        table = FIXED if self.deterministic else KERNELS
+        if self.attention not in table:
+            raise ConfigError(
+                f"attention={self.attention!r}"
+                + (" has no batch-invariant kernels" if self.deterministic else "")
+                + f"; use one of {', '.join(table)}"
+            )
+        object.__setattr__(self, "kernels", table[self.attention])  # derived: chosen with attention
 
     @staticmethod
     def choose(
@@ -133,8 +394,10 @@ class Backend:
         where = f"{n} {platform} device{'s' if n > 1 else ''}"
         if attention == "auto":
             attention, why = _auto(platform, n, head_dim, dtype)
+        elif attention in KERNELS:
+            why = KERNELS[attention].runs_here(platform, n, head_dim, dtype, where)
         else:
-            why = _check(attention, platform, n, head_dim, dtype, where)
+            raise ConfigError(f"attention={attention!r}; use 'auto' or one of {', '.join(ATTENTIONS)}")
         if deterministic:
             _check_deterministic(attention, dtype, why)
             why += "; deterministic: the fixed-order kernels"
@@ -161,17 +424,17 @@ class Backend:
     def read_then_write(self) -> bool:
         """The step reads the cache untouched and its K/V are written by a second donated
         program (`write`): fusing XLA's scatter with the reads made XLA:CPU copy every layer."""
-        return self.attention == "reference"
+        return self.kernels.read_then_write
 
     @property
     def reads_before_step(self) -> bool:
         """Attention reads the cache as it was before the step plus the step's own K/V."""
-        return self.attention in ("reference", "cpu")
+        return self.kernels.reads_before_step
 
     @property
     def flat_pages(self) -> bool:
         """The cached pages come as one flat list (`Batch.page_ids`), not [B, P] block tables."""
-        return self.attention == "reference"
+        return self.kernels.flat_pages
 
     @property
     def ragged_steps(self) -> bool:
@@ -179,12 +442,12 @@ class Backend:
         token, in one call (the C++ kernel reads each row's keys on its own). Else a decode
         batch and a packed prefill ([Nb, PREFILL_ROW], what Pallas and the reference tile
         over) run as separate calls."""
-        return self.attention == "cpu"
+        return self.kernels.ragged_steps
 
     @property
     def folded_pages(self) -> bool:
         """Pages are `[num_pages, ps, 2*Hkv*hd]` (see module doc), not `[.., 2*Hkv, hd]`."""
-        return self.attention == "pallas"
+        return self.kernels.folded_pages
 
     def page_shape(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """A layer's page buffer for a model of `kv_heads`: `kv_replicas` copies of each (module doc)."""
@@ -198,18 +461,14 @@ class Backend:
         """`(x, [w, ...]) -> [x @ w, ...]`: on the C++ backend, hotswap's C++ matmul for
         decode-sized row counts, one call for the weights that share x (`cpu_matmul.matmuls`
         falls back to XLA's dot otherwise); in deterministic mode the fixed-order kernel for all."""
-        if self.deterministic:
-            return cpu_matmul.fixed_matmuls
-        return cpu_matmul.matmuls if self.attention == "cpu" else jnp_matmuls
+        return self.kernels.matmuls
 
     @property
     def grouped_matmul(self):
         """The experts' grouped matmul (`kernels/grouped_matmul.py`): tiles on CPU, whose XLA
         expands `ragged_dot` into every group's work; the Pallas megablox kernel on TPU (inside
         the experts' shard_map on a mesh); XLA's `ragged_dot` elsewhere."""
-        if self.platform == "cpu":
-            return grouped_matmul.tiled
-        return grouped_matmul.megablox if self.platform == "tpu" else grouped_matmul.ragged
+        return GROUPED_MATMULS.get(self.platform, grouped_matmul.ragged)
 
     @property
     def routed_experts(self):
@@ -217,78 +476,48 @@ class Backend:
         `kernels/routed_experts.py`): on the C++ backend the kernel that reads the routed
         experts' rows in place from the stacked weights (`cpu_experts`); elsewhere, and in
         deterministic mode (its fixed-order matmul), each pair's slices through `matmuls`."""
-        if self.attention == "cpu" and not self.deterministic:
-            return cpu_experts.routed_experts
-        return functools.partial(routed_experts.sliced, mms=self.matmuls)
+        return self.kernels.routed_experts
 
     # ---- scoring (`forward.forward_dense`) -----------------------------------
 
     @property
     def dense_matmuls(self):
         """The cache-free forward's matmuls: XLA's dot, or in deterministic mode the step's."""
-        return self.matmuls if self.deterministic else jnp_matmuls
+        return self.kernels.dense_matmuls
 
     def causal_attention(self, q, k, v, lengths, scale: float, *, window: int | None = None, softcap=None):
         """Causal self-attention of [B, L] sequences of `lengths` (q [B, L, Hq, hd], k/v [B, L,
         Hkv, hd]) for the cache-free forward; `window` / `softcap` static, as in `reference`. In
         deterministic mode the step's kernel, every key the chunk's own, so each query sums
         exactly what a step computes for it."""
-        if not self.deterministic:
-            return reference.dense_causal_attention(
-                q, k, v, lengths, scale=scale, window=window, softcap=softcap
-            )
-        b, n, hkv, hd = k.shape
-        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-        no_pages = jnp.zeros((1, 1, 2 * hkv, hd), q.dtype)  # nothing cached: never read
-        zeros = jnp.zeros((b,), jnp.int32)
-        return cpu_attention.paged_attention(
-            q,
-            no_pages,
-            k,
-            v,
-            zeros[:, None],
-            positions,
-            zeros,
-            lengths,
-            scale=scale,
-            fixed=True,
-            window=window,
-            softcap=softcap,
-        )
+        return self.kernels.causal_attention(q, k, v, lengths, scale=scale, window=window, softcap=softcap)
 
     def token_logprobs(self, logits: jax.Array, tokens: jax.Array) -> jax.Array:
         """log p(tokens) under logits [..., V] (tokens [...]): log_softmax, or in deterministic mode
         what the sampler returns, logit - logsumexp by `row_stats`."""
-        if not self.deterministic:
-            lp = jax.nn.log_softmax(logits, axis=-1)
-            return jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
-        lead = logits.shape[:-1]
-        flat = logits.reshape(-1, logits.shape[-1])
-        _, lse = self.row_stats(flat)
-        chosen = jnp.take_along_axis(flat, tokens.reshape(-1, 1), axis=-1)[:, 0]
-        return (chosen - lse).reshape(lead)
+        return self.kernels.token_logprobs(logits, tokens)
 
     @property
     def mean_square(self):
         """The RMS norms' mean of squares: XLA's reduction, or in deterministic mode the C++ row
         kernel, one order per row (XLA's orders a row's sum by the row count: for D = 64 a
         [1, D] row and the same row among 8 differ)."""
-        return cpu_sampling.row_mean_square if self.deterministic else jnp_mean_square
+        return self.kernels.mean_square
 
     @property
     def row_stats(self):
         """Each logits row's (argmax, logsumexp), what the sampler needs of every row."""
-        return cpu_sampling.argmax_logsumexp if self.attention == "cpu" else reference.argmax_logsumexp
+        return self.kernels.row_stats
 
     @property
     def keep_thresholds(self):
         """Each filtering row's least kept logit (top-k / top-p / min-p), for the sampler."""
-        return cpu_sampling.keep_thresholds if self.attention == "cpu" else reference.keep_thresholds
+        return self.kernels.keep_thresholds
 
     @property
     def categorical(self):
         """Each sampling row's draw from its scaled logits and one uniform (the inverse CDF)."""
-        return cpu_sampling.categorical if self.attention == "cpu" else reference.categorical
+        return self.kernels.categorical
 
     # ---- the step's attention -----------------------------------------------
 
@@ -303,93 +532,10 @@ class Backend:
     def attend(self, q, k, v, pages, batch, scale: float, *, window: int | None = None, softcap=None):
         """One layer's attention for the step: (output [B, C, Hq, hd], the layer's pages after
         the step). `batch` is the step's `Batch`; `window` / `softcap` are the layer's static
-        sliding window and logit softcap (`reference` module doc; None: none). The jnp
-        reference leaves the pages as they were (the engine writes k/v after the step,
-        `write`); the C++ kernel reads, then writes k/v into its aliased page buffer; Pallas
-        writes first and reads the written pages."""
+        sliding window and logit softcap (`reference` module doc; None: none). The kind's
+        `attend` says which pages it reads and when it writes the step's K/V."""
         k, v = self.cache_heads(k), self.cache_heads(v)
-        if self.attention == "cpu":
-            return cpu_attention.paged_attention(
-                q,
-                pages,
-                k,
-                v,
-                batch.block_tables,
-                batch.positions,
-                batch.chunk_starts,
-                batch.kv_lens,
-                scale=scale,
-                slots=batch.slots,
-                fixed=self.deterministic,
-                window=window,
-                softcap=softcap,
-            )
-        if self.attention == "reference" and q.shape[1] == 1:
-            o = reference.decode_attention(
-                q,
-                pages,
-                k,
-                v,
-                batch.page_ids,
-                batch.page_rows,
-                batch.page_cols,
-                batch.chunk_starts,
-                scale=scale,
-                window=window,
-                softcap=softcap,
-            )
-            return o, pages
-        if self.attention == "reference":
-            o = reference.prefill_attention(
-                q,
-                pages,
-                k,
-                v,
-                batch.page_ids,
-                batch.page_rows,
-                batch.page_cols,
-                batch.positions,
-                batch.kv_lens,
-                batch.chunk_starts,
-                batch.segments,
-                scale=scale,
-                window=window,
-                softcap=softcap,
-            )
-            return o, pages
-        return self._pallas(q, k, v, pages, batch, scale, window, softcap)
-
-    def _pallas(self, q, k, v, pages, batch, scale: float, window: int | None, softcap: float | None):
-        from hotswap.kernels import ragged_paged_attention
-
-        def local(q, k, v, pages, block_tables, positions, kv_lens, slots):
-            written = reference.write_kv(pages, k, v, slots)
-            o = ragged_paged_attention.paged_attention(
-                q,
-                written,
-                block_tables,
-                positions,
-                kv_lens,
-                scale=scale,
-                interpret=self.interpret,
-                window=window,
-                softcap=softcap,
-            )
-            return o, written
-
-        args = (q, k, v, pages, batch.block_tables, batch.positions, batch.kv_lens, batch.slots)
-        if self.mesh is None:
-            return local(*args)
-        heads = PartitionSpec(None, None, self.head_axis, None)  # q, k, v, out: [B, C, H, hd]
-        lanes = PartitionSpec(None, None, self.head_axis)  # pages: each device its heads' lanes
-        rep = PartitionSpec()
-        return jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(heads, heads, heads, lanes, rep, rep, rep, rep),
-            out_specs=(heads, lanes),
-            check_vma=False,  # the Pallas call has no replication rule
-        )(*args)
+        return self.kernels.attend(self, q, k, v, pages, batch, scale, window, softcap)
 
 
 def _auto(platform: str, n: int, head_dim: int, dtype: str) -> tuple[str, str]:
@@ -412,8 +558,8 @@ def _auto(platform: str, n: int, head_dim: int, dtype: str) -> tuple[str, str]:
 
 
 def _check_deterministic(attention: str, dtype: str, why: str) -> None:
-    """Deterministic mode runs on the C++ kernels' fixed-order paths, f32 only."""
-    if attention != "cpu":
+    """Deterministic mode runs on the C++ kernels' fixed-order paths (`FIXED`), f32 only."""
+    if attention not in FIXED:
         raise ConfigError(
             f"deterministic mode needs the C++ CPU kernels (one CPU device), but attention is "
             f"{attention!r} ({why}); the jnp, Pallas and tensor-parallel paths have no "
@@ -423,31 +569,3 @@ def _check_deterministic(attention: str, dtype: str, why: str) -> None:
         raise ConfigError(
             f"deterministic mode takes dtype float32 (its fixed-order matmul is f32), not {dtype!r}"
         )
-
-
-def _check(attention: str, platform: str, n: int, head_dim: int, dtype: str, where: str) -> str:
-    """Why an explicit choice runs here, or a ConfigError saying why it cannot."""
-    if attention not in ATTENTIONS:
-        raise ConfigError(f"attention={attention!r}; use 'auto' or one of {', '.join(ATTENTIONS)}")
-    if attention == "cpu":
-        if platform != "cpu" or n != 1:
-            raise ConfigError(
-                "attention='cpu' runs on the CPU backend with the KV cache on one device; "
-                f"here the cache is on {where}: use 'auto'"
-            )
-        if dtype not in CPU_DTYPES:
-            raise ConfigError(
-                f"attention='cpu' takes dtype {' or '.join(CPU_DTYPES)}, not {dtype!r}: "
-                "use attention='auto' (the jnp reference for this dtype) or another dtype"
-            )
-        if not cpu_build.available():
-            raise ConfigError("attention='cpu' needs the C++ kernels, which did not build here: use 'auto'")
-        return "asked for: the C++ kernels"
-    if attention == "pallas" and platform == "tpu":
-        problem = _pallas_on_tpu_problem(head_dim)
-        if problem is not None:
-            raise ConfigError(f"attention='pallas' on TPU: {problem}; use 'auto' or 'reference'")
-        return "asked for: the Pallas kernel"
-    if attention == "pallas":
-        return f"asked for: the Pallas kernel, interpreted ({platform} has no Mosaic)"
-    return "asked for: the jnp reference"

@@ -62,11 +62,11 @@ class Buckets:
         prefill_pages = pages
         batch = _pow2_upto(1, ecfg.max_num_seqs)
         blocks = _pow2_upto(1, -(-ecfg.max_num_batched_tokens // PREFILL_ROW))
-        if backend.attention == "cpu":
+        if backend.kernels.any_table_width:
             # The C++ kernel reads only the pages before each chunk, whatever P the table has:
             # one full-width table, so warm-up compiles one shape per batch bucket, not per P.
             pages = prefill_pages = (pps,)
-        elif backend.attention == "reference":
+        elif backend.kernels.reads_table_width:
             # The reference decode reads B*P pages, P the rows' average: finer steps there cut
             # the pages read at long contexts by up to a third (its cost is those reads).
             pages = tuple(_pow2_upto(min(8, pps), pps, halves=True))

@@ -51,6 +51,31 @@ def test_an_explicit_choice_that_cannot_run_says_why(v5e):
         Backend.choose("triton", head_dim=64)
 
 
+def test_the_backend_runs_the_row_chosen_once_and_is_a_static_value():
+    """Each kind is one row of `KERNELS` (`FIXED` in deterministic mode); a Backend holds its row,
+    and Backends of equal choices are equal and hash alike (a jit static argument)."""
+    from hotswap.kernels import backend as b
+
+    cpu = Backend.choose("cpu", head_dim=64)
+    assert cpu.kernels is b.KERNELS["cpu"] and cpu.reason
+    assert cpu == Backend("cpu", "cpu") and hash(cpu) == hash(Backend("cpu", "cpu"))  # reason aside
+    fixed = Backend("cpu", "cpu", deterministic=True)
+    assert fixed.kernels is b.FIXED["cpu"] and fixed != cpu
+    assert (fixed.matmuls, fixed.mean_square) == (b.cpu_matmul.fixed_matmuls, b.cpu_sampling.row_mean_square)
+    ref = Backend("reference", "cpu")
+    assert (ref.read_then_write, ref.flat_pages, ref.ragged_steps, ref.matmuls) == (
+        True,
+        True,
+        False,
+        b.jnp_matmuls,
+    )
+    assert Backend("pallas", "cpu").page_shape(4, 16, 2, 64) == (4, 16, 256)
+    assert ref.page_shape(4, 16, 2, 64) == (4, 16, 4, 64)
+    assert b.ATTENTIONS == tuple(b.KERNELS) and set(b.FIXED) <= set(b.KERNELS)
+    with pytest.raises(ConfigError, match="no batch-invariant kernels"):
+        Backend("reference", "cpu", deterministic=True)
+
+
 def _model(head_dim: int) -> ModelConfig:
     return ModelConfig(
         arch="llama",
