@@ -77,12 +77,14 @@ def merge_rates(llm, adapter: dict, rounds: int) -> dict:
     import jax.numpy as jnp
 
     from hotswap.model import lora
-    from hotswap.weights import lora as lora_source
+    from hotswap.weights import place, plan, readers
+    from hotswap.weights.options import UpdateOptions
 
     engine = llm.engine
     params = engine.state.base if engine.state.base is not None else engine.state.params
-    source = lora_source.read(adapter, engine.mcfg)
-    factors = lora_source.stage(source, engine.mcfg, engine.abstract, lora_alpha=float(SYNC_RANK))
+    options = UpdateOptions(lora_alpha=float(SYNC_RANK))
+    checked = plan.plan(readers.read(adapter, engine.mcfg), engine.mcfg, engine.abstract, options=options)
+    factors = place.factors(checked)
     flop = sum(2 * a.size * b.size // a.shape[-1] for a, b in factors.values())  # 2·r per W element
     weights = {n: lora._get(params, n) for n in factors}
     merge_s = best_seconds(lambda: lora.merge(params, factors), rounds)

@@ -13,7 +13,7 @@ HTTP layer:
   while, and the event loop keeps streaming meanwhile), and the server's count of committed
   updates and its version labels are written.
 
-Payload bytes are not decoded here: the engine decodes them (`weights/sources.wire_tensors`),
+Payload bytes are not decoded here: the engine decodes them (`weights/readers.wire_tensors`),
 the body's bytes or the `tensors` list of a JSON body parsed here alike.
 """
 

@@ -318,6 +318,11 @@ def open_offer(ref: TransferRef, abstract: Any, *, bind: str = DEFAULT_BIND) -> 
     (`_fetch_shards`). Raises TransferError (unreachable, timed out, peer gone); the weights,
     fetched later, return nothing partial."""
     if ref.processes != 1:
+        if jax.process_count() == 1:
+            raise TransferError(
+                f"transfer {ref.address} uuid {ref.uuid}: published for {ref.processes} engine processes "
+                "(publish(for_processes=...)); this engine runs in one process and pulls one offer"
+            )
         return _open_shards(ref, abstract, jax.process_index(), bind)
     want = [(path_name(p), spec) for p, spec in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     deadline = time.monotonic() + ref.timeout_s

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import hf_to_device
 
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
@@ -97,7 +98,7 @@ def test_the_update_path_takes_the_kernel_for_an_exact_cast(tmp_path, source, en
     tensors = {k: v.astype(hf.np_dtype(source)) for k, v in hf.read_hf_tensors(d).items()}
     x = jax.device_put(tensors[hf.EMBED])
     assert hf_device._fused(x, np.dtype(abstract["embed"].dtype), dev) == fused
-    got = hf_device.hf_to_device(cfg, tensors, abstract)
+    got = hf_to_device(cfg, tensors, abstract)
     want = hf.params_from_hf(cfg, tensors, dtype=engine)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)

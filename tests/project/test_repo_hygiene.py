@@ -57,7 +57,7 @@ def _files_matching(pattern: str) -> dict[str, int]:
 def test_one_decode_site_one_finiteness_check_one_safetensors_parser():
     """A payload is decoded in one place, weights are checked for NaN/Inf by one module, and
     one codec parses safetensors (files and payloads alike), with one dtype table."""
-    assert _files_matching(r"(?<!def )\bdecode_payload\(") == {"hotswap/weights/sources.py": 1}
+    assert _files_matching(r"(?<!def )\bdecode_payload\(") == {"hotswap/weights/readers.py": 1}
     assert set(_files_matching(r"\bnp\.isfinite|cpu_finite\.all_finite|isfinite\(jnp\.sum")) == {
         "hotswap/kernels/finite.py"
     }
@@ -177,3 +177,173 @@ def test_the_package_reaches_benchmarks_by_no_dynamic_import():
             if (func.endswith("import_module") or func == "__import__") and name.startswith("benchmarks"):
                 found.append(f"{path}: {func}({name!r})")
     assert not found, found
+
+
+# ---- the ingest pipeline's shape: each check is a function of the sources, run on the package
+# ---- and on a copy with a planted violation, so every check is shown to fail when it should.
+
+# How a function tells weight sources apart: two or more of these in one function is a ladder
+# of source forms, which belongs in the reader table (`weights/readers.py`) as rows.
+_FORM_TESTS = {
+    "transfer": r"TransferRef",
+    "adapter": r"AdapterSource",
+    "path": r"PathLike",
+    "bytes": r"\bbytes\b|memoryview|bytearray",
+    "mapping": r"\bMapping\b",
+    "flax": r"\bnnx\.(?:State|Module)\b",
+}
+# The validator's entry points (`model/validate.py`): called from the plan only.
+_VALIDATORS = (
+    "hf_tensors",
+    "tree",
+    "layout",
+    "ordered_layout",
+    "nnx_variables",
+    "lora_tensors",
+    "lora_targets",
+    "same_model",
+)
+# The host converter for tools (`hotswap create-model`, `load_hf_dir`, the tests' oracle) keeps
+# its own call; no engine, weights or api module may reach it (`test_the_engine_never_reaches_the_host_converter`).
+_VALIDATOR_SITES = {"hotswap/weights/plan.py", "hotswap/checkpoint/hf.py"}
+# Packages and top-level modules, bottom first: a module imports only from its own rank or below.
+_LAYERS = (
+    ("hotswap.errors", "hotswap.cache_dir", "hotswap.host_memory"),
+    ("hotswap.tools",),
+    ("hotswap.args",),
+    ("hotswap.config",),
+    ("hotswap.kernels",),
+    ("hotswap.model",),
+    ("hotswap.checkpoint",),
+    ("hotswap.weights",),
+    ("hotswap.programs",),
+    ("hotswap.engine",),
+    ("hotswap.integrations", "hotswap.rl", "hotswap.api"),
+    ("hotswap.demo",),
+    ("hotswap.cli",),
+)
+
+
+def _source_ladders(sources: dict[str, str]) -> list[str]:
+    import ast
+    import re
+
+    found = []
+    for path, text in sources.items():
+        if path == "hotswap/weights/readers.py":
+            continue
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            kinds = set()
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = ast.unparse(node.func)
+                if func == "isinstance" and len(node.args) == 2:
+                    kinds |= {
+                        k for k, pat in _FORM_TESTS.items() if re.search(pat, ast.unparse(node.args[1]))
+                    }
+                elif func.endswith("is_gguf"):
+                    kinds.add("gguf")
+            # chat.py's message content (str or a list of parts) is not a weight source
+            if len(kinds) >= 2 and kinds != {"bytes", "mapping"}:
+                found.append(f"{path}: {fn.name} tests {sorted(kinds)}")
+    return found
+
+
+def _validator_calls(sources: dict[str, str]) -> set[str]:
+    import re
+
+    pattern = r"\bvalidate\.(?:" + "|".join(_VALIDATORS) + r")\("
+    return {path for path, text in sources.items() if re.search(pattern, text)}
+
+
+def _private_attributes(sources: dict[str, str]) -> list[str]:
+    """`module._name` where `module` is a hotswap module this file imported."""
+    import ast
+
+    found = []
+    for path, text in sources.items():
+        tree = ast.parse(text)
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hotswap"):
+                modules |= {a.asname or a.name for a in node.names if _is_module(f"{node.module}.{a.name}")}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname for a in node.names if a.asname and a.name.startswith("hotswap")}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{path}: {node.value.id}.{node.attr}")
+    return found
+
+
+def _upward_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    rank = {unit: i for i, layer in enumerate(_LAYERS) for unit in layer}
+    found = []
+    for a, edges in graph.items():
+        for b, why in edges.items():
+            if b == "hotswap":  # the package's lazy public names (`hotswap/__init__.py`)
+                continue
+            assert a in rank and b in rank, f"{a} or {b} has no layer in _LAYERS: give it one"
+            if rank[b] > rank[a]:
+                found.append(why)
+    return found
+
+
+def test_sources_are_told_apart_in_one_table():
+    """No function outside the reader table tells weight-source forms apart (an `isinstance`
+    ladder over paths, bytes, transfer refs, adapters, NNX states)."""
+    assert not _source_ladders(_package_sources())
+
+
+def test_the_validator_is_called_from_the_plan_only():
+    assert _validator_calls(_package_sources()) == _VALIDATOR_SITES
+
+
+def test_the_engine_never_reaches_the_host_converter():
+    """`hf.params_from_hf` / `load_hf_dir` / `gguf_io.load_gguf` convert on the host for tools;
+    the engine's weights go through the pipeline."""
+    users = _files_matching(r"\b(?:params_from_hf|load_hf_dir|load_gguf)\(")
+    engine_side = {
+        p for p in users if p.split("/")[1] in ("engine", "weights", "api", "programs", "integrations")
+    }
+    assert not engine_side, engine_side
+
+
+def test_no_private_name_is_reached_by_attribute():
+    assert not _private_attributes(_package_sources())
+
+
+def test_imports_point_down_the_layers():
+    assert not _upward_imports(_import_graph())
+
+
+def test_each_structure_check_fails_on_a_planted_violation():
+    sources = _package_sources()
+    engine = "hotswap/engine/engine.py"
+    planted = dict(sources)
+    planted[engine] += (
+        "\n\ndef _resolve(source):\n"
+        "    if isinstance(source, transfer.TransferRef):\n        return 1\n"
+        "    if isinstance(source, (bytes, bytearray)):\n        return 2\n"
+        "    return validate.tree(source, None)\n"
+    )
+    assert any(engine in f and "_resolve" in f for f in _source_ladders(planted))
+    assert engine in _validator_calls(planted)
+    planted = dict(sources)
+    planted["hotswap/api/management.py"] += (
+        "\nfrom hotswap.checkpoint import payload\nLOOKS = payload._looks_like_safetensors\n"
+    )
+    assert _private_attributes(planted) == ["hotswap/api/management.py: payload._looks_like_safetensors"]
+    graph = _import_graph()
+    graph.setdefault("hotswap.weights", {})["hotswap.engine"] = (
+        "hotswap.weights.x imports hotswap.engine.engine"
+    )
+    assert _upward_imports(graph) == ["hotswap.weights.x imports hotswap.engine.engine"]

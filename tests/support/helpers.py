@@ -60,3 +60,16 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def hf_to_device(cfg, tensors, abstract, *, base=None, check_finite=True):
+    """HF-named tensors converted onto `abstract` as the engine's pipeline does it: planned
+    (`weights/plan.py`, the one validator call) then converted (`weights/hf_device.py`)."""
+    from hotswap.weights import hf_device, plan, readers
+    from hotswap.weights.options import UpdateOptions
+
+    options = UpdateOptions(partial=base is not None, check_finite=check_finite)
+    checked = plan.plan(readers.read(tensors, cfg), cfg, abstract, options=options)
+    return hf_device.hf_to_device(
+        cfg, checked.tensors, checked.chosen, abstract, base=base, check_finite=check_finite
+    )

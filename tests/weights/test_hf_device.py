@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import count_compiles
+from helpers import count_compiles, hf_to_device
 
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
@@ -78,7 +78,7 @@ def tied(tmp_path_factory):
 def test_matches_host_conversion(ckpt, route):
     cfg, d = ckpt
     tensors = hf.read_hf_tensors(d)
-    got = hf_device.hf_to_device(cfg, tensors, abstract_for(cfg))
+    got = hf_to_device(cfg, tensors, abstract_for(cfg))
     assert_same(got, hf.params_from_hf(cfg, tensors))
     if cfg.tie_word_embeddings:
         np.testing.assert_array_equal(np.asarray(got["lm_head"]), np.asarray(got["embed"]).T)
@@ -90,7 +90,7 @@ def test_matches_host_conversion(ckpt, route):
 def test_casts_to_the_engine_dtype(tied, route, source, engine):
     cfg, tensors = tied
     src = {k: v.astype(hf.np_dtype(source)) for k, v in tensors.items()}
-    got = hf_device.hf_to_device(cfg, src, abstract_for(cfg, engine))
+    got = hf_to_device(cfg, src, abstract_for(cfg, engine))
     assert got["embed"].dtype == np.dtype(hf.np_dtype(engine))
     assert_same(got, hf.params_from_hf(cfg, src, dtype=engine))
 
@@ -98,9 +98,9 @@ def test_casts_to_the_engine_dtype(tied, route, source, engine):
 def test_tied_head_given_twice_must_match(tied, route):
     cfg, tensors = tied
     twice = {**tensors, spec.LM_HEAD: tensors[hf.EMBED]}
-    assert_same(hf_device.hf_to_device(cfg, twice, abstract_for(cfg)), hf.params_from_hf(cfg, tensors))
+    assert_same(hf_to_device(cfg, twice, abstract_for(cfg)), hf.params_from_hf(cfg, tensors))
     with pytest.raises(WeightsMismatch, match="lm_head.weight: differs"):
-        hf_device.hf_to_device(cfg, {**tensors, spec.LM_HEAD: tensors[hf.EMBED] * 2}, abstract_for(cfg))
+        hf_to_device(cfg, {**tensors, spec.LM_HEAD: tensors[hf.EMBED] * 2}, abstract_for(cfg))
 
 
 # ---- fresh buffers: nothing aliases a file or a caller's array -------------------------------
@@ -111,7 +111,7 @@ def test_rewriting_the_file_in_place_changes_nothing(tmp_path, route):
     params must still be copies, or a trainer saving the next step over it would change them."""
     d = create_checkpoint(tmp_path / "ck", seed=5, overrides={"tie_word_embeddings": True})
     cfg = ModelConfig.from_dir(d)
-    got = hf_device.hf_to_device(cfg, hf.read_hf_tensors(d), abstract_for(cfg))
+    got = hf_to_device(cfg, hf.read_hf_tensors(d), abstract_for(cfg))
     before = jax.tree.map(np.array, got)
     path = d / hf.SINGLE_FILE
     header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
@@ -125,12 +125,12 @@ def test_rewriting_the_file_in_place_changes_nothing(tmp_path, route):
 def test_callers_arrays_are_copied(tied, route):
     cfg, tensors = tied
     mine = {k: v.copy() for k, v in tensors.items()}
-    got = hf_device.hf_to_device(cfg, mine, abstract_for(cfg))
+    got = hf_to_device(cfg, mine, abstract_for(cfg))
     for v in mine.values():
         v[...] = 7.0
     assert_same(got, hf.params_from_hf(cfg, tensors))
     on_device = {k: jnp.asarray(v) for k, v in tensors.items()}
-    got = hf_device.hf_to_device(cfg, on_device, abstract_for(cfg))
+    got = hf_to_device(cfg, on_device, abstract_for(cfg))
     inputs = {x.unsafe_buffer_pointer() for x in on_device.values()}
     assert not inputs & {x.unsafe_buffer_pointer() for x in jax.tree.leaves(got)}
 
@@ -146,8 +146,8 @@ def test_non_finite_is_named_and_can_be_let_through(tied, route, name, bad):
     t.reshape(-1)[t.size // 3] = bad
     src = {**tensors, name: t}
     with pytest.raises(NonFiniteWeights, match=rf"^{name}: contains NaN or Inf$"):
-        hf_device.hf_to_device(cfg, src, abstract_for(cfg))
-    got = hf_device.hf_to_device(cfg, src, abstract_for(cfg), check_finite=False)
+        hf_to_device(cfg, src, abstract_for(cfg))
+    got = hf_to_device(cfg, src, abstract_for(cfg), check_finite=False)
     assert not np.isfinite(np.asarray(hf.get_leaf(got, spec.hf_specs(cfg)[name].path))).all()
 
 
@@ -155,20 +155,20 @@ def test_non_finite_counts_the_rest_and_names_overflow(tied, route):
     cfg, tensors = tied
     two = {**tensors, K_PROJ: tensors[K_PROJ] * np.nan, NORM: tensors[NORM] * np.inf}
     with pytest.raises(NonFiniteWeights, match=rf"^{K_PROJ}: contains NaN or Inf \(and 1 more\)$"):
-        hf_device.hf_to_device(cfg, two, abstract_for(cfg))
+        hf_to_device(cfg, two, abstract_for(cfg))
     big = {**tensors, NORM: np.full_like(tensors[NORM], 1e6)}  # finite in f32, inf in f16
     with pytest.raises(NonFiniteWeights, match=rf"^{NORM}: .*after conversion to float16 \(overflow\)"):
-        hf_device.hf_to_device(cfg, big, abstract_for(cfg, "float16"))
+        hf_to_device(cfg, big, abstract_for(cfg, "float16"))
 
 
 def test_names_shapes_dtypes_are_checked_first(tied):
     cfg, tensors = tied
     with pytest.raises(WeightsMismatch, match=rf"{K_PROJ}: expected"):
-        hf_device.hf_to_device(cfg, {**tensors, K_PROJ: tensors[K_PROJ].T}, abstract_for(cfg))
+        hf_to_device(cfg, {**tensors, K_PROJ: tensors[K_PROJ].T}, abstract_for(cfg))
     with pytest.raises(WeightsMismatch, match=rf"{NORM}: dtype int32"):
-        hf_device.hf_to_device(cfg, {**tensors, NORM: tensors[NORM].astype(np.int32)}, abstract_for(cfg))
+        hf_to_device(cfg, {**tensors, NORM: tensors[NORM].astype(np.int32)}, abstract_for(cfg))
     with pytest.raises(WeightsMismatch, match="missing tensor"):
-        hf_device.hf_to_device(cfg, {NORM: tensors[NORM]}, abstract_for(cfg))
+        hf_to_device(cfg, {NORM: tensors[NORM]}, abstract_for(cfg))
 
 
 # ---- partial updates, compilation ---------------------------------------------------------------
@@ -176,11 +176,9 @@ def test_names_shapes_dtypes_are_checked_first(tied):
 
 def test_partial_update_keeps_the_other_leaves_uncopied(tied, route):
     cfg, tensors = tied
-    base = hf_device.hf_to_device(cfg, tensors, abstract_for(cfg))
+    base = hf_to_device(cfg, tensors, abstract_for(cfg))
     embed = tensors[hf.EMBED] * 2
-    got = hf_device.hf_to_device(
-        cfg, {hf.EMBED: embed, K_PROJ: tensors[K_PROJ] * 3}, abstract_for(cfg), base=base
-    )
+    got = hf_to_device(cfg, {hf.EMBED: embed, K_PROJ: tensors[K_PROJ] * 3}, abstract_for(cfg), base=base)
     np.testing.assert_array_equal(np.asarray(got["embed"]), embed)
     np.testing.assert_array_equal(np.asarray(got["lm_head"]), embed.T)  # the tied head follows
     wk = np.asarray(got["layers"][0]["wk"])  # [D, Hkv, hd]: HF's [Hkv*hd, D] transposed, heads split
@@ -189,17 +187,17 @@ def test_partial_update_keeps_the_other_leaves_uncopied(tied, route):
     assert got["layers"][1]["w_up"] is base["layers"][1]["w_up"] and got["final_norm"] is base["final_norm"]
     np.testing.assert_array_equal(np.asarray(base["embed"]), tensors[hf.EMBED])  # the base is untouched
     with pytest.raises(WeightsMismatch, match="unexpected"):
-        hf_device.hf_to_device(cfg, {"model.layers.7.mlp.up_proj.weight": 0}, abstract_for(cfg), base=base)
+        hf_to_device(cfg, {"model.layers.7.mlp.up_proj.weight": 0}, abstract_for(cfg), base=base)
 
 
 def test_second_update_compiles_nothing(tied, route):
     """One small jit per tensor shape: a later update, full or any subset, reuses them."""
     cfg, tensors = tied
-    base = hf_device.hf_to_device(cfg, tensors, abstract_for(cfg))
+    base = hf_to_device(cfg, tensors, abstract_for(cfg))
     other = {k: v * 0.5 for k, v in tensors.items()}
     with count_compiles() as compiles:
-        hf_device.hf_to_device(cfg, other, abstract_for(cfg))
-        hf_device.hf_to_device(cfg, {K_PROJ: other[K_PROJ], NORM: other[NORM]}, abstract_for(cfg), base=base)
+        hf_to_device(cfg, other, abstract_for(cfg))
+        hf_to_device(cfg, {K_PROJ: other[K_PROJ], NORM: other[NORM]}, abstract_for(cfg), base=base)
     assert compiles() == 0
 
 
@@ -211,7 +209,7 @@ import jax, numpy as np
 from hotswap.checkpoint import hf
 from hotswap.checkpoint.create import create_checkpoint
 from hotswap.model.config import ModelConfig
-from hotswap.weights import hf_device
+from hotswap.weights import hf_device, pipeline
 from hotswap.model import sharding
 from hotswap.model.params import abstract_params
 
@@ -228,7 +226,7 @@ for route in ("cpu", "device"):
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_params(cfg), shardings
         )
         tensors = hf.read_hf_tensors(d)
-        got = hf_device.hf_to_device(cfg, tensors, abstract)
+        got = pipeline.stage(tensors, cfg, abstract).params
         want = hf.params_from_hf(cfg, tensors)
         flat = zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(shardings), strict=True)
         out[f"{route}-{tied}"] = {
@@ -265,4 +263,4 @@ def test_bf16_checkpoint_dtype_roundtrip(tmp_path, route):
     cfg = ModelConfig.from_dir(d)
     tensors = hf.read_hf_tensors(d)
     assert tensors[hf.EMBED].dtype == np.dtype(ml_dtypes.bfloat16)
-    assert_same(hf_device.hf_to_device(cfg, tensors, abstract_for(cfg)), hf.params_from_hf(cfg, tensors))
+    assert_same(hf_to_device(cfg, tensors, abstract_for(cfg)), hf.params_from_hf(cfg, tensors))

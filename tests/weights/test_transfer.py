@@ -215,13 +215,16 @@ SHARDED_ENGINE = """
 import json, sys
 import jax
 from hotswap import LLM, SamplingParams
-from hotswap.weights.transfer import TransferRef, pull
+from hotswap.weights import place, plan, readers
+from hotswap.weights.transfer import TransferRef
 
 seed0, seed1, direct, whole = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 kw = dict(tensor_parallel_size=2, max_model_len=64, num_pages=16, warmup=False)
 llm = LLM(seed0, **kw)
 abstract = llm.engine.abstract
-tree = pull(TransferRef(**direct), abstract)  # the trainer's shards are the engine's: no copy after
+cfg = llm.engine.mcfg
+opened = readers.read(TransferRef(**direct), cfg, abstract=abstract)  # the manifest, then the pull:
+tree = place.fetched(plan.plan(opened, cfg, abstract))  # the trainer's shards are the engine's: no copy after
 same = jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s.sharding, x.ndim), tree, abstract))
 v = llm.update_weights(TransferRef(**whole))  # whole arrays: pulled to one device, resharded there
 sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -1,0 +1,88 @@
+"""First-load and update times of one model, in fresh processes, against another checkout.
+
+    python benchmarks/load_update.py MODEL [MODEL ...] [--baseline-tree DIR] [--rounds 2]
+
+Each round runs, for every model, one fresh process per tree (this checkout, then the baseline
+tree's `hotswap` first on `PYTHONPATH`), in A-B order, so a noisy neighbour slows both alike.
+A process times `LLM(model, warmup=False)` (the first load: read, check, place, KV cache; no
+compile) and two `update_weights(model)` calls (the second with the source's files in the page
+cache). JAX's import is outside the timings. Prints one JSON line per run and a summary with
+the CPU it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time
+import jax
+from hotswap import LLM
+model = sys.argv[1]
+t0 = time.perf_counter()
+llm = LLM(model, warmup=False, max_model_len=256)
+t1 = time.perf_counter()
+llm.update_weights(model)
+t2 = time.perf_counter()
+llm.update_weights(model)
+t3 = time.perf_counter()
+print(json.dumps({"first_load_s": t1 - t0, "update_s": t2 - t1, "update_again_s": t3 - t2}))
+"""
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run(model: str, tree: Path | None) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, model],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tree or ROOT,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--baseline-tree", type=Path, help="another checkout of hotswap (e.g. a git worktree)")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    trees = {"this": None} | ({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):
+        for model in args.models:
+            for name, tree in trees.items():
+                got = run(model, tree)
+                runs.setdefault((model, name), []).append(got)
+                print(json.dumps({"round": r, "model": model, "tree": name, **got}), flush=True)
+    print(f"\nCPU: {cpu_name()}, {os.cpu_count()} cores; median of {args.rounds} fresh processes each")
+    for (model, name), rs in runs.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        print(f"{Path(model).name:28s} {name:9s} " + "  ".join(f"{k} {v:6.2f}" for k, v in med.items()))
+
+
+if __name__ == "__main__":
+    main()
