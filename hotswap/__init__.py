@@ -1,6 +1,6 @@
 """hotswap: a JAX inference engine whose hot weight updates can never serve stale KV.
 
-The public names load lazily so that `hotswap.errors` and `hotswap.api.errors`
+The public names load lazily so that `hotswap.errors` and `hotswap.api.http_errors`
 import without jax (for HTTP clients and tooling).
 """
 

@@ -4,7 +4,7 @@ Each field carries its default, help (English and Chinese, for the docs), choice
 the commands it is a flag of, and whether it is a field of `EngineConfig`. Everything that takes
 engine options is generated from it: the `hotswap serve` and `hotswap aot` flags
 (`add_cli_args` / `from_cli_args`), the keywords of `LLM(model, **kwargs)` and
-`HotswapRollout`, `programs.aot.AotConfig`, `EngineConfig`'s fields (hotswap/config.py), and
+`HotswapRollout`, `programs.tpu_slice.AotConfig`, `EngineConfig`'s fields (hotswap/config.py), and
 the option tables of docs/en and docs/zh_cn (`python -m hotswap.args --markdown`, written into
 the pages by `tools/option_tables.py`). It resolves into `EngineConfig` once the model and the
 devices are known (`EngineConfig.of`). A value is checked against its row's choices and bound in
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from hotswap.errors import ConfigError
-from hotswap.tools.formats import PARSER_NAMES
+from hotswap.toolcalls.formats import PARSER_NAMES
 
 # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build), else
 # "reference" (jnp). The Engine resolves it once (kernels/backend.py `Backend.choose`).

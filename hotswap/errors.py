@@ -1,7 +1,7 @@
 """Typed errors for every layer of hotswap.
 
 Importable without jax so the HTTP layer (and clients) can use them. Each class
-carries the HTTP status it maps to; `hotswap.api.errors` turns that into one
+carries the HTTP status it maps to; `hotswap.api.http_errors` turns that into one
 table for the server.
 """
 

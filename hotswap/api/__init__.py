@@ -1,6 +1,6 @@
 """HTTP layer: an OpenAI-compatible server with lifecycle routes (the only place that does HTTP I/O).
 
-`hotswap.api.errors` imports without jax; `create_app` is loaded on first use so
+`hotswap.api.http_errors` imports without jax; `create_app` is loaded on first use so
 importing this package stays cheap for clients that only want the error types.
 """
 

@@ -28,7 +28,7 @@ import pydantic
 from fastapi import Request
 
 from hotswap.api.engine_loop import ServerContext
-from hotswap.api.errors import (
+from hotswap.api.http_errors import (
     HotswapError,
     PayloadError,
     PickleRefused,

@@ -24,12 +24,12 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from hotswap.api.errors import Forbidden, ModelNotFound, ShuttingDown, Unauthorized
+from hotswap.api.http_errors import Forbidden, ModelNotFound, ShuttingDown, Unauthorized
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
-from hotswap.tools import formats
-from hotswap.tools.formats import ToolFormat
+from hotswap.toolcalls import formats
+from hotswap.toolcalls.formats import ToolFormat
 
 log = logging.getLogger("hotswap.api")
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from hotswap.api import actions
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
-from hotswap.api.errors import PayloadError, RequestError
+from hotswap.api.http_errors import PayloadError, RequestError
 
 router = APIRouter(dependencies=[Depends(require_admin)])
 

@@ -154,7 +154,7 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    # Tool calling (hotswap/tools/choice.py checks them).
+    # Tool calling (hotswap/toolcalls/choice.py checks them).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hotswap.api import actions
 from hotswap.api.engine_loop import ctx_of, require_admin
-from hotswap.api.errors import HotswapError
+from hotswap.api.http_errors import HotswapError
 from hotswap.api.routes_sglang import failure
 
 router = APIRouter(dependencies=[Depends(require_admin)])

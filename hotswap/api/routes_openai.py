@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hotswap.api import streaming
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
-from hotswap.api.errors import EngineAsleep, PromptTooLong
+from hotswap.api.http_errors import EngineAsleep, PromptTooLong
 from hotswap.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,8 +37,8 @@ from hotswap.api.version_labels import wire_version_fields
 from hotswap.engine.chat import chat_prompt
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
-from hotswap.tools.choice import ToolChoice
-from hotswap.tools.parsers import Delta, ToolStream, collect
+from hotswap.toolcalls.choice import ToolChoice
+from hotswap.toolcalls.parsers import Delta, ToolStream, collect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

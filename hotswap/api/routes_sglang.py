@@ -13,7 +13,7 @@ admin key, `/generate` included: the api key opens `/v1/*` only, and an RL contr
 pauses and updates holds the admin key anyway.
 
 Failures answer SGLang's `{"success": false, "message": ...}` with the status of hotswap's
-error table (api/errors.py); a body whose bytes are a pickle gets 415, a pickled
+error table (api/http_errors.py); a body whose bytes are a pickle gets 415, a pickled
 `serialized_named_tensors` field 400, and neither is ever unpickled.
 """
 
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hotswap.api import actions, streaming, structured_fields
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
-from hotswap.api.errors import HotswapError, PickleBodyRefused, RequestError, exception_body
+from hotswap.api.http_errors import HotswapError, PickleBodyRefused, RequestError, exception_body
 from hotswap.api.version_labels import label, spans
 from hotswap.engine import lifecycle
 from hotswap.engine.outputs import RequestOutput

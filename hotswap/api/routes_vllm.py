@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from hotswap.api import actions
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
-from hotswap.api.errors import LifecycleConflict, PickleBodyRefused, RequestError
+from hotswap.api.http_errors import LifecycleConflict, PickleBodyRefused, RequestError
 from hotswap.api.version_labels import VLLM_PREFIX, label
 
 PREFIX = VLLM_PREFIX

@@ -5,7 +5,7 @@
 
 The app owns an `EngineLoop` (started and stopped by the app's lifespan), the
 only thread that steps the engine. All errors leave as OpenAI-style bodies via
-the one table in `hotswap.api.errors`.
+the one table in `hotswap.api.http_errors`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from hotswap.api.engine_loop import (
     require_admin,
     require_api_key,
 )
-from hotswap.api.errors import HotswapError, ShuttingDown, error_body, exception_body
+from hotswap.api.http_errors import HotswapError, ShuttingDown, error_body, exception_body
 from hotswap.engine.engine import Engine
-from hotswap.tools import formats
+from hotswap.toolcalls import formats
 
 log = logging.getLogger("hotswap.api")
 

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from hotswap.api.engine_loop import ServerContext, settle
-from hotswap.api.errors import exception_body
+from hotswap.api.http_errors import exception_body
 from hotswap.engine.outputs import RequestOutput
 
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streaming) handler checks that its client is still there

@@ -1,4 +1,4 @@
-"""`hotswap aot MODEL --topology NAME`: compile for a TPU slice on this host (`hotswap/programs/aot.py`)."""
+"""`hotswap aot MODEL --topology NAME`: compile for a TPU slice on this host (`hotswap/programs/tpu_slice.py`)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hotswap.programs import aot
+    from hotswap.programs import tpu_slice
 
     engine = EngineArgs.from_cli_args(args, "aot").kwargs("aot")
-    acfg = aot.AotConfig(topology=args.topology, buckets=args.buckets, **engine)
-    report = aot.compile_for(args.model, acfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(report, indent=2) if args.json else aot.table(report))
-    problem = aot.does_not_fit(report)
+    acfg = tpu_slice.AotConfig(topology=args.topology, buckets=args.buckets, **engine)
+    report = tpu_slice.compile_for(
+        args.model, acfg, progress=lambda line: print(line, file=sys.stderr, flush=True)
+    )
+    print(json.dumps(report, indent=2) if args.json else tpu_slice.table(report))
+    problem = tpu_slice.does_not_fit(report)
     if problem is not None:
         print(f"hotswap aot: error: {problem}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""`hotswap demo`: the parser; the job is `hotswap/demo.py`'s."""
+"""`hotswap demo`: the parser; the job is `hotswap/rl/train_while_serving.py`'s."""
 
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _doc() -> str:
-    from hotswap import demo
+    from hotswap.rl import train_while_serving
 
-    return demo.__doc__
+    return train_while_serving.__doc__
 
 
 def run(args: argparse.Namespace) -> int:
-    from hotswap import demo
+    from hotswap.rl import train_while_serving
 
-    return demo.main(args)
+    return train_while_serving.main(args)

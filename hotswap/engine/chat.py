@@ -14,9 +14,9 @@ from typing import Any
 
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.errors import RequestError
-from hotswap.tools import formats
-from hotswap.tools.formats import ToolFormat
-from hotswap.tools.prompt import check_tool_calls, tool_prompt
+from hotswap.toolcalls import formats
+from hotswap.toolcalls.formats import ToolFormat
+from hotswap.toolcalls.prompt import check_tool_calls, tool_prompt
 
 
 def _text(i: int, content: Any) -> str:

@@ -26,8 +26,8 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.forward import token_logprobs_jit
 from hotswap.programs import catalog, kv_sizing
-from hotswap.tools import formats
-from hotswap.tools.choice import ToolChoice
+from hotswap.toolcalls import formats
+from hotswap.toolcalls.choice import ToolChoice
 from hotswap.weights.options import UpdateOptions
 
 
@@ -214,7 +214,7 @@ class LLM:
         Each output's `prompt` is the rendered text, `prompt_token_ids` the template's ids.
         `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's, as the server takes them (a
         `required` or named choice constrains the output); read the calls out of an output's text
-        with `hotswap.tools.parse_tool_calls(text, llm.tool_parser, tool_choice)`.
+        with `hotswap.toolcalls.parse_tool_calls(text, llm.tool_parser, tool_choice)`.
         """
         choice = ToolChoice.of(tools, tool_choice, parallel_tool_calls)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params]

@@ -48,8 +48,7 @@ from hotswap.engine.engine import Engine
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, HotswapError, TransferError
 from hotswap.model.params import path_name
-from hotswap.weights import lora as lora_source
-from hotswap.weights import place, plan, readers, transfer
+from hotswap.weights import lora_forms, place, plan, readers, transfer
 from hotswap.weights.options import UpdateOptions
 
 log = logging.getLogger(__name__)
@@ -150,7 +149,7 @@ def _received(engine: Engine, cmd: dict, tensors: dict | None = None):
         flat, treedef = jax.tree_util.tree_flatten_with_path(engine.abstract)
         return treedef.unflatten([got[path_name(p)] for p, _ in flat])
     where = f"adapter ({form}) from process 0"
-    return lora_source.AdapterSource(got, form, alpha=cmd["alpha"], rslora=cmd["rslora"], where=where)
+    return lora_forms.AdapterSource(got, form, alpha=cmd["alpha"], rslora=cmd["rslora"], where=where)
 
 
 class Driver:

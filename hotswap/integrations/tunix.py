@@ -42,7 +42,7 @@ from hotswap.engine.llm import LLM
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import ConfigError, NonFiniteWeights
 from hotswap.model import sharding
-from hotswap.weights import lora as lora_source
+from hotswap.weights import lora_forms
 from hotswap.weights import nnx as nnx_params
 from hotswap.weights.options import UpdateOptions
 
@@ -240,7 +240,7 @@ class HotswapRollout(base_rollout.BaseRollout):
         A bad state (another family or size, a missing layer, NaN, a LoRA factor of the wrong
         shape) raises a typed error naming the parameter, and the old version keeps serving.
         """
-        adapter = lora_source.is_nnx_lora(params)
+        adapter = lora_forms.is_nnx_lora(params)
         try:
             self.llm.update_weights(params, self._options)  # read by NNX names, cast, placed
         except NonFiniteWeights as e:  # the engine names its params leaf; add the NNX path

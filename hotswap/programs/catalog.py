@@ -11,7 +11,7 @@ The engine runs these compiled programs and nothing else on its devices:
 Here each is lowered from `jax.ShapeDtypeStruct`s carrying the real shardings (no weight is
 ever materialised) and compiled for the devices those shardings name: the engine's own
 devices (`kv_sizing` measures the steps' temporaries this way before allocating the cache),
-or a TPU slice described by a topology on a CPU host (`hotswap/programs/aot.py`). The `Backend` is
+or a TPU slice described by a topology on a CPU host (`hotswap/programs/tpu_slice.py`). The `Backend` is
 chosen from those devices (`sharding.engine_backend`, as the Engine chooses it), so "auto"
 compiles the Pallas kernel for a TPU slice. `StepStats` is XLA's per-chip memory analysis
 of one program plus its Pallas (Mosaic) calls and any copy of a whole page buffer.

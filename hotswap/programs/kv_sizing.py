@@ -16,7 +16,7 @@
   they are checked first and written in place (the default on TPU/GPU). A cache sized for
   the params alone would make the first update run out of memory. `free` is `device.memory_stats()`'s
   `bytes_limit − bytes_in_use` on a real device, or the chip's HBM size when compiling
-  ahead of time for a TPU slice (`hotswap/programs/aot.py`). The temporaries are measured, not
+  ahead of time for a TPU slice (`hotswap/programs/tpu_slice.py`). The temporaries are measured, not
   guessed: the largest decode and prefill steps are compiled for a first guess of the pool
   (the budget with no temporaries), and the largest temporary of those is subtracted. A
   step's temporaries grow with the pool if anything (a copy of it would be one), so the

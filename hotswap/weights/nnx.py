@@ -233,7 +233,7 @@ def flat_variables(source: nnx.State | nnx.Module) -> dict[str, Any]:
     """ "layers.3.attn.q_proj.w" -> Variable for every variable of an NNX state or module.
 
     A state mixing base weights and LoRA factors (`nnx.LoRAParam`) is refused: an update is
-    either the base (plain Params) or an adapter (LoRAParams alone, `weights/lora.py`).
+    either the base (plain Params) or an adapter (LoRAParams alone, `weights/lora_forms.py`).
     """
     state = nnx.state(source) if isinstance(source, nnx.Module) else source
     if not isinstance(state, nnx.State):

@@ -31,8 +31,7 @@ from hotswap.checkpoint import hf
 from hotswap.errors import WeightsMismatch
 from hotswap.model import lora
 from hotswap.model.params import Params, path_name
-from hotswap.weights import finiteness, hf_device
-from hotswap.weights import lora as lora_source
+from hotswap.weights import finiteness, hf_device, lora_forms
 from hotswap.weights.plan import Plan
 
 STAGINGS = ("auto", "copy", "in_place")
@@ -151,7 +150,7 @@ def _copy(plan: Plan, current: Params | None) -> Prepared:
 
 def factors(plan: Plan) -> lora.Factors:
     """A LoRA plan's factors, checked for NaN/Inf and placed on the adapted weights' devices."""
-    return lora_source.stage(
+    return lora_forms.stage(
         plan.opened.adapter,
         plan.adapter_rows,
         plan.abstract,

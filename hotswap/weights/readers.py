@@ -38,8 +38,7 @@ from hotswap.checkpoint import gguf_io, hf, orbax_io, payload
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
-from hotswap.weights import lora as lora_source
-from hotswap.weights import transfer
+from hotswap.weights import lora_forms, transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Opened:
     tensors: Mapping[str, Any] | None = None
     tree: Params | None = None
     nnx: Mapping[str, Any] | None = None
-    adapter: lora_source.AdapterSource | None = None
+    adapter: lora_forms.AdapterSource | None = None
     layout: Mapping[str, tuple[tuple[int, ...], Any]] | None = None
     ordered: bool = False  # the layout's order must be the engine's flatten order (a transfer)
     cast_floats: bool = False  # a float in the layout stands for the engine's (orbax casts it)
@@ -121,7 +120,7 @@ def wire_tensors(
 
 
 def _open_nnx_lora(source, path, cfg, abstract) -> Opened:
-    return Opened("nnx_lora", "nnx state", adapter=lora_source.from_nnx(source))
+    return Opened("nnx_lora", "nnx state", adapter=lora_forms.from_nnx(source))
 
 
 def _open_nnx(source, path, cfg, abstract) -> Opened:
@@ -150,7 +149,7 @@ def _open_gguf(source, path: Path, cfg, abstract) -> Opened:
 
 
 def _open_peft_dir(source, path: Path, cfg, abstract) -> Opened:
-    adapter, targets = lora_source.peft_dir(path)
+    adapter, targets = lora_forms.peft_dir(path)
     return Opened("peft_dir", adapter.where, adapter=adapter, adapter_targets=tuple(targets))
 
 
@@ -175,11 +174,11 @@ def _open_orbax(source, path: Path, cfg, abstract) -> Opened:
 def _open_bytes(source, path, cfg, abstract) -> Opened:
     tensors = wire_tensors(source)
     if _is_peft(tensors):
-        return Opened("bytes", "payload", adapter=lora_source.AdapterSource(tensors, "peft", where="payload"))
+        return Opened("bytes", "payload", adapter=lora_forms.AdapterSource(tensors, "peft", where="payload"))
     return Opened("bytes", "payload", tensors=tensors)
 
 
-def _open_adapter(source: lora_source.AdapterSource, path, cfg, abstract) -> Opened:
+def _open_adapter(source: lora_forms.AdapterSource, path, cfg, abstract) -> Opened:
     return Opened("adapter", source.where, adapter=source)
 
 
@@ -188,12 +187,12 @@ def _open_params_tree(source, path, cfg, abstract) -> Opened:
 
 
 def _open_adapter_tree(source, path, cfg, abstract) -> Opened:
-    return Opened("adapter_tree", "adapter tree", adapter=lora_source.from_params_tree(source))
+    return Opened("adapter_tree", "adapter tree", adapter=lora_forms.from_params_tree(source))
 
 
 def _open_peft_tensors(source, path, cfg, abstract) -> Opened:
     return Opened(
-        "peft_tensors", "tensors", adapter=lora_source.AdapterSource(source, "peft", where="tensors")
+        "peft_tensors", "tensors", adapter=lora_forms.AdapterSource(source, "peft", where="tensors")
     )
 
 
@@ -210,7 +209,7 @@ def _is_dir(path: Path | None) -> bool:
 
 
 READERS: tuple[Reader, ...] = (
-    Reader("nnx_lora", lambda s, p: _is_flax(s) and lora_source.is_nnx_lora(s), _open_nnx_lora),
+    Reader("nnx_lora", lambda s, p: _is_flax(s) and lora_forms.is_nnx_lora(s), _open_nnx_lora),
     Reader("nnx", lambda s, p: _is_flax(s), _open_nnx),
     Reader(
         "transfer_offers",
@@ -222,7 +221,7 @@ READERS: tuple[Reader, ...] = (
     Reader("gguf", lambda s, p: p is not None and gguf_io.is_gguf(p), _open_gguf, across="path"),
     Reader(
         "peft_dir",
-        lambda s, p: _is_dir(p) and (p / lora_source.ADAPTER_CONFIG).exists(),
+        lambda s, p: _is_dir(p) and (p / lora_forms.ADAPTER_CONFIG).exists(),
         _open_peft_dir,
         across="path",
     ),
@@ -233,11 +232,11 @@ READERS: tuple[Reader, ...] = (
         across="path",
     ),
     Reader("orbax_dir", lambda s, p: _is_dir(p), _open_orbax, across="path"),
-    Reader("adapter", lambda s, p: isinstance(s, lora_source.AdapterSource), _open_adapter),
+    Reader("adapter", lambda s, p: isinstance(s, lora_forms.AdapterSource), _open_adapter),
     Reader("bytes", lambda s, p: isinstance(s, (bytes, bytearray, memoryview)), _open_bytes),
     Reader("params_tree", lambda s, p: _is_params_tree(s), _open_params_tree),
     Reader(
-        "adapter_tree", lambda s, p: _str_keyed(s) and lora_source.is_params_adapter(s), _open_adapter_tree
+        "adapter_tree", lambda s, p: _str_keyed(s) and lora_forms.is_params_adapter(s), _open_adapter_tree
     ),
     Reader("peft_tensors", lambda s, p: _str_keyed(s) and _is_peft(s), _open_peft_tensors),
     Reader("hf_tensors", lambda s, p: isinstance(s, Mapping), _open_hf_tensors),

@@ -87,7 +87,7 @@ def test_cli_args_round_trip():
 
 def test_engine_config_and_aot_config_take_the_defaults_from_engine_args():
     from hotswap.config import RESOLVED, EngineConfig
-    from hotswap.programs.aot import AotConfig
+    from hotswap.programs.tpu_slice import AotConfig
 
     defaults = {f.name: f.default for f in EngineArgs.fields()}
     assert set(RESOLVED) == {"num_pages", "max_model_len"}  # sized once the model and devices are known

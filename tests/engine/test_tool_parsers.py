@@ -1,4 +1,4 @@
-"""Tool-call parsers, tool_choice constraints and tools in the prompt (hotswap/tools/), without a model.
+"""Tool-call parsers, tool_choice constraints and tools in the prompt (hotswap/toolcalls/), without a model.
 
 The texts are what each family's models write: Qwen2.5's function-calling docs (Hermes form),
 Meta's Llama 3.1/3.2 JSON tool calling, Mistral's two tokenizer generations, and SmolLM2-135M-
@@ -18,11 +18,11 @@ import pytest
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.engine.chat import chat_prompt
 from hotswap.errors import ConfigError, RequestError
-from hotswap.tools import formats, parse_tool_calls
-from hotswap.tools.choice import ToolChoice
-from hotswap.tools.formats import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, SMOLLM2
-from hotswap.tools.parsers import MarkerStream, ToolCallDelta, assemble, collect
-from hotswap.tools.prompt import renders_tools, tool_prompt
+from hotswap.toolcalls import formats, parse_tool_calls
+from hotswap.toolcalls.choice import ToolChoice
+from hotswap.toolcalls.formats import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, SMOLLM2
+from hotswap.toolcalls.parsers import MarkerStream, ToolCallDelta, assemble, collect
+from hotswap.toolcalls.prompt import renders_tools, tool_prompt
 
 WEATHER = '{"location": "San Francisco, CA, USA"}'
 DATED = '{"location": "San Francisco, CA, USA", "date": "2024-10-01"}'

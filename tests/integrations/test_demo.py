@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from helpers import soak
 
-from hotswap import demo
 from hotswap.cli import demo as demo_command
+from hotswap.rl import train_while_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, dict]:
-    rc = demo.main(demo_command.parse([*argv, "--no-progress"]))
+    rc = train_while_serving.main(demo_command.parse([*argv, "--no-progress"]))
     out = capsys.readouterr().out.strip().splitlines()
     return rc, json.loads(out[-1])  # the last stdout line is the JSON summary
 

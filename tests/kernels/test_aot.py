@@ -22,7 +22,7 @@ from hotswap import cli
 from hotswap.checkpoint.create import load_preset
 from hotswap.errors import ConfigError, DeviceMemoryError
 from hotswap.model.config import ModelConfig
-from hotswap.programs import aot, kv_sizing
+from hotswap.programs import kv_sizing, tpu_slice
 
 GIB = 2**30
 
@@ -74,7 +74,9 @@ def test_presets_have_the_published_shapes(name, want):
 
 def test_a_directory_with_only_config_json_is_a_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(load_preset("qwen2.5-7b")))
-    assert aot.load_model_config(str(tmp_path), "bfloat16") == aot.load_model_config("qwen2.5-7b", "bfloat16")
+    assert tpu_slice.load_model_config(str(tmp_path), "bfloat16") == tpu_slice.load_model_config(
+        "qwen2.5-7b", "bfloat16"
+    )
 
 
 # --------------------------------------------------------------------------- KV sizing
@@ -216,10 +218,10 @@ def test_a_compile_error_names_the_program(capsys):
 def test_tiny_compiles_every_bucket_for_one_v5e_chip():
     # tiny's head_dim 16 does not fill the kernel's 128-lane (K, V) groups: "auto" is the jnp
     # reference there (Backend.choose says why), so each step has its KV write beside it.
-    acfg = aot.AotConfig(
+    acfg = tpu_slice.AotConfig(
         topology="v5e:1x1", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_pages=64
     )
-    report = aot.compile_for("tiny", acfg)
+    report = tpu_slice.compile_for("tiny", acfg)
     names = [s["name"] for s in report["steps"]]
     assert report["attention"] == "reference"
     assert names[:3] == ["decode B=1 P=8", "kv write B=1 C=1", "decode B=2 P=8"]
@@ -229,13 +231,13 @@ def test_tiny_compiles_every_bucket_for_one_v5e_chip():
     assert report["hbm_bytes_per_chip"] == 16 * GIB and report["est_decode_tok_s"] > 0
     assert all(s["pallas_calls"] == 0 for s in report["steps"])
     with pytest.raises(ConfigError, match="head_dim 16 is not a multiple of 64"):
-        aot.compile_for("tiny", dataclasses.replace(acfg, attention="pallas"))
+        tpu_slice.compile_for("tiny", dataclasses.replace(acfg, attention="pallas"))
 
 
 @pytest.mark.slow
 def test_llama3_8b_on_v5e_8_at_tp8():
-    acfg = aot.AotConfig(topology="v5e:2x4", tensor_parallel_size=8, max_num_seqs=64, buckets="decode")
-    report = aot.compile_for("llama-3-8b", acfg)
+    acfg = tpu_slice.AotConfig(topology="v5e:2x4", tensor_parallel_size=8, max_num_seqs=64, buckets="decode")
+    report = tpu_slice.compile_for("llama-3-8b", acfg)
     assert report["chips"] == 8 and report["params_bytes_per_chip"] < 2.1e9
     assert report["update_fits"]  # the pool leaves room for an update's staged params
     _check_in_place_pallas_decode(report, 32)
@@ -243,8 +245,8 @@ def test_llama3_8b_on_v5e_8_at_tp8():
 
 @soak  # a second 8B compile (v6e, qk-norm): the v5e one above checks the same properties
 def test_qwen3_8b_on_v6e_4_at_tp4():
-    acfg = aot.AotConfig(topology="v6e:2x2", tensor_parallel_size=4, max_num_seqs=64, buckets="decode")
-    _check_in_place_pallas_decode(aot.compile_for("qwen3-8b", acfg), 36)
+    acfg = tpu_slice.AotConfig(topology="v6e:2x2", tensor_parallel_size=4, max_num_seqs=64, buckets="decode")
+    _check_in_place_pallas_decode(tpu_slice.compile_for("qwen3-8b", acfg), 36)
 
 
 @pytest.mark.slow
@@ -325,10 +327,10 @@ GEMMA_AOT = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name, topology, tp, max_len, layers", GEMMA_AOT)
 def test_gemma_presets_compile_with_pallas_in_place(name, topology, tp, max_len, layers):
-    acfg = aot.AotConfig(
+    acfg = tpu_slice.AotConfig(
         topology=topology, tensor_parallel_size=tp, max_model_len=max_len, max_num_seqs=32, buckets="decode"
     )
-    report = aot.compile_for(name, acfg)
+    report = tpu_slice.compile_for(name, acfg)
     assert report["attention"] == "pallas" and report["dtype"] == "bfloat16"
     assert report["weight_update_staging"] == "in_place" and report["update_fits"], report
     _check_in_place_pallas_decode(report, layers)
@@ -338,7 +340,7 @@ def test_tiny_compiles_the_low_rank_path_for_v5e():
     """`--enable-lora --max-loras 4 --max-lora-rank 64`: the decode step compiles for TPU with the
     adapters' buffers as arguments, and the report counts their bytes (A [*in, 256] and B
     [256, *out] for 7 rows of 2 layers, f32, plus the column -> slot map)."""
-    acfg = aot.AotConfig(
+    acfg = tpu_slice.AotConfig(
         topology="v5e:1x1",
         max_model_len=128,
         max_num_seqs=2,
@@ -350,27 +352,27 @@ def test_tiny_compiles_the_low_rank_path_for_v5e():
         max_loras=4,
         max_lora_rank=64,
     )
-    report = aot.compile_for("tiny", acfg)
+    report = tpu_slice.compile_for("tiny", acfg)
     ins_outs = (
         (64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64)
     )  # q, k, v, o, gate, up, down
     assert report["lora_bytes_per_chip"] == 2 * ins_outs * 256 * 4 + 256 * 4
     assert (report["max_loras"], report["max_lora_rank"]) == (4, 64)
-    plain = aot.compile_for("tiny", dataclasses.replace(acfg, enable_lora=False))
+    plain = tpu_slice.compile_for("tiny", dataclasses.replace(acfg, enable_lora=False))
     step = lambda r: next(s for s in r["steps"] if s["name"].startswith("decode"))  # noqa: E731
     grew = step(report)["argument_bytes"] - step(plain)["argument_bytes"]
     assert (
         0 <= grew - report["lora_bytes_per_chip"] < 1024
     )  # the buffers, and the TPU's padding of small ones
-    assert "LoRA buffers (4 adapters x rank 64)" in aot.table(report)
+    assert "LoRA buffers (4 adapters x rank 64)" in tpu_slice.table(report)
 
 
 # --------------------------------------------------------------------------- more chips than kv heads
 
 
 def _moe_at_tp8(model: str, **kw) -> dict:
-    acfg = aot.AotConfig(topology="v5e:2x4", tensor_parallel_size=8, buckets="decode", **kw)
-    report = aot.compile_for(model, acfg)
+    acfg = tpu_slice.AotConfig(topology="v5e:2x4", tensor_parallel_size=8, buckets="decode", **kw)
+    report = tpu_slice.compile_for(model, acfg)
     assert report["kv_replicas"] == 2 and report["attention"] == "pallas", report
     return report
 

@@ -17,14 +17,14 @@ from hotswap.config import EngineConfig
 from hotswap.errors import ConfigError
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
-from hotswap.programs import aot, catalog
+from hotswap.programs import catalog, tpu_slice
 from hotswap.programs.step import Buckets
 
 
 @pytest.fixture(scope="module")
 def v5e():
     """The 4 chips of a v5e:2x2 slice, for libtpu's compiler (no TPU attached)."""
-    return aot.topology_devices("v5e:2x2")
+    return tpu_slice.topology_devices("v5e:2x2")
 
 
 def test_auto_is_pallas_on_tpu_devices_and_the_cpp_kernels_on_one_cpu_device(v5e):

@@ -427,13 +427,13 @@ def test_aot_compiles_head_dim_256_in_place(tmp_path):
     import json
 
     from hotswap.checkpoint.create import load_preset
-    from hotswap.programs import aot
+    from hotswap.programs import tpu_slice
 
     cfg = {**load_preset("llama-3.2-1b"), "num_hidden_layers": 2, "head_dim": 256, "num_attention_heads": 16}
     cfg.update(vocab_size=4096, hidden_size=1024, intermediate_size=2048)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    acfg = aot.AotConfig(topology="v5e:1x1", max_model_len=2048, max_num_seqs=16, buckets="decode")
-    report = aot.compile_for(str(tmp_path), acfg)
+    acfg = tpu_slice.AotConfig(topology="v5e:1x1", max_model_len=2048, max_num_seqs=16, buckets="decode")
+    report = tpu_slice.compile_for(str(tmp_path), acfg)
     (step,) = [s for s in report["steps"] if s["name"].startswith("decode")]
     kv = report["kv_cache_bytes_per_chip"]
     assert report["attention"] == "pallas" and report["fits"], report

@@ -203,7 +203,7 @@ def test_zh_cn_tables_state_the_same_facts():
 
 @pytest.mark.parametrize("lang", LANGS)
 def test_status_code_table_matches_the_error_table(lang):
-    from hotswap.api.errors import ERROR_TABLE
+    from hotswap.api.http_errors import ERROR_TABLE
 
     want = {cls.__name__: (status, cls.code, type_) for cls, (status, type_) in ERROR_TABLE.items()}
     rows = table_with(DOCS / lang / "weight_updates.md", "PickleRefused")

@@ -209,7 +209,7 @@ _VALIDATOR_SITES = {"hotswap/weights/plan.py", "hotswap/checkpoint/hf.py"}
 # Packages and top-level modules, bottom first: a module imports only from its own rank or below.
 _LAYERS = (
     ("hotswap.errors", "hotswap.cache_dir", "hotswap.host_memory"),
-    ("hotswap.tools",),
+    ("hotswap.toolcalls",),
     ("hotswap.args",),
     ("hotswap.config",),
     ("hotswap.kernels",),
@@ -219,7 +219,6 @@ _LAYERS = (
     ("hotswap.programs",),
     ("hotswap.engine",),
     ("hotswap.integrations", "hotswap.rl", "hotswap.api"),
-    ("hotswap.demo",),
     ("hotswap.cli",),
 )
 

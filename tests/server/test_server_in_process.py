@@ -10,7 +10,7 @@ from api_helpers import MODEL
 from fastapi.testclient import TestClient
 from helpers import KNOBS
 
-from hotswap.api.errors import QueueFull, ShuttingDown, WeightsPathNotAllowed, exception_body
+from hotswap.api.http_errors import QueueFull, ShuttingDown, WeightsPathNotAllowed, exception_body
 from hotswap.api.protocol import response_version, version_fields
 from hotswap.api.server import create_app
 from hotswap.engine.outputs import CompletionOutput, RequestOutput

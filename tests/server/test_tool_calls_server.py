@@ -5,7 +5,7 @@ arguments validate against the tool's parameters; `auto` parses the model's own 
 two-turn agent loop (call -> result -> answer) hits the prefix cache on turn 2; streamed
 `tool_calls` deltas add up to the non-streamed calls; bad tools or choices are a 400 naming the
 field. SmolLM2's chat template renders no tools, so hotswap writes them in its model card's form
-(hotswap/tools/prompt.py).
+(hotswap/toolcalls/prompt.py).
 """
 
 from __future__ import annotations

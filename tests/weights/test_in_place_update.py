@@ -165,20 +165,20 @@ def test_a_lora_adapter_is_read_once_and_merged_as_the_staged_path_merges_it(
     hands the adapter it read on to the merge)."""
     from lora_helpers import make_adapter
 
-    from hotswap.weights import lora as lora_source
+    from hotswap.weights import lora_forms
 
     adapter = make_adapter(tiny_dir, tmp_path / "adapter", seed=3)
     for engine in (llm, copy_llm):
         engine.update_weights(tiny_dir)
     base = _gen(llm)
     reads = []
-    read = lora_source.peft_dir
+    read = lora_forms.peft_dir
 
     def counting(path):
         reads.append(path)
         return read(path)
 
-    monkeypatch.setattr(lora_source, "peft_dir", counting)
+    monkeypatch.setattr(lora_forms, "peft_dir", counting)
     llm.update_weights(str(adapter))
     assert len(reads) == 1
     copy_llm.update_weights(str(adapter))

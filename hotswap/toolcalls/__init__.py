@@ -15,11 +15,11 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "ToolCall": "hotswap.tools.parsers",
-    "ToolChoice": "hotswap.tools.choice",
-    "parse_tool_calls": "hotswap.tools.choice",
-    "get_format": "hotswap.tools.formats",
-    "PARSER_NAMES": "hotswap.tools.formats",
+    "ToolCall": "hotswap.toolcalls.parsers",
+    "ToolChoice": "hotswap.toolcalls.choice",
+    "parse_tool_calls": "hotswap.toolcalls.choice",
+    "get_format": "hotswap.toolcalls.formats",
+    "PARSER_NAMES": "hotswap.toolcalls.formats",
 }
 
 __all__ = list(_LAZY)
@@ -28,4 +28,4 @@ __all__ = list(_LAZY)
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hotswap.tools' has no attribute {name!r}")
+    raise AttributeError(f"module 'hotswap.toolcalls' has no attribute {name!r}")

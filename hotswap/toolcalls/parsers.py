@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from hotswap.tools.formats import ToolFormat, read_json_calls
+from hotswap.toolcalls.formats import ToolFormat, read_json_calls
 
 
 def _dumps(value) -> str:

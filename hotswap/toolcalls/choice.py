@@ -27,8 +27,8 @@ from typing import Any
 import llguidance
 
 from hotswap.errors import RequestError
-from hotswap.tools.formats import ToolFormat, get_format
-from hotswap.tools.parsers import ArgumentsStream, ListStream, MarkerStream, ToolCall, ToolStream, collect
+from hotswap.toolcalls.formats import ToolFormat, get_format
+from hotswap.toolcalls.parsers import ArgumentsStream, ListStream, MarkerStream, ToolCall, ToolStream, collect
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _DEFS = ("$defs", "definitions")  # where a schema keeps the subschemas its `$ref`s name

@@ -23,7 +23,7 @@ from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hotswap.errors import RequestError
-from hotswap.tools.formats import ToolFormat
+from hotswap.toolcalls.formats import ToolFormat
 
 
 def check_tool_calls(i: int, value: Any) -> list[dict]:
