@@ -2,8 +2,9 @@
 an update made during the pause applies.
 
 A pause is request-side bookkeeping (the engine stops stepping; nothing in `EngineState`
-changes by pausing), so it lives in the Engine, not in the state. The modes are SGLang's
-(`abort`, `retract`, `in_place`) and vLLM's (`abort`, `wait`, `keep`):
+changes by pausing), so it lives in the lifecycle controller (controller.py), not in the
+state. The modes are SGLang's (`abort`, `retract`, `in_place`) and vLLM's (`abort`, `wait`,
+`keep`):
 
 | mode       | at pause                                         | an update while paused: its policy  |
 |------------|--------------------------------------------------|-------------------------------------|
@@ -13,7 +14,7 @@ changes by pausing), so it lives in the Engine, not in the state. The modes are 
 | `in_place` | running sequences keep their pages               | `keep`: pages kept, labelled mixed  |
 | `keep`     | the same as `in_place`                           | the same as `in_place`              |
 
-One `PauseMode` row per mode says both; the Engine reads the row, never the mode's name.
+One `PauseMode` row per mode says both; the controller reads the row, never the mode's name.
 
 Requests sent during a pause are queued and start at `resume()`; streams stay open.
 """

@@ -75,7 +75,7 @@ class Scheduler:
         self.ps = ecfg.page_size
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.holds = 0  # drains holding new requests back (Engine._holding_admission)
+        self.holds = 0  # drains holding new requests back (Admission.holding)
         self.num_preemptions = 0
         self.num_generated = 0
 

@@ -62,7 +62,7 @@ class Sequence:
     admitted_once: bool = False
     # The weights version of this sequence's oldest KV: set when it is admitted (prefix hits
     # are of the current version only), None while it holds no KV. Under `keep` it falls
-    # behind the serving version; `max_version_lag` bounds how far (engine.py).
+    # behind the serving version; `max_version_lag` bounds how far (controller.py).
     kv_version: int | None = None
     output_kv_versions: list[int] = dataclasses.field(default_factory=list)  # kv_version per token
     prompt_keys: tuple[int, list[int]] | None = None  # (version, chain keys of full prompt pages)

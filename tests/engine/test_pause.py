@@ -151,19 +151,19 @@ def test_pause_during_a_drain_stops_it_and_the_update_follows_the_mode(tiny_dir,
     llm = LLM(tiny_dir, **KW)
     got = _start(llm)
     seen_paused = threading.Event()
-    real_step = llm.engine._step_locked
+    real_step = llm.engine.controller._step_locked  # the step a drain runs
 
     def step_then_pause():
         out = real_step()
         if not seen_paused.is_set():
             seen_paused.set()
-            llm.engine._pause_mode = "retract"  # as pause() would, from another thread, mid-drain
+            llm.engine.controller.pause_mode = "retract"  # as pause() would, from another thread, mid-drain
             llm.engine.state = llm.engine.sched.preempt_running(llm.engine.state)
         return out
 
-    llm.engine._step_locked = step_then_pause
+    llm.engine.controller._step_locked = step_then_pause
     assert llm.engine.update_weights(params_b) == 2  # policy drain; the pause stops the drain
-    llm.engine._step_locked = real_step
+    llm.engine.controller._step_locked = real_step
     assert seen_paused.is_set() and llm.engine.num_running() == 0 and llm.engine.num_waiting() == 3
     llm.engine.check_invariants()
     llm.engine.resume()
