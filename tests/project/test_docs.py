@@ -30,89 +30,21 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from doc_pages import DOCS, blocks, headings, pages, python_blocks, spans, table_with, tables
 from helpers import KNOBS as SMALL_KNOBS
 from helpers import WORKER_PYTHONPATH
-from markdown_it import MarkdownIt
 from server_process import ServerProcess, cli_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs"
 LANGS = ("en", "zh_cn")
-NO_RUN = "# doc: no-run"
 API_KEY, ADMIN_KEY = "docs-api-key", "docs-admin-key"
 # The sizes the pages use for their own LLM (their page size is the default, KNOBS' 16): the
 # server uses the same, so both compile the same step shapes and the pages find them in the
 # shared persistent compilation cache.
 KNOBS = {**SMALL_KNOBS, "max_num_seqs": 4, "max_num_batched_tokens": 32}
 PAGE_TIMEOUT_S = 300
-_MD = MarkdownIt("commonmark").enable("table")
 UNTRANSLATED = {"hotswap"}  # headings that are names
 _CJK = re.compile(r"[\u4e00-\u9fff]")
-_SPAN = re.compile(r"`([^`]+)`")
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    lang: str
-    line: int  # 1-based line of the block's first code line in the .md file
-    code: str
-
-    @property
-    def no_run(self) -> bool:
-        return self.code.startswith(NO_RUN)
-
-
-def blocks(path: Path) -> list[Block]:
-    """Fenced code blocks; MyST directives (```{toctree}) come back with their braces as `lang`."""
-    out = []
-    for tok in _MD.parse(path.read_text()):
-        if tok.type == "fence":
-            out.append(Block(tok.info.split()[0] if tok.info else "", tok.map[0] + 2, tok.content))
-    return out
-
-
-def headings(path: Path) -> list[tuple[int, str]]:
-    toks = _MD.parse(path.read_text())
-    return [(int(t.tag[1]), toks[i + 1].content) for i, t in enumerate(toks) if t.type == "heading_open"]
-
-
-def tables(path: Path) -> list[list[list[str]]]:
-    """Every table as rows of raw cell text (header row first)."""
-    out: list[list[list[str]]] = []
-    in_table = False
-    for tok in _MD.parse(path.read_text()):
-        if tok.type in ("table_open", "table_close"):
-            in_table = tok.type == "table_open"
-            out += [[]] if in_table else []
-        elif in_table and tok.type == "tr_open":
-            out[-1].append([])
-        elif in_table and tok.type == "inline":  # a cell's content
-            out[-1][-1].append(tok.content)
-    return out
-
-
-def table_with(path: Path, span: str) -> list[list[str]]:
-    """The body rows of the one table whose cells mention the code span `span`."""
-    found = [t for t in tables(path) if any(f"`{span}`" in cell for row in t for cell in row)]
-    assert len(found) == 1, f"{path}: {len(found)} tables mention `{span}`"
-    return found[0][1:]
-
-
-def spans(text: str) -> list[str]:
-    return _SPAN.findall(text)
-
-
-def pages(lang: str) -> list[Path]:
-    """Pages in reading order: the toctrees of index.md, then index.md itself."""
-    index = DOCS / lang / "index.md"
-    names = [
-        line.strip()
-        for b in blocks(index)
-        if b.lang == "{toctree}"
-        for line in b.code.splitlines()
-        if line.strip() and not line.startswith(":")
-    ]
-    return [DOCS / lang / f"{name}.md" for name in names] + [index]
 
 
 def _shell_words(code: str) -> list[list[str]]:
@@ -121,10 +53,6 @@ def _shell_words(code: str) -> list[list[str]]:
 
 def _body(directive: str) -> list[str]:
     return [line for line in directive.splitlines() if not line.startswith(":")]
-
-
-def python_blocks(path: Path) -> list[Block]:
-    return [b for b in blocks(path) if b.lang == "python"]
 
 
 # --------------------------------------------------------------------------- the page runner

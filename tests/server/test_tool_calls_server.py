@@ -222,7 +222,7 @@ def test_bad_tool_message_is_a_400(client):
 
 
 def test_the_docs_agent_loop_runs_on_the_default_model(server):
-    from test_docs import DOCS, python_blocks  # docs/zh_cn's code is the same (tests/project/test_docs.py)
+    from doc_pages import DOCS, python_blocks  # docs/zh_cn's code is the same (tests/project/test_docs.py)
 
     [block] = [b for b in python_blocks(DOCS / "en" / "serving.md") if "get_weather" in b.code]
     ns = {"BASE_URL": server.base, "API_KEY": "no-key"}  # the shared server takes any key
