@@ -238,10 +238,10 @@ def _random_params(abstract, seed: int = 0):
 def check_decode(smoke: bool, budget: Budget) -> dict:
     """Decode tok/s at each batch size over `ctx`-token contexts, and the HBM fraction."""
     from hotswap.checkpoint.create import load_preset
-    from hotswap.config import EngineConfig
     from hotswap.engine.engine import Engine
     from hotswap.engine.pages import PagePool
     from hotswap.engine.sampling import SamplingParams
+    from hotswap.engine_config import EngineConfig
     from hotswap.model.config import ModelConfig
     from hotswap.model.params import abstract_params
     from hotswap.programs.sampler import SamplingArrays

@@ -18,7 +18,7 @@ _LAZY = {
     "CompletionOutput": "hotswap.engine.outputs",
     "UpdateOptions": "hotswap.weights.options",
     "EngineArgs": "hotswap.args",
-    "EngineConfig": "hotswap.config",
+    "EngineConfig": "hotswap.engine_config",
     "ModelConfig": "hotswap.model.config",
 }
 

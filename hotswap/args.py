@@ -4,7 +4,7 @@ Each field carries its default, help (English and Chinese, for the docs), choice
 the commands it is a flag of, and whether it is a field of `EngineConfig`. Everything that takes
 engine options is generated from it: the `hotswap serve` and `hotswap aot` flags
 (`add_cli_args` / `from_cli_args`), the keywords of `LLM(model, **kwargs)` and
-`HotswapRollout`, `programs.tpu_slice.AotConfig`, `EngineConfig`'s fields (hotswap/config.py), and
+`HotswapRollout`, `programs.tpu_slice.AotConfig`, `EngineConfig`'s fields (hotswap/engine_config.py), and
 the option tables of docs/en and docs/zh_cn (`python -m hotswap.args --markdown`, written into
 the pages by `tools/option_tables.py`). It resolves into `EngineConfig` once the model and the
 devices are known (`EngineConfig.of`). A value is checked against its row's choices and bound in
@@ -337,7 +337,7 @@ class EngineArgs:
 
     @classmethod
     def engine_fields(cls) -> list[dataclasses.Field]:
-        """The fields that are `EngineConfig`'s too (hotswap/config.py builds it from them)."""
+        """The fields that are `EngineConfig`'s too (hotswap/engine_config.py builds it from them)."""
         return [f for f in dataclasses.fields(cls) if f.metadata["engine"]]
 
     @classmethod

@@ -14,23 +14,19 @@ import dataclasses
 import itertools
 import threading
 import uuid
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hotswap.config import EngineConfig
 from hotswap.engine.adapters import AdapterError, Adapters
 from hotswap.engine.outputs import RequestOutput, SequenceText, request_output
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sequence, Sink
-from hotswap.engine.state import EngineState
+from hotswap.engine.state import EngineState, StateRef
 from hotswap.engine.structured import Grammars
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import EngineAsleep, PromptTooLong, QueueFull, RequestError
 from hotswap.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from hotswap.engine.engine import StateRef
 
 
 def adapters_of(state: EngineState) -> Adapters:

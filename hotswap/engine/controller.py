@@ -16,15 +16,15 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from hotswap import host_memory
-from hotswap.config import EngineConfig
 from hotswap.engine import lifecycle, pausing, policies
 from hotswap.engine.adapters import Loaded
 from hotswap.engine.admission import Admission, adapters_of
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.scheduler import Scheduler
+from hotswap.engine.state import StateRef
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import EngineAsleep, LifecycleConflict, WeightsLost, WeightsMismatch
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
@@ -32,9 +32,6 @@ from hotswap.model.params import Params
 from hotswap.weights import place, plan, readers
 from hotswap.weights.chunks import ChunkStager
 from hotswap.weights.options import UpdateOptions
-
-if TYPE_CHECKING:
-    from hotswap.engine.engine import StateRef
 
 
 class LifecycleController:

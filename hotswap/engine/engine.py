@@ -19,7 +19,6 @@ import threading
 import jax
 
 from hotswap import host_memory
-from hotswap.config import EngineConfig
 from hotswap.engine import lifecycle
 from hotswap.engine.adapters import Adapters, Loaded
 from hotswap.engine.admission import Admission
@@ -29,8 +28,9 @@ from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Request, Sink
-from hotswap.engine.state import EngineState, empty_state, new_kv_cache
+from hotswap.engine.state import EngineState, StateRef, empty_state, new_kv_cache
 from hotswap.engine.structured import Grammars
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import ConfigError
 from hotswap.kernels.backend import Backend
 from hotswap.model import sharding
@@ -40,14 +40,6 @@ from hotswap.programs import compile_cache
 from hotswap.weights import pipeline, place
 from hotswap.weights.chunks import ChunkStager
 from hotswap.weights.options import UpdateOptions
-
-
-@dataclasses.dataclass
-class StateRef:
-    """The one EngineState a running engine serves: the step, admission and the controller
-    read it and replace it here, under the engine's lock."""
-
-    state: EngineState
 
 
 class Engine:

@@ -16,9 +16,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from hotswap.config import EngineConfig
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.engine.state import EngineState, KVCache, new_kv_cache
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import ConfigError, EngineAsleep, HotswapError, LifecycleConflict
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig

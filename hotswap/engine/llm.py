@@ -14,13 +14,13 @@ import numpy as np
 from hotswap.args import EngineArgs
 from hotswap.checkpoint import gguf_io, hf, hub
 from hotswap.checkpoint.tokenizer import Tokenizer
-from hotswap.config import EngineConfig, default_dtype
 from hotswap.engine.adapters import LoRARequest
 from hotswap.engine.chat import chat_prompt, conversations
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.state import EngineState
+from hotswap.engine_config import EngineConfig, default_dtype
 from hotswap.errors import EngineAsleep, RequestError
 from hotswap.model import sharding
 from hotswap.model.config import ModelConfig

@@ -15,12 +15,12 @@ from functools import partial
 import jax
 import numpy as np
 
-from hotswap.config import EngineConfig
 from hotswap.engine import structured
 from hotswap.engine.pages import PagePool
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import EngineState
+from hotswap.engine_config import EngineConfig
 from hotswap.kernels.backend import Backend
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig

@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hotswap.config import EngineConfig
 from hotswap.engine.outputs import finish_reason
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex, page_key
 from hotswap.engine.sequence import Sequence, Status
 from hotswap.engine.state import EngineState, KVCache
+from hotswap.engine_config import EngineConfig
 
 # tokens, logprobs, top ids, top lps, and per row its tokens' routed experts (None: dense model)
 StepOutput = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex
 from hotswap.engine.window_pages import WindowPages
+from hotswap.engine_config import EngineConfig
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -149,3 +149,11 @@ def empty_state(mcfg: ModelConfig, ecfg: EngineConfig, kv_sharding=None, backend
         prefix=PrefixIndex.empty(ecfg.num_pages),
         pool=empty_pool(mcfg, ecfg),
     )
+
+
+@dataclasses.dataclass
+class StateRef:
+    """The one EngineState a running engine serves: the step, admission and the lifecycle
+    controller read it and replace it here, under the engine's lock."""
+
+    state: EngineState

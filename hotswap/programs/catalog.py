@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hotswap.config import EngineConfig
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import ProgramError
 from hotswap.kernels import finite
 from hotswap.kernels.backend import Backend

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from hotswap.config import EngineConfig
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import DeviceMemoryError
 from hotswap.model.config import ModelConfig
 

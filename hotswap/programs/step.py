@@ -20,7 +20,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from hotswap.config import EngineConfig
+from hotswap.engine_config import EngineConfig
 from hotswap.kernels.backend import Backend
 from hotswap.model import forward
 from hotswap.model.batch import Batch

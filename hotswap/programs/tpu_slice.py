@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 from hotswap.args import EngineArgs
-from hotswap.config import EngineConfig, check_pages_fit, default_dtype
+from hotswap.engine_config import EngineConfig, check_pages_fit, default_dtype
 from hotswap.errors import ConfigError
 from hotswap.model import sharding
 from hotswap.model.config import ModelConfig

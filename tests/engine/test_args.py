@@ -86,7 +86,7 @@ def test_cli_args_round_trip():
 
 
 def test_engine_config_and_aot_config_take_the_defaults_from_engine_args():
-    from hotswap.config import RESOLVED, EngineConfig
+    from hotswap.engine_config import RESOLVED, EngineConfig
     from hotswap.programs.tpu_slice import AotConfig
 
     defaults = {f.name: f.default for f in EngineArgs.fields()}
@@ -106,7 +106,7 @@ def test_engine_config_and_aot_config_take_the_defaults_from_engine_args():
 
 
 def test_every_shared_option_reaches_the_engine_config():
-    from hotswap.config import EngineConfig
+    from hotswap.engine_config import EngineConfig
 
     shared = {f.name for f in dataclasses.fields(EngineConfig)} & {f.name for f in EngineArgs.fields()}
     changed = dict(
@@ -141,7 +141,7 @@ def _bad(f: dataclasses.Field):
 
 
 def test_choices_and_bounds_are_checked_by_the_row_wherever_an_option_is_built():
-    from hotswap.config import EngineConfig
+    from hotswap.engine_config import EngineConfig
 
     checked = [f for f in EngineArgs.fields() if f.metadata["choices"] or f.metadata["bound"]]
     assert {"attention", "weight_update_staging", "dtype", "page_size", "gpu_memory_utilization"} <= {

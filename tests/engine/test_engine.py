@@ -231,7 +231,7 @@ def test_a_step_that_fails_after_donating_the_cache_loses_no_request(tiny_dir, p
 
 
 def test_fill_pads_or_defers_whichever_costs_fewer_tokens():
-    from hotswap.config import EngineConfig
+    from hotswap.engine_config import EngineConfig
     from hotswap.kernels.backend import Backend
     from hotswap.programs.step import Buckets
 

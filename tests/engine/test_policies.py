@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hotswap.config import EngineConfig
 from hotswap.engine import lifecycle, pausing, policies
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import ConfigError, RequestError
 
 ACTIONS = ("drains", "refuses_if_busy", "aborts", "recomputes", "keeps_tables")

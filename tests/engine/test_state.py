@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from hotswap.checkpoint import hf
-from hotswap.config import EngineConfig
 from hotswap.engine import lifecycle
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sequence import Sequence
 from hotswap.engine.state import empty_state
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import NonFiniteWeights
 from hotswap.kernels.backend import Backend
 from hotswap.model.params import abstract_params

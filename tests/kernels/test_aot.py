@@ -155,7 +155,7 @@ def test_kv_sizing_takes_the_window_pool_off_the_budget_first():
 
 
 def test_engine_config_checks_gpu_memory_utilization():
-    from hotswap.config import EngineConfig
+    from hotswap.engine_config import EngineConfig
     from hotswap.errors import ConfigError
 
     assert EngineConfig().gpu_memory_utilization == 0.9

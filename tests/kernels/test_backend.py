@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import SUPPORT, soak
 
-from hotswap.config import EngineConfig
+from hotswap.engine_config import EngineConfig
 from hotswap.errors import ConfigError
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hotswap import LLM, SamplingParams
-from hotswap.config import default_dtype
+from hotswap.engine_config import default_dtype
 from hotswap.errors import ConfigError
 from hotswap.kernels import cpu_build, cpu_matmul
 from hotswap.kernels.backend import Backend

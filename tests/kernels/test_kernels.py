@@ -216,9 +216,9 @@ def test_engine_step_contains_pallas_call(tiny_dir):
     """The jitted step the engine runs (fused_jit for kernels, forward_jit for the reference),
     traced on warmup-shaped inputs: one pallas_call per layer with "pallas", none with "reference"."""
     from hotswap.checkpoint.hf import load_hf_dir
-    from hotswap.config import EngineConfig
     from hotswap.engine import runner
     from hotswap.engine.state import new_kv_cache
+    from hotswap.engine_config import EngineConfig
     from hotswap.programs.step import forward_jit, fused_jit, placeholder_inputs
 
     mcfg, params = load_hf_dir(tiny_dir)

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
+from hotswap.engine_config import EngineConfig
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend
 from hotswap.programs.step import PREFILL_ROW

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from helpers import soak
 
-from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
+from hotswap.engine_config import EngineConfig
 from hotswap.kernels import ragged_paged_attention, reference
 from hotswap.kernels.backend import Backend
 
@@ -453,11 +453,11 @@ def test_engine_paths_agree_on_gemma2(tmp_path, kw):
     """`LLM.generate` (chunked prefill past the window of 16, decode) through each attention path
     equals the default C++ kernel's (itself checked against HF in test_gemma.py): greedy tokens
     equal, log-probs within 1e-4."""
-    from test_gemma import _checkpoint
+    from gemma_checkpoints import seeded_checkpoint
 
     from hotswap import LLM
 
-    model_dir = _checkpoint(tmp_path, "gemma2")
+    model_dir = seeded_checkpoint(tmp_path, "gemma2")
     common = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=8, warmup=False)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70)]

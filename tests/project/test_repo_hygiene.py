@@ -211,7 +211,7 @@ _LAYERS = (
     ("hotswap.errors", "hotswap.cache_dir", "hotswap.host_memory"),
     ("hotswap.toolcalls",),
     ("hotswap.args",),
-    ("hotswap.config",),
+    ("hotswap.engine_config",),
     ("hotswap.kernels",),
     ("hotswap.model",),
     ("hotswap.checkpoint",),
@@ -346,3 +346,14 @@ def test_each_structure_check_fails_on_a_planted_violation():
         "hotswap.weights.x imports hotswap.engine.engine"
     )
     assert _upward_imports(graph) == ["hotswap.weights.x imports hotswap.engine.engine"]
+
+
+def test_module_names_are_unique_across_the_package():
+    """No two modules share a name and mean different things (`errors.py` and `api/errors.py`,
+    `config.py` and `model/config.py` once did): a name says which concept it holds."""
+    from collections import Counter
+
+    names = Counter(
+        p.name for p in (ROOT / "hotswap").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert not [n for n, k in names.items() if k > 1]
