@@ -3,10 +3,11 @@
 prefix hits over cached pages, all past the window) and the dense `LLM.score`, in f32 and bf16;
 HF checkpoints written by transformers itself and saved back; bad configs and checkpoints.
 
-The seeded checkpoints have windows (16) shorter than the prompts, GQA (4 query heads on 2 KV
-heads), tied heads and head_dim 32. `_sharpen` scales the q/k projections and the final norm so
-the softcaps bite (Gemma 2's attention and final-logit caps change HF's log-probs by over 1 nat
-on these weights) and the next-token distributions are not near uniform.
+The seeded checkpoints (tests/support/gemma_checkpoints.py) have windows (16) shorter than the
+prompts, GQA (4 query heads on 2 KV heads), tied heads and head_dim 32. `sharpen` scales the
+q/k projections and the final norm so the softcaps bite (Gemma 2's attention and final-logit
+caps change HF's log-probs by over 1 nat on these weights) and the next-token distributions
+are not near uniform.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from gemma_checkpoints import CASES, TINY, seeded_checkpoint, sharpen
 from helpers import soak
 from safetensors.numpy import load_file, save_file
 from test_parity_bf16 import check_bf16
@@ -27,42 +29,8 @@ from hotswap.checkpoint.hf import load_hf_dir, read_hf_tensors, save_hf_dir
 from hotswap.errors import ConfigError, WeightsMismatch
 from hotswap.model.config import ModelConfig
 
-TINY = {"tie_word_embeddings": True, "head_dim": 32}
-CASES = {
-    # layers: sliding, full; both softcaps
-    "gemma2": ("gemma2", {**TINY, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 3.0}),
-    # layers: sliding, full, sliding; local rope base 1e4, global 1e6 with linear scaling x8
-    "gemma3": (
-        "gemma3",
-        {
-            **TINY,
-            "num_hidden_layers": 3,
-            "rope_theta": 1e6,
-            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-        },
-    ),
-    "mistral-window": ("mistral", {"sliding_window": 16}),
-}
 LENGTHS = (3, 29, 70, 120)  # prompts; all but the first are longer than the window
 GEN = 12
-
-
-def _sharpen(model_dir, qk: float = 4.0, head: float = 8.0) -> None:
-    """q/k projections x qk, Gemma's final norm (1 + w) x head: larger scores and logits."""
-    t = load_file(model_dir / "model.safetensors")
-    t["model.norm.weight"] = (1 + t["model.norm.weight"]) * np.float32(head) - 1
-    for name in t:
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            t[name] = t[name] * np.float32(qk)
-    save_file(t, model_dir / "model.safetensors", metadata={"format": "pt"})
-
-
-def _checkpoint(tmp_path, name: str):
-    arch, overrides = CASES[name]
-    model_dir = create_checkpoint(tmp_path / name, preset="tiny", arch=arch, seed=11, overrides=overrides)
-    if arch != "mistral":
-        _sharpen(model_dir)
-    return model_dir
 
 
 def _hf(model_dir, dtype=torch.float32):
@@ -84,7 +52,7 @@ def _greedy(llm, prompts, n):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_and_score_match_transformers(tmp_path, name):
-    model_dir = _checkpoint(tmp_path, name)
+    model_dir = seeded_checkpoint(tmp_path, name)
     # 32-token steps: the longer prompts prefill in chunks; 8-token pages: hits at page grain.
     llm = LLM(
         model_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, page_size=8, warmup=False
@@ -136,7 +104,7 @@ def test_bf16_matches_transformers_bf16(tmp_path, name):
     if untied:
         overrides["final_logit_softcapping"] = 30.0
     model_dir = create_checkpoint(tmp_path / name, preset="tiny", arch=arch, seed=11, overrides=overrides)
-    _sharpen(model_dir)
+    sharpen(model_dir)
     if untied:
         t = load_file(model_dir / "model.safetensors")
         perm = np.random.default_rng(1).permutation(t["lm_head.weight"].shape[0])
