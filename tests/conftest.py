@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite never writes compiled programs into the user's cache, nor loads what an earlier
-# run left there; tests/engine/test_compile_cache.py turns it on, in its own directory.
-os.environ.setdefault("HOTSWAP_COMPILATION_CACHE", "0")
+
+
+def _run_cache_dir() -> Path:
+    """hotswap's cache directory for this run: compiled programs (`xla/`, `steps/`) start empty,
+    and everything else (the C++ kernels, models, converted weights) is the user's, linked.
+
+    Every process of the run (this one, each `hotswap serve`, the workers, the docs' pages)
+    finds it through $HOTSWAP_CACHE_DIR, so a program the tiny model's engines share is compiled
+    once and loaded by each later process. The suite never writes programs into the user's
+    cache, nor loads what an earlier run left. tests/engine/test_compile_cache.py tests the
+    cache itself, in directories of its own."""
+    user = Path(os.environ.get("HOTSWAP_CACHE_DIR") or Path.home() / ".cache" / "hotswap")
+    run = Path(tempfile.mkdtemp(prefix="hotswap-test-cache-"))
+    atexit.register(shutil.rmtree, run, ignore_errors=True)  # removes the links, not what they name
+    for name in ("kernels", "models", "weights", "gguf"):
+        (user / name).mkdir(parents=True, exist_ok=True)
+    for entry in user.iterdir():
+        if entry.name not in ("xla", "steps"):
+            (run / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    return run
+
+
+if os.environ.get("HOTSWAP_COMPILATION_CACHE") != "0":  # HOTSWAP_COMPILATION_CACHE=0: no cache at all
+    os.environ["HOTSWAP_CACHE_DIR"] = str(_run_cache_dir())
 
 import pytest  # noqa: E402
 
