@@ -146,8 +146,23 @@ def transfer_updates(llm, refs: list[dict], generate, record: dict) -> None:
     generate("t-after")
 
 
+LORA_ALPHA = 4.0
+
+
+def lora_tree(llm, rank: int = 2, seed: int = 0) -> dict:
+    """A seeded rank-`rank` LoRA adapter on layer 0's q projection, in the params layout (what a
+    JAX trainer holds): A `[D, r]`, B `[r, Hq, hd]`."""
+    import numpy as np
+
+    wq = llm.engine.abstract["layers"][0]["wq"]
+    rng = np.random.default_rng(seed)
+    a = (0.5 * rng.standard_normal((wq.shape[0], rank))).astype(np.float32)
+    b = (0.5 * rng.standard_normal((rank, *wq.shape[1:]))).astype(np.float32)
+    return {"layers": [{"wq": {"lora_a": a, "lora_b": b}}]}
+
+
 def usual_updates(llm, driver, args, generate, record: dict) -> None:
-    """Path, host tree, sleep/wakeup and bytes updates, then a rejected path."""
+    """Path, host tree, sleep/wakeup, bytes and LoRA adapter updates, then a rejected path."""
     from hotswap.checkpoint import hf
     from hotswap.checkpoint.payload import encode_safetensors
     from hotswap.errors import HotswapError
@@ -162,6 +177,10 @@ def usual_updates(llm, driver, args, generate, record: dict) -> None:
     payload = encode_safetensors(hf.read_hf_tensors(args.update))
     llm.update_weights(payload)  # safetensors bytes, as the HTTP endpoint receives them
     generate("v4")
+    # A LoRA adapter in the params layout, merged into the base on every process (read and
+    # checked on process 0, its factors broadcast and read back as an adapter).
+    llm.update_weights(lora_tree(llm), lora_alpha=LORA_ALPHA)
+    generate("v5-lora")
     try:  # a rejected update fails the same way everywhere and changes nothing
         llm.update_weights(Path(args.update) / "no-such-checkpoint")
     except HotswapError as e:

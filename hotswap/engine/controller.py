@@ -81,10 +81,17 @@ class LifecycleController:
         weights under the lock, so the device holds one copy of them.
         """
         opts = UpdateOptions.of(options, **fields)
-        row = policies.policy(opts.policy)
+        policies.policy(opts.policy)  # an unknown policy is refused before the source is opened
         # Outside the lock: serving goes on. A bad source is refused here, nothing touched.
         opened = readers.read(source, self.mcfg, weights_root=self.weights_root, abstract=self.abstract)
-        checked = plan.plan(opened, self.mcfg, self.abstract, options=opts)
+        return self.update_planned(plan.plan(opened, self.mcfg, self.abstract, options=opts))
+
+    def update_planned(self, checked: plan.Plan) -> int:
+        """A source already read and checked (`plan.plan`, with its `UpdateOptions`): placed,
+        then swapped under the in-flight policy. The multi-host driver and a per-process
+        transfer call this with the plan they checked, so a source is checked once a process."""
+        opts = checked.options
+        row = policies.policy(opts.policy)
         st = self.ref.state
         prepared = place.prepare(checked, self.staging, st.base if st.base is not None else st.params)
         del st  # nothing here may hold the serving weights past the swap

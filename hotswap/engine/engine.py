@@ -37,7 +37,7 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
-from hotswap.weights import pipeline, place
+from hotswap.weights import pipeline, place, plan
 from hotswap.weights.chunks import ChunkStager
 from hotswap.weights.options import UpdateOptions
 
@@ -254,6 +254,10 @@ class Engine:
         """Read -> plan -> place -> apply the in-flight policy -> swap; returns the new version
         (`LifecycleController.update_weights`)."""
         return self.controller.update_weights(source, options, **fields)
+
+    def update_planned(self, checked: plan.Plan) -> int:
+        """Place and swap a source already checked (`LifecycleController.update_planned`)."""
+        return self.controller.update_planned(checked)
 
     def update_weights_chunk(
         self,

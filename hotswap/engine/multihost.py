@@ -243,7 +243,11 @@ class Driver:
                 "options": opts.to_dict(),
             }
             self._send("update_weights", **cmd)
-            return e.update_weights(_received(e, cmd, sent.tensors), opts)
+            _received(e, cmd, sent.tensors)  # the broadcast is collective: process 0 takes part
+            return e.update_planned(checked)  # checked above, once
+
+    def update_planned(self, checked) -> int:
+        raise ConfigError("a plan is one process's: call update_weights(source), which every process runs")
 
     def update_weights_chunk(
         self, tensors_or_bytes, *, finished, update_id=None, content_type=None, options=None, **fields

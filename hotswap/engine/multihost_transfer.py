@@ -67,13 +67,15 @@ def agree(err: BaseException | None) -> HotswapError | None:
 def update(engine: Engine, ref: transfer.TransferRef, options: UpdateOptions) -> int:
     """Open and check this process's offer, pull its shards, agree with the others, then swap;
     the same result everywhere."""
-    tree, err = None, None
+    checked, err = None, None
+    options = dataclasses.replace(options, drain_timeout_s=math.inf)
     try:
         opened = readers.read(ref, engine.mcfg, abstract=engine.abstract)
-        tree = place.fetched(plan.plan(opened, engine.mcfg, engine.abstract, options=options))
+        checked = plan.plan(opened, engine.mcfg, engine.abstract, options=options)
+        checked = place.holding(checked, place.fetched(checked))
     except Exception as e:  # noqa: BLE001 (any failure must still reach the agreement)
         err = e
     failed = agree(err)
     if failed is not None:
         raise failed
-    return engine.update_weights(tree, dataclasses.replace(options, drain_timeout_s=math.inf))
+    return engine.update_planned(checked)

@@ -110,6 +110,12 @@ def fetched(plan: Plan) -> Params:
     return plan.opened.fetch(plan.abstract)
 
 
+def holding(plan: Plan, tree: Params) -> Plan:
+    """`plan` with its arrays already `fetched`: placing it moves nothing more (the multi-host
+    processes fetch, agree on the outcome, then place)."""
+    return dataclasses.replace(plan, opened=dataclasses.replace(plan.opened, fetch=lambda abstract: tree))
+
+
 def tree_of(plan: Plan) -> Params:
     """The params tree of a tree-like plan: as given, from NNX variables, or fetched now."""
     opened = plan.opened

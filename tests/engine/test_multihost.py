@@ -52,12 +52,12 @@ def test_two_processes_serve_one_model(tmp_path, local_devices):
     assert driver["devices"] == follower["devices"] == 2 * local_devices
 
     # Process 0's lifecycle calls took effect on both: same versions, same tokens.
-    assert driver["versions_served"] == [1, 2, 3, 3, 4]
-    assert driver["weights_version"] == follower["weights_version"] == 4
+    assert driver["versions_served"] == [1, 2, 3, 3, 4, 5]
+    assert driver["weights_version"] == follower["weights_version"] == 5
     assert follower["commands"] > 10
-    assert driver["rejected"] == "CheckpointError"  # ...and version 4 kept serving on both
+    assert driver["rejected"] == "CheckpointError"  # ...and version 5 kept serving on both
     assert driver["outputs"] == follower["outputs"]
-    want_version = {"v1": 1, "v2": 2, "v3": 3, "v3-woken": 3, "v4": 4}
+    want_version = {"v1": 1, "v2": 2, "v3": 3, "v3-woken": 3, "v4": 4, "v5-lora": 5}
     for rid, out in driver["outputs"].items():
         assert out["versions"] == [want_version[rid.rsplit("-", 1)[0]]], rid
 
@@ -70,6 +70,13 @@ def test_two_processes_serve_one_model(tmp_path, local_devices):
             got = [driver["outputs"][f"{tag}-{k}"]["ids"] for k in range(len(ex.PROMPTS))]
             assert got == [o.outputs[0].token_ids for o in alone], tag
     assert driver["outputs"]["v1-0"]["ids"] != driver["outputs"]["v2-0"]["ids"]
+    # The adapter crossed processes: what one process serves after merging it into v2's weights.
+    solo = LLM(tmp_path / "v2", **ex.ENGINE)
+    solo.update_weights(ex.lora_tree(solo), lora_alpha=ex.LORA_ALPHA)
+    want = [o.outputs[0].token_ids for o in solo.generate(ex.PROMPTS, sp, use_tqdm=False)]
+    got = [driver["outputs"][f"v5-lora-{k}"]["ids"] for k in range(len(ex.PROMPTS))]
+    assert got == want
+    assert got != [driver["outputs"][f"v4-{k}"]["ids"] for k in range(len(ex.PROMPTS))]  # it took effect
 
 
 TRAINER = SUPPORT / "transfer_trainer.py"
