@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from helpers import soak
 
-from hotswap.config import EngineConfig
 from hotswap.engine.pages import PagePool
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Sequence
+from hotswap.engine_config import EngineConfig
 from hotswap.kernels import ragged_paged_attention, reference
 from hotswap.kernels.backend import Backend
 
