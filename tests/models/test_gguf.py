@@ -129,6 +129,11 @@ def test_create_llm_from_gguf_and_update_weights_from_gguf(seeded):
 # ---- SmolLM2: the default model ----------------------------------------------------------
 
 
+# The SmolLM2 engines' sizes. No warm-up: only the steps these prompts take compile (a 30-layer
+# model's every bucket takes twice as long).
+SMOL_KW = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+
+
 @pytest.fixture(scope="module")
 def smol_server(tmp_path_factory):
     """`hotswap serve` with no model, started first so its compile overlaps the other tests."""
@@ -139,7 +144,7 @@ def smol_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smol(request):
     request.getfixturevalue("smol_server")
-    return LLM(SMOL, dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    return LLM(SMOL, dtype="float32", **SMOL_KW)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +210,7 @@ def test_smollm2_bf16_greedy_rollouts_are_transformers_bf16_choices(hf_smol):
 
     f32_model, _ = hf_smol
     models = {"f32": f32_model, "bf16": copy.deepcopy(f32_model).to(torch.bfloat16)}
-    llm = LLM(SMOL, dtype="bfloat16", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(SMOL, dtype="bfloat16", **SMOL_KW)
     assert all(x.dtype == ml_dtypes.bfloat16 for x in jax.tree.leaves(llm.params))
     prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in CHATS]
     sp = SamplingParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True)
