@@ -2,8 +2,9 @@
 
     python benchmarks/load_update.py MODEL [MODEL ...] [--baseline-tree DIR] [--rounds 2]
 
-Each round runs, for every model, one fresh process per tree (this checkout, then the baseline
-tree's `hotswap` first on `PYTHONPATH`), in A-B order, so a noisy neighbour slows both alike.
+Each round runs, for every model, one fresh process per tree (this checkout, and the baseline
+tree's `hotswap` first on `PYTHONPATH`), A-B in even rounds and B-A in odd ones, so a noisy
+neighbour slows both alike and neither always reads the model's files first (the page cache).
 A process times `LLM(model, warmup=False)` (the first load: read, check, place, KV cache; no
 compile) and two `update_weights(model)` calls (the second with the source's files in the page
 cache). JAX's import is outside the timings. Prints one JSON line per run and a summary with
@@ -74,7 +75,8 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         for model in args.models:
-            for name, tree in trees.items():
+            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+            for name, tree in order:
                 got = run(model, tree)
                 runs.setdefault((model, name), []).append(got)
                 print(json.dumps({"round": r, "model": model, "tree": name, **got}), flush=True)
