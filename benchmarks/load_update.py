@@ -7,8 +7,10 @@ tree's `hotswap` first on `PYTHONPATH`), A-B in even rounds and B-A in odd ones,
 neighbour slows both alike and neither always reads the model's files first (the page cache).
 A process times `LLM(model, warmup=False)` (the first load: read, check, place, KV cache; no
 compile) and two `update_weights(model)` calls (the second with the source's files in the page
-cache). JAX's import is outside the timings. Prints one JSON line per run and a summary with
-the CPU it ran on.
+cache). JAX's import is outside the timings. Each tree keeps its own hotswap cache directory
+(`--cache-root`; a GGUF's dequantized tensors are cached there, one entry per file, so two
+trees sharing one would evict each other's), filled by one untimed round first. Prints one
+JSON line per run and a summary with the CPU it ran on.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def run(model: str, tree: Path | None) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def run(model: str, tree: Path | None, cache: Path) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HOTSWAP_CACHE_DIR=str(cache))
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     out = subprocess.run(
@@ -70,14 +72,18 @@ def main() -> None:
     ap.add_argument("models", nargs="+")
     ap.add_argument("--baseline-tree", type=Path, help="another checkout of hotswap (e.g. a git worktree)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cache-root", type=Path, default=Path("runs/load_update_cache"))
     args = ap.parse_args()
     trees = {"this": None} | ({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})
     runs: dict[tuple[str, str], list[dict]] = {}
+    for model in args.models:  # untimed: fills each tree's cache
+        for name, tree in trees.items():
+            run(model, tree, args.cache_root / name)
     for r in range(args.rounds):
         for model in args.models:
             order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
             for name, tree in order:
-                got = run(model, tree)
+                got = run(model, tree, args.cache_root / name)
                 runs.setdefault((model, name), []).append(got)
                 print(json.dumps({"round": r, "model": model, "tree": name, **got}), flush=True)
     print(f"\nCPU: {cpu_name()}, {os.cpu_count()} cores; median of {args.rounds} fresh processes each")
