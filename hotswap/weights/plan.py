@@ -25,14 +25,12 @@ from hotswap.model.spec import ParamSpec
 from hotswap.weights.options import UpdateOptions
 from hotswap.weights.readers import Opened
 
-# What a plan places (`place.py` has one row of work per kind).
-KINDS = ("hf", "tree", "nnx", "fetch", "adapter")
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A checked source: what it holds (`kind`), which leaves it replaces, and for HF names the
-    spec row of each tensor (`chosen`, checkpoint order; experts stacked)."""
+    """A checked source: what it holds (`kind`: "hf", "tree", "nnx", "fetch" or "adapter", as
+    `Opened` holds it), which leaves it replaces, and for HF names the spec row of each tensor
+    (`chosen`, checkpoint order; experts stacked)."""
 
     opened: Opened
     kind: str
