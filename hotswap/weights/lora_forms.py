@@ -206,19 +206,3 @@ def _leaf(tree: Params, path) -> Any:
     for k in path:
         tree = tree[k]
     return tree
-
-
-def peft_config(rank: int, alpha: float, target_modules: list[str]) -> dict[str, Any]:
-    """The `adapter_config.json` PEFT writes for a plain LoRA adapter (what `read` reads)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": int(rank),
-        "lora_alpha": float(alpha),
-        "lora_dropout": 0.0,
-        "target_modules": sorted(target_modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-    }

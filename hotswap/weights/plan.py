@@ -12,6 +12,7 @@ pass 1's plan, and the multi-host driver checks a source here before any followe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ class Plan:
     abstract: Params
     options: UpdateOptions
     chosen: dict[str, ParamSpec] | None = None  # hf: HF name -> spec row
-    tensors: Any = None  # hf: the tensors `chosen` names (experts stacked)
+    tensors: Mapping[str, Any] | None = None  # hf: the tensors `chosen` names (experts stacked)
     adapter_rows: dict | None = None  # adapter: params name -> (row, A name, B name, rank, part)
     replaced: frozenset[tuple[str | int, ...]] | None = None  # leaf paths; None: every leaf
 
