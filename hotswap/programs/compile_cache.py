@@ -2,9 +2,13 @@
 
 Owns two things:
 - `enable`: called when an Engine is created (not at `import hotswap`, so a JAX cache the user
-  configured stays theirs). It points JAX's persistent compilation cache at `xla/` under
+  configured stays theirs). It points JAX's persistent compilation cache at `xla/<cpu>/` under
   hotswap's cache directory (`hotswap/cache_dir.py`), so a new process with the same model,
   engine shapes and backend loads the warm-up's programs instead of compiling them again.
+  `<cpu>` is this host's CPU model and instruction sets (`kernels/cpu_target.host().key`):
+  JAX's own key does not name them, and XLA:CPU compiles for the host's features, so a
+  cache directory carried to another CPU starts a fresh cache there instead of running code
+  built for instructions it may lack.
   Off with `EngineConfig.compilation_cache=False` (`LLM(compilation_cache=False)`) or
   `HOTSWAP_COMPILATION_CACHE=0`. When `jax_compilation_cache_dir` is already set (by
   `jax.config.update` or `JAX_COMPILATION_CACHE_DIR`), that cache is used and left as it is.
@@ -34,6 +38,7 @@ import jax
 from jax import monitoring
 
 from hotswap.cache_dir import cache_dir
+from hotswap.kernels.cpu_target import host
 
 ENV = "HOTSWAP_COMPILATION_CACHE"
 _JAX_MIN_COMPILE_TIME = 1.0  # jax_persistent_cache_min_compile_time_secs's default (jax/_src/config.py)
@@ -44,7 +49,7 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 def enable(on: bool = True) -> Path | None:
-    """Turn JAX's persistent compilation cache on at `cache_dir()/"xla"`, unless `on` is False,
+    """Turn JAX's persistent compilation cache on at `cache_dir()/"xla"/<cpu>`, unless `on` is False,
     `$HOTSWAP_COMPILATION_CACHE` is `0`, or JAX's cache directory is already set (then that one
     is used as it is). Returns the directory in use, or None when hotswap turned nothing on.
     Off never turns off a cache already on in this process (the user's, or an earlier Engine's)."""
@@ -53,7 +58,7 @@ def enable(on: bool = True) -> Path | None:
         return Path(current)
     if not on or os.environ.get(ENV, "1") == "0":
         return None
-    path = cache_dir() / "xla"
+    path = cache_dir() / "xla" / host().key
     jax.config.update("jax_compilation_cache_dir", str(path))
     if jax.config.jax_persistent_cache_min_compile_time_secs == _JAX_MIN_COMPILE_TIME:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

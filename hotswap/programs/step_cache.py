@@ -9,6 +9,8 @@ everything the program is made from instead, so a hit needs neither:
   `.cc`/`.h`), hashed once per process;
 - JAX, jaxlib, the backend's platform and version, `XLA_FLAGS`, `LIBTPU_INIT_ARGS`, and
   JAX's configuration (the settings that shape tracing: x64, matmul precision, ...);
+- the host's CPU model and instruction sets (`kernels/cpu_target.host()`): XLA:CPU compiles
+  for them, so an entry made on another CPU is a miss, never run;
 - the model config, the Backend's attention, platform and deterministic mode, and the arguments' tree, shapes, dtypes and
   shardings (the bucket).
 
@@ -43,6 +45,7 @@ from jax._src.interpreters import pxla
 
 from hotswap.cache_dir import cache_dir
 from hotswap.kernels.backend import Backend
+from hotswap.kernels.cpu_target import host
 
 FORMAT = 1  # bump when an entry's layout changes
 # `load` builds JAX's executable objects itself (jax._src), as JAX does for its own cache: on
@@ -92,6 +95,7 @@ def _key(leaves: list, tree, cfg: Any, backend: Backend, device: jax.Device) -> 
         client.platform,
         client.platform_version,
         device.device_kind,
+        host().key,
         [os.environ.get(name, "") for name in _ENV],
         settings,
         code_hash(),

@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from hotswap.cache_dir import cache_dir
+from hotswap.kernels.cpu_target import host
 from hotswap.programs import compile_cache
 
 # Cache settings of this process that would change what the fresh processes do.
@@ -129,8 +130,8 @@ def test_enable_respects_the_switches_and_a_users_own_cache(tmp_path, monkeypatc
     monkeypatch.delenv(compile_cache.ENV)
     assert compile_cache.enable(False) is None  # EngineConfig(compilation_cache=False)
     assert jax.config.jax_compilation_cache_dir is None
-    assert compile_cache.enable(True) == tmp_path / "xla"
-    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    assert compile_cache.enable(True) == tmp_path / "xla" / host().key
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla" / host().key)
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # every warm-up step is written
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))  # the user's own
     assert compile_cache.enable(True) == tmp_path / "mine"
@@ -142,7 +143,7 @@ def test_a_changed_write_threshold_is_left_as_it_is(tmp_path, monkeypatch, jax_c
     monkeypatch.delenv(compile_cache.ENV, raising=False)
     jax.config.update("jax_compilation_cache_dir", None)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.5)
-    assert compile_cache.enable(True) == tmp_path / "xla"
+    assert compile_cache.enable(True) == tmp_path / "xla" / host().key
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 2.5
 
 
