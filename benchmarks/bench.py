@@ -93,6 +93,15 @@ def engine_options(args: argparse.Namespace, batches: list[int]) -> dict:
     return {**WORKLOAD_ENGINE, "max_num_seqs": max(batches), **EngineArgs.given(args, "llm")}
 
 
+def _write(out: Path, result: dict) -> None:
+    """bench.json and stdout, with the CPU every figure was measured on (model and ISA flags)."""
+    from hotswap.kernels.cpu_target import host
+
+    result = {"cpu": host().describe(), **result}
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+
+
 def run(args) -> int:
     from hotswap import LLM
     from hotswap.checkpoint.create import create_checkpoint
@@ -106,8 +115,7 @@ def run(args) -> int:
     engine = engine_options(args, batches)
     if args.only == "startup":
         result = {"startup": _startup(model_dir, engine)}
-        (out / "bench.json").write_text(json.dumps(result, indent=2))
-        print(json.dumps(result))
+        _write(out, result)
         return 0
     peers = bench_peers.select_peers(args.peers, Path(args.peers_dir))  # before the long runs: fail early
     if args.only == "rollout":
@@ -115,8 +123,7 @@ def run(args) -> int:
         result = {
             "rollout": rollout.run(model_dir, engine, peers, Path(args.peers_dir), out / "peers", new_tokens)
         }
-        (out / "bench.json").write_text(json.dumps(result, indent=2))
-        print(json.dumps(result))
+        _write(out, result)
         return 0
     starts = _startup(model_dir, engine)  # first: its processes compete with nothing of ours
     gemv = GemvProbe()
@@ -207,8 +214,7 @@ def run(args) -> int:
         "updates": updates,
     }
     _plot(rows, out / "throughput.png")
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    _write(out, result)
     return 0
 
 

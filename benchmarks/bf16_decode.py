@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for b in batches
     }
-    print(json.dumps(result))
+    from hotswap.kernels.cpu_target import host
+
+    print(json.dumps({"cpu": host().describe(), **result}))  # the CPU each figure is from
     return result
 
 

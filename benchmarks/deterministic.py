@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
         "tok_s": {n: {k: round(v, 1) for k, v in b.items()} for n, b in best.items()},
         "ratio": ratio,
     }
-    print(json.dumps(result))
+    from hotswap.kernels.cpu_target import host
+
+    print(json.dumps({"cpu": host().describe(), **result}))  # the CPU each figure is from
     return result
 
 

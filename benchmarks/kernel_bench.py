@@ -268,7 +268,9 @@ def main() -> None:
         window_ratios=ratios,
         group_ratios=groups,
     )
-    print(json.dumps(summary))
+    from hotswap.kernels.cpu_target import host
+
+    print(json.dumps({"cpu": host().describe(), **summary}))  # the CPU each figure is from
 
 
 if __name__ == "__main__":

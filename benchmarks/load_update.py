@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from hotswap.kernels.cpu_target import host
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,16 +41,6 @@ llm.update_weights(model)
 t3 = time.perf_counter()
 print(json.dumps({"first_load_s": t1 - t0, "update_s": t2 - t1, "update_again_s": t3 - t2}))
 """
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(model: str, tree: Path | None, cache: Path) -> dict:
@@ -86,7 +77,7 @@ def main() -> None:
                 got = run(model, tree, args.cache_root / name)
                 runs.setdefault((model, name), []).append(got)
                 print(json.dumps({"round": r, "model": model, "tree": name, **got}), flush=True)
-    print(f"\nCPU: {cpu_name()}, {os.cpu_count()} cores; median of {args.rounds} fresh processes each")
+    print(f"\nCPU: {host().describe()}, {os.cpu_count()} cores; median of {args.rounds} fresh processes each")
     for (model, name), rs in runs.items():
         med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
         print(f"{Path(model).name:28s} {name:9s} " + "  ".join(f"{k} {v:6.2f}" for k, v in med.items()))

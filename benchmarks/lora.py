@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
         "merged_vs_full": round(sync_s["merged"] / sync_s["full"], 3),
         **merge,
     }
-    print(json.dumps(result))
+    from hotswap.kernels.cpu_target import host
+
+    print(json.dumps({"cpu": host().describe(), **result}))  # the CPU each figure is from
     return result
 
 

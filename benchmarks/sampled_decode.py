@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
         "step_vs_greedy": {k: round(v / step_ms["greedy"], 3) for k, v in step_ms.items()},
         "sampler_ms": sampler_ms(llm, rows, modes),
     }
-    print(json.dumps(result))
+    from hotswap.kernels.cpu_target import host
+
+    print(json.dumps({"cpu": host().describe(), **result}))  # the CPU each figure is from
     return result
 
 

@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "mask_fill_ms_per_step": round(statistics.median(fills), 3),
     }
-    print(json.dumps(result))
+    from hotswap.kernels.cpu_target import host
+
+    print(json.dumps({"cpu": host().describe(), **result}))  # the CPU each figure is from
     return result
 
 
