@@ -33,6 +33,7 @@ from hotswap.api.http_errors import (
     PayloadError,
     PickleRefused,
     RequestError,
+    RequestNotFound,
     WeightsPathNotAllowed,
 )
 from hotswap.checkpoint.payload import sniff_refuse_pickle
@@ -272,6 +273,48 @@ async def abort_all(ctx: ServerContext) -> None:
             ctx.engine.pause(was)
 
     await ctx.run_sync(run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Aborted:
+    """What an abort did: the engine requests it ended (each answers with finish_reason
+    "abort" and its partial output), and the ids it named whose requests had already ended."""
+
+    request_ids: list[str]
+    finished: list[str]
+
+
+async def abort_requests(ctx: ServerContext, ids: list[str] | None) -> Aborted:
+    """End the requests `ids` name (api/request_ids.py: a client's own id, a response's `id`, an
+    engine request's), or with `ids` None every request in flight; the engine is not paused.
+
+    An id this server never ran is a RequestNotFound (404) and nothing is aborted; an id whose
+    requests ended lately (an abort racing a finish) is listed in `finished`. Runs under the
+    engine lock, so what is reported is what happened: the aborted requests' final outputs are
+    on their way to their clients when this returns."""
+    engine, ids_table = ctx.engine, ctx.loop.ids
+
+    def run() -> Aborted:
+        with engine.lock:
+            if ids is None:
+                running, finished = list(dict.fromkeys([*engine.requests, *ids_table.in_flight()])), []
+            else:
+                resolved = ids_table.resolve(ids)
+                if resolved.unknown:
+                    raise RequestNotFound(
+                        f"no request with id {', '.join(map(repr, resolved.unknown))} was run by this "
+                        "server (or it ended long ago); a request is named by the id it was answered "
+                        "with (`id`), by its X-Request-Id / request_id, or by SGLang's rid"
+                    )
+                running, finished = resolved.running, resolved.finished
+            for rid in running:
+                if rid in engine.requests:
+                    engine.abort(rid)
+                else:  # named, not yet queued: the loop aborts it as soon as the engine has it
+                    ids_table.doom(rid)
+            return Aborted(running, finished)
+
+    return await ctx.run_sync(run)
 
 
 async def sleep(ctx: ServerContext, level: int, mode: str = "abort") -> None:

@@ -25,6 +25,7 @@ import anyio
 from fastapi import Request
 
 from hotswap.api.http_errors import Forbidden, ModelNotFound, ShuttingDown, Unauthorized
+from hotswap.api.request_ids import RequestIds
 from hotswap.engine.engine import Engine
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
@@ -58,6 +59,7 @@ class EngineLoop:
         self._aborts: collections.deque[str] = collections.deque()
         self._callbacks: dict[str, OnOutput] = {}
         self._cb_lock = threading.Lock()
+        self.ids = RequestIds()  # the names clients abort by (api/request_ids.py)
         self._thread = threading.Thread(target=self._run, name="hotswap-engine-loop", daemon=True)
         self.step_failures = 0
 
@@ -87,15 +89,19 @@ class EngineLoop:
         stream: bool,
         on_output: OnOutput,
         lora_name: str | None = None,
+        names: tuple[str, ...] = (),
     ):
-        """Queue in the engine; raises the engine's typed errors before anything is queued."""
+        """Queue in the engine; raises the engine's typed errors before anything is queued.
+        `names`: the ids a client may abort it by, besides `rid` (api/request_ids.py)."""
 
         def sink(out: RequestOutput) -> None:
             if out.finished:
                 with self._cb_lock:
                     self._callbacks.pop(out.request_id, None)
+                self.ids.ended(out.request_id)
             on_output(out)
 
+        self.ids.started(rid, names)  # first: refuses an id in flight before anything is replaced
         with self._cb_lock:
             self._callbacks[rid] = on_output
         try:
@@ -103,7 +109,10 @@ class EngineLoop:
         except BaseException:
             with self._cb_lock:
                 self._callbacks.pop(rid, None)
+            self.ids.ended(rid)
             raise
+        if self.ids.take_doomed(rid):  # aborted by id while it was being queued
+            self.engine.abort(rid)
         self._wake.set()
 
     def abort(self, rid: str) -> None:
@@ -143,6 +152,7 @@ class EngineLoop:
         for rid, cb in callbacks.items():
             cb(exc)  # first, so the handler reports the error rather than the abort that follows
             self.engine.abort(rid)
+            self.ids.ended(rid)
         self.step_failures = 0
 
 
@@ -198,8 +208,11 @@ class ServerContext:
         stream: bool,
         queue: asyncio.Queue,
         lora_name: str | None = None,
+        rid: str | None = None,
+        names: tuple[str, ...] = (),
     ) -> str:
-        """Add one engine request whose outputs (or a fatal error) arrive on `queue`."""
+        """Add one engine request whose outputs (or a fatal error) arrive on `queue`; `rid`: its
+        engine id (default: a fresh one), `names`: other ids a client may abort it by."""
         aloop = asyncio.get_running_loop()
 
         def on_output(item: RequestOutput | BaseException) -> None:
@@ -208,9 +221,9 @@ class ServerContext:
             except RuntimeError:  # the event loop is closed: the client is gone anyway
                 pass
 
-        rid = uuid.uuid4().hex
+        rid = rid or uuid.uuid4().hex
         await anyio.to_thread.run_sync(
-            lambda: self.loop.add_request(rid, prompt, params, stream, on_output, lora_name)
+            lambda: self.loop.add_request(rid, prompt, params, stream, on_output, lora_name, names)
         )
         return rid
 

@@ -38,6 +38,13 @@ class ModelNotFound(HotswapError):
     code = "model_not_found"
 
 
+class RequestNotFound(HotswapError):
+    """An abort names a request id this server never ran (one that ended lately is not an error)."""
+
+    status = 404
+    code = "request_not_found"
+
+
 class ShuttingDown(HotswapError):
     """The server received SIGTERM: in-flight work finishes, new work is refused."""
 
@@ -66,6 +73,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     Forbidden: (403, "permission_error"),
     WeightsPathNotAllowed: (403, "permission_error"),
     ModelNotFound: (404, "not_found_error"),
+    RequestNotFound: (404, "not_found_error"),
     EngineAsleep: (503, "service_unavailable_error"),  # before its parent LifecycleConflict (409)
     LifecycleConflict: (409, "conflict_error"),
     UnsupportedMediaType: (415, "invalid_request_error"),
@@ -138,6 +146,7 @@ __all__ = [
     "PromptTooLong",
     "QueueFull",
     "RequestError",
+    "RequestNotFound",
     "ShuttingDown",
     "TransferError",
     "Unauthorized",

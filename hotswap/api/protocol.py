@@ -58,6 +58,12 @@ class _Common(_Strict):
     guided_whitespace_pattern: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: the prompt tokens' log-probs with the k likeliest at each position (a completions
+    # choice's / a chat response's `prompt_logprobs`; api/prompt_fields.py).
+    prompt_logprobs: int | None = None
+    # vLLM's: the id this request answers with (`cmpl-<id>`, `chatcmpl-<id>`) and can be aborted
+    # by; the X-Request-Id header wins (api/request_ids.py). Default: a fresh one.
+    request_id: str | None = None
     # Accepted for openai-client compatibility; only neutral values (see `_check_neutral`).
     user: str | None = None
     frequency_penalty: float | None = None
@@ -76,7 +82,11 @@ class _Common(_Strict):
         return structured_fields.request_constraint(self.response_format, self.structured_outputs)
 
     def _sampling(
-        self, max_tokens: int | None, logprobs: int | None, constraint: StructuredOutputs | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: StructuredOutputs | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         self._check_neutral()
         return SamplingParams(
@@ -91,6 +101,7 @@ class _Common(_Strict):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=constraint,
         )
@@ -121,7 +132,19 @@ class CompletionRequest(_Common):
             raise unsupported("best_of", "best_of != n is not implemented")
         if self.suffix:
             raise unsupported("suffix", "suffix (insertion) is not implemented")
-        return self._sampling(self.max_tokens, self.logprobs, self.constraint())
+        # echo + logprobs: the prompt's log-probs lead the choice's (vLLM's reading of OpenAI's).
+        prompt = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt = max(prompt or 0, self.logprobs)
+        # echo with max_tokens 0 (an eval harness scoring its prompt): one token is generated and
+        # not shown, as vLLM does.
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self._sampling(max_tokens, self.logprobs, self.constraint(), prompt)
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the choice is the prompt alone."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(_Strict):
@@ -168,6 +191,42 @@ class ChatCompletionRequest(_Common):
         )
 
 
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's `/tokenize` body: its TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest
+    (`messages`, rendered by the chat template as /v1/chat/completions renders them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: true for a prompt (BOS added), false for messages (the template places it).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        """Exactly one of prompt and messages; the chat fields only with messages."""
+        if (self.prompt is None) == (self.messages is None):
+            why = "neither was given" if self.prompt is None else "both were given"
+            raise RequestError(f"/tokenize takes exactly one of `prompt` or `messages` ({why})")
+        if self.prompt is not None:
+            stray = [f for f in _CHAT_ONLY if f in self.model_fields_set]
+            if stray:
+                raise unsupported(stray[0], "applies to `messages` only (this request tokenizes a `prompt`)")
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `/detokenize` body."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # --------------------------------------------------------------------------- responses
 
 
@@ -199,7 +258,7 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def _token_str(tokenizer, tid: int, as_ids: bool = False) -> str:
+def token_str(tokenizer, tid: int, as_ids: bool = False) -> str:
     if as_ids:
         return f"token_id:{tid}"
     return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer is not None else str(tid)
@@ -209,7 +268,7 @@ def completion_logprobs(
     tokenizer, comp: CompletionOutput, start: int, text_offset: int, as_ids: bool = False
 ) -> dict[str, Any]:
     """Legacy completions format for tokens [start:]: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens = [_token_str(tokenizer, t, as_ids) for t in comp.token_ids[start:]]
+    tokens = [token_str(tokenizer, t, as_ids) for t in comp.token_ids[start:]]
     offsets, pos = [], text_offset
     for t in tokens:
         offsets.append(pos)
@@ -217,7 +276,7 @@ def completion_logprobs(
     top = None
     if comp.top_logprobs is not None:
         top = [
-            {_token_str(tokenizer, i, as_ids): lp for i, lp in d.items()} for d in comp.top_logprobs[start:]
+            {token_str(tokenizer, i, as_ids): lp for i, lp in d.items()} for d in comp.top_logprobs[start:]
         ]
     return {
         "tokens": tokens,
@@ -231,7 +290,7 @@ def chat_logprobs(tokenizer, comp: CompletionOutput, start: int, as_ids: bool = 
     """Chat format for tokens [start:]: content = [{token, logprob, bytes, top_logprobs}]."""
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
-        s = _token_str(tokenizer, tid, as_ids)
+        s = token_str(tokenizer, tid, as_ids)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     content = []

@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from hotswap.api import streaming
+from hotswap.api import prompt_fields, streaming
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
 from hotswap.api.http_errors import EngineAsleep, PromptTooLong
 from hotswap.api.protocol import (
@@ -29,10 +29,12 @@ from hotswap.api.protocol import (
     chat_logprobs,
     completion_logprobs,
     response_version,
+    token_str,
     unsupported,
     usage,
     version_fields,
 )
+from hotswap.api.request_ids import client_id
 from hotswap.api.version_labels import wire_version_fields
 from hotswap.engine.chat import chat_prompt
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
@@ -54,10 +56,16 @@ def _check_length(ctx: ServerContext, prompt_ids: list[int], max_tokens: int | N
 
 
 async def _start(
-    ctx: ServerContext, prompts: list[list[int]], sp: SamplingParams, stream: bool, lora_name: str | None
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    sp: SamplingParams,
+    stream: bool,
+    lora_name: str | None,
+    engine_ids: list[tuple[str, tuple[str, ...]]],
 ) -> tuple[asyncio.Queue, list[str]]:
     """Queue one engine request per prompt (served with the LoRA adapter `lora_name`, or the
-    base); all outputs arrive on one asyncio queue."""
+    base); all outputs arrive on one asyncio queue. `engine_ids[i]`: prompt i's engine request id and
+    the other ids a client may abort it by (api/request_ids.py)."""
     ctx.check_admitting()
     if not ctx.engine.state.serving:  # the engine re-checks under its lock; this one speaks REST
         raise EngineAsleep(
@@ -69,8 +77,8 @@ async def _start(
     queue: asyncio.Queue = asyncio.Queue()
     rids: list[str] = []
     try:
-        for ids in prompts:
-            rids.append(await ctx.submit(ids, sp, stream, queue, lora_name))
+        for prompt, (rid, names) in zip(prompts, engine_ids, strict=True):
+            rids.append(await ctx.submit(prompt, sp, stream, queue, lora_name, rid, names))
     except BaseException:
         for rid in rids:  # a later prompt was refused (e.g. queue full): drop the earlier ones too
             ctx.loop.abort(rid)
@@ -138,20 +146,39 @@ def routed(c: CompletionOutput) -> dict:
 # --------------------------------------------------------------------------- /v1/completions
 
 
+def _no_tokens(c: CompletionOutput) -> CompletionOutput:
+    """A choice with its generated tokens hidden: echo with max_tokens 0 shows the prompt alone."""
+    top = None if c.top_logprobs is None else []
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[], top_logprobs=top, text_delta="")
+
+
+def _keeping_prompt_logprobs(rids: list[str], plps: dict, render: streaming.Render) -> streaming.Render:
+    """`render`, after noting each output's prompt log-probs (by prompt index) for its choices."""
+    index = {rid: i for i, rid in enumerate(rids)}
+
+    def keep(item: RequestOutput) -> list[dict]:
+        if item.prompt_logprobs is not None:
+            plps[index[item.request_id]] = item.prompt_logprobs
+        return render(item)
+
+    return keep
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = ctx_of(request)
     lora_name = ctx.check_model(body.model)
     sp = body.sampling_params()
-    if body.echo and body.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not implemented")
     tok = ctx.engine.tokenizer
     prompts = [ctx.engine.tokenize(p) for p in body.prompts()]
     echo = [
         (text if text is not None else tok.decode(ids)) if body.echo and tok else "" for text, ids in prompts
     ]
-    queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream, lora_name)
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    client = client_id(request, body.request_id)
+    cid, created = f"cmpl-{client.base}", int(time.time())
+    # Prompt i runs as `<id>-<i>` (vLLM's ids); the response's id names them all.
+    engine_ids = [(f"{cid}-{i}", client.names(cid)) for i in range(len(prompts))]
+    queue, rids = await _start(ctx, [ids for _, ids in prompts], sp, body.stream, lora_name, engine_ids)
     wire = wire_version_fields(ctx, request.url.path)
 
     def wrap(choices: list[dict], version: int) -> dict:
@@ -164,10 +191,26 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             "weights_version": version,
         }
 
+    as_ids = body.return_tokens_as_token_ids
+    echo_lps = body.echo and body.logprobs is not None  # the prompt's log-probs lead the choice's
+    plps: dict[int, list | None] = {}  # prompt index -> its RequestOutput.prompt_logprobs
+
     def choice(ci: int, comp: CompletionOutput, text: str, start: int, offset: int = 0) -> dict:
-        as_ids = body.return_tokens_as_token_ids
-        lp = completion_logprobs(tok, comp, start, offset, as_ids) if body.logprobs is not None else None
-        out = {"index": ci, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        p = ci // sp.n
+        if body.prompt_only:  # the one generated token is not shown
+            comp, text = _no_tokens(comp), ""
+        # The echoed prompt goes with a choice's first tokens; a plain stream sent it ahead (head).
+        lead = echo[p] if start == 0 and (echo_lps or not body.stream) else ""
+        lp = None
+        if body.logprobs is not None:
+            lp = completion_logprobs(tok, comp, start, offset + len(lead), as_ids)
+            if echo_lps and start == 0 and plps.get(p) is not None:
+                lp = prompt_fields.echo_logprobs(
+                    prompts[p][1], plps[p], body.logprobs, partial(token_str, tok, as_ids=as_ids), lp
+                )
+        out = {"index": ci, "text": lead + text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        if body.prompt_logprobs is not None and start == 0:
+            out["prompt_logprobs"] = prompt_fields.vllm_json(plps.get(p))
         if body.return_token_ids:  # a stream sends the prompt's ids with a choice's first tokens
             if start == 0:
                 out["prompt_token_ids"] = prompts[ci // sp.n][1]
@@ -184,22 +227,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 ctx.engine.weights_version,
             )
             for p, e in enumerate(echo)
-            if e
+            if e and not echo_lps  # echo + logprobs: with the first tokens, once their log-probs are in
             for i in range(n)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = _choice_chunks(rids, sp, choice, wrap)
+        render = _keeping_prompt_logprobs(rids, plps, _choice_chunks(rids, sp, choice, wrap))
         tail = _usage_tail(include_usage, wrap)
         return streaming.stream(streaming.events(ctx, request, queue, rids, render, head=head, tail=tail))
 
     outs = await streaming.collect(ctx, request, queue, rids)
     if outs is None:
         return streaming.gone()
-    choices = [
-        choice(p * sp.n + c.index, c, echo[p] + c.text, 0, len(echo[p]))
-        for p, o in enumerate(outs)
-        for c in o.outputs
-    ]
+    plps.update((p, o.prompt_logprobs) for p, o in enumerate(outs))
+    choices = [choice(p * sp.n + c.index, c, c.text, 0) for p, o in enumerate(outs) for c in o.outputs]
     return JSONResponse({**wrap(choices, response_version(outs)), "usage": usage(outs)})
 
 
@@ -231,8 +271,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         tools=tools.offered,
         tool_format=fmt,
     )
-    queue, rids = await _start(ctx, [ids], sp, body.stream, lora_name)
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    client = client_id(request, body.request_id)
+    cid, created = f"chatcmpl-{client.base}", int(time.time())
+    queue, rids = await _start(ctx, [ids], sp, body.stream, lora_name, [(cid, client.names(cid))])
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
     wire = wire_version_fields(ctx, request.url.path)
 
@@ -324,4 +365,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         }
 
     choices = [message_choice(c) for c in outs[0].outputs]
-    return JSONResponse({**wrap(choices, response_version(outs)), **prompt_ids, "usage": usage(outs)})
+    # vLLM's: the prompt's log-probs once, beside the choices
+    plp = (
+        {}
+        if body.prompt_logprobs is None
+        else {"prompt_logprobs": prompt_fields.vllm_json(outs[0].prompt_logprobs)}
+    )
+    return JSONResponse({**wrap(choices, response_version(outs)), **prompt_ids, **plp, "usage": usage(outs)})

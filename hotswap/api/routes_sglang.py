@@ -201,6 +201,30 @@ async def update_weight_version(body: _NewVersion, request: Request) -> JSONResp
     return JSONResponse({"success": True, "new_version": body.new_version})
 
 
+class _Abort(BaseModel):
+    """SGLang's AbortReq: one request by `rid`, or `abort_all`."""
+
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
+
+
+@router.post("/abort_request", dependencies=admin)
+async def abort_request(request: Request) -> JSONResponse:
+    """End the request `rid` names (its `/generate` rid, or any id api/request_ids.py knows),
+    or every request in flight with `abort_all`; each answers with finish_reason "abort" and
+    its partial output. A rid never run here: 404; one that ended lately: 200, in `finished`."""
+    ctx = ctx_of(request)
+    try:
+        body = _Abort.model_validate(await actions.read_fields(request, pickle_error=PickleBodyRefused))
+        if not body.abort_all and not body.rid:
+            raise RequestError('/abort_request takes {"rid": "<request id>"} or {"abort_all": true}')
+        done = await actions.abort_requests(ctx, None if body.abort_all else [body.rid])
+    except HotswapError as e:
+        return failure(e)
+    return JSONResponse({"success": True, "aborted": done.request_ids, "finished": done.finished})
+
+
 # --------------------------------------------------------------------------- /generate
 
 
@@ -305,7 +329,8 @@ async def generate(body: _Generate, request: Request) -> Response:
     params.return_routed_experts = body.return_routed_experts
     routed_from = body.routed_experts_start_len if body.return_routed_experts else None
     queue: asyncio.Queue = asyncio.Queue()
-    rids = [await ctx.submit(ids, params, body.stream, queue)]
+    # SGLang's `rid`: the client's id for this request (`meta_info.id`), which /abort_request takes.
+    rids = [await ctx.submit(ids, params, body.stream, queue, rid=body.rid)]
 
     def render(out: RequestOutput) -> list[dict[str, Any]]:
         return [_body(ctx, out, body.return_logprob, routed_from)]

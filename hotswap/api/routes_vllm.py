@@ -16,6 +16,10 @@ commits them all at once (validate -> swap; nothing changes if anything is wrong
 
 Each route is an adapter over api/actions.py. A body whose bytes are a pickle gets 415, a
 pickled `serialized_named_tensors` in `update_info` 400, and neither is ever unpickled.
+
+Three of vLLM's names are free at the root too, and served there as well as under `/vllm`:
+`/tokenize` and `/detokenize` (`tokenization`: inference routes, the api key at the root as on
+`/v1/*`, the admin key under `/vllm`) and `/abort_requests` (`aborts`: the admin key).
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ import dataclasses
 import uuid
 from typing import Any
 
+import pydantic
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from hotswap.api import actions
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.http_errors import LifecycleConflict, PickleBodyRefused, RequestError
+from hotswap.api.protocol import DetokenizeRequest, TokenizeRequest
 from hotswap.api.version_labels import VLLM_PREFIX, label
+from hotswap.engine.chat import chat_prompt
+from hotswap.toolcalls.choice import ToolChoice
 
 PREFIX = VLLM_PREFIX
 BACKENDS = {"http": "hotswap's safe payloads over HTTP: " + actions.SAFE_FORMATS}
@@ -38,6 +46,8 @@ PAUSE_MODES = ("abort", "wait", "keep")
 REFUSED_BACKENDS = ("nccl", "ipc", "sparse_nccl", "sharded_rdt")
 
 router = APIRouter(prefix=PREFIX, dependencies=[Depends(require_admin)])
+tokenization = APIRouter()  # its key is set where it is mounted (server.py)
+aborts = APIRouter(dependencies=[Depends(require_admin)])
 
 
 @dataclasses.dataclass
@@ -196,3 +206,82 @@ async def finish_weight_update(request: Request) -> JSONResponse:
         _transfer(ctx).update_id = None  # committed or refused: either way this update is over
         actions.drop_staged(ctx)
     return JSONResponse({"message": "Weight update finished"})
+
+
+# --------------------------------------------------------------------------- abort
+
+
+class _AbortRequests(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    request_ids: list[str] | None = None
+
+
+@aborts.post("/abort_requests")
+async def abort_requests(request: Request) -> JSONResponse:
+    """vLLM's RL route: end the named requests (empty or missing `request_ids`: every one in
+    flight) without pausing the engine; each answers with finish_reason "abort" and its
+    partial output. An id never run here: 404; one that ended lately: listed in `finished`."""
+    fields = await actions.read_fields(request, pickle_error=PickleBodyRefused)
+    body = _AbortRequests.model_validate(fields)
+    done = await actions.abort_requests(ctx_of(request), body.request_ids or None)
+    return JSONResponse(
+        {
+            "status": "aborted",
+            "aborted": len(done.request_ids),
+            "request_ids": done.request_ids,
+            "finished": done.finished,
+        }
+    )
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+def _tokenizer(ctx: ServerContext):
+    tok = ctx.engine.tokenizer
+    if tok is None:
+        raise RequestError("this model has no tokenizer: send and read token ids")
+    return tok
+
+
+@tokenization.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """A prompt's ids, or a conversation's as /v1/chat/completions renders it (the same
+    template, tools and options): {count, max_model_len, tokens, token_strs}."""
+    ctx = ctx_of(request)
+    ctx.check_model(body.model)
+    body.check()
+    tok = _tokenizer(ctx)
+    if body.messages is not None:
+        text, ids = chat_prompt(
+            tok,
+            [m.model_dump(exclude_none=True) for m in body.messages],
+            chat_template_kwargs=body.chat_template_kwargs,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=ToolChoice.of(body.tools, None, None).offered,
+            tool_format=ctx.tool_format,
+        )
+        if body.add_special_tokens:  # on top of what the template placed (vLLM's option)
+            ids = tok.encode(text, add_special_tokens=True)
+    else:
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return JSONResponse(
+        {"count": len(ids), "max_model_len": ctx.engine.ecfg.max_model_len, "tokens": ids, "token_strs": strs}
+    )
+
+
+@tokenization.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    """Ids back to text, special tokens kept: {prompt}."""
+    ctx = ctx_of(request)
+    ctx.check_model(body.model)
+    tok = _tokenizer(ctx)
+    bad = [(i, t) for i, t in enumerate(body.tokens) if not 0 <= t < tok.vocab_size]
+    if bad:
+        i, t = bad[0]
+        raise RequestError.of_field(
+            f"tokens[{i}]", f"token id {t} is outside the vocabulary [0, {tok.vocab_size})"
+        )
+    return JSONResponse({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})

@@ -335,7 +335,15 @@ def create_app(
     # the OpenAI routes are mounted again so one base URL serves generation and control).
     app.include_router(routes_sglang.router)
     app.include_router(routes_vllm.router)
+    # vLLM's /tokenize, /detokenize (inference: the api key) and /abort_requests (admin) are
+    # free names at the root, and under /vllm with the rest of vLLM's routes.
+    app.include_router(routes_vllm.tokenization, dependencies=[Depends(require_api_key)])
+    app.include_router(routes_vllm.aborts)
+    app.include_router(routes_vllm.aborts, prefix=routes_vllm.PREFIX)
     app.include_router(routes_lora.router)
     # The admin key there, as on every route outside /v1/: the api key opens /v1/* only.
     app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX, dependencies=[Depends(require_admin)])
+    app.include_router(
+        routes_vllm.tokenization, prefix=routes_vllm.PREFIX, dependencies=[Depends(require_admin)]
+    )
     return app

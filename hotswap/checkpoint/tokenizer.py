@@ -151,6 +151,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for an id (byte-level BPE: `Ġthe`), None outside it."""
+        return self._tok.id_to_token(token_id)
+
     def to_json_str(self) -> str:
         """The tokenizer.json text (a grammar library builds its own tokenizer from it)."""
         return self._tok.to_str()
