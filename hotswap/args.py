@@ -33,6 +33,9 @@ WEIGHT_UPDATE_STAGINGS = ("auto", "copy", "in_place")
 # Where a field is an option: `LLM(...)` (and `HotswapRollout`), `hotswap serve`, `hotswap aot`.
 SCOPES = ("llm", "serve", "aot")
 SERVING = ("llm", "serve")  # options of a running engine, meaningless when only compiling
+# What a token's log-probs are of (vLLM's `logprobs_mode`; programs/sampler.py): the raw model
+# distribution, or the processed one it was drawn from; as log-probs or as logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 class Bound(NamedTuple):
@@ -313,6 +316,19 @@ class EngineArgs:
         "MoE 模型：每个请求都返回每个词元被路由到的专家（vLLM 的同名选项：`CompletionOutput.routed_experts`，"
         "OpenAI 路由中的 `routed_experts`）；不设置时由请求的 `return_routed_experts` 单独要求",
         type=bool,
+        scopes=SERVING,
+    )
+    logprobs_mode: str = option(
+        "raw_logprobs",
+        "what returned log-probs are of (vLLM's flag): `raw_logprobs` / `raw_logits`, the model's "
+        "distribution; `processed_logprobs` / `processed_logits`, the one a token was drawn from (after the "
+        "structured-output mask, temperature, top-k, top-p and min-p; filtered tokens `-inf`). A request's "
+        "`logprobs_mode` overrides it",
+        "返回的对数概率属于哪个分布（vLLM 的同名选项）：`raw_logprobs` / `raw_logits` 为模型的原始分布；"
+        "`processed_logprobs` / `processed_logits` 为词元实际采样所用的分布（经结构化输出掩码、温度、top-k、"
+        "top-p 与 min-p 之后；被过滤的词元为 `-inf`）。请求的 `logprobs_mode` 可覆盖它",
+        type=str,
+        choices=LOGPROBS_MODES,
         scopes=SERVING,
     )
     revision: str | None = option(

@@ -6,6 +6,7 @@ compiled step on the state's pages and warms every bucket up at start.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -187,7 +188,9 @@ class Runner:
         structured.fill_masks(sampling, mask)
         return mask
 
-    def _call(self, params: Params, pages, rows: list[tuple[Sequence, int]], pool: PagePool, kind: str):
+    def _call(
+        self, params: Params, pages, rows: list[tuple[Sequence, int]], pool: PagePool, kind: str, kept: bool
+    ):
         """One jitted call for `rows`: a decode batch, prefill chunks packed together, or (ragged)
         both in one [T, 1] block."""
         if kind == "ragged":
@@ -202,39 +205,43 @@ class Runner:
             s,
             self.mcfg.vocab_size,
             self._masks(rows, s),
+            self.ecfg.logprobs_mode,
         )
         step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
         pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
         n_rows = len(rows)
-        host = jax.device_get(out)  # one host copy per call
-        tok, lp, ti, tl = host[:4]
-        sampled = (tok[:n_rows], lp[:n_rows], ti[:n_rows], tl[:n_rows])
-        if len(host) == 4:
-            return pages, (*sampled, [None] * n_rows)
+        # One host copy per call; the kept sets' [S, V/32] bitmasks only when a row of the step asked.
+        sampled = out[0] if kept else dataclasses.replace(out[0], kept_mask=np.zeros((s, 0), np.int32))
+        host = jax.device_get((sampled, *out[1:]))
+        sampled = jax.tree.map(lambda a: a[:n_rows], host[0])
+        if len(host) == 1:
+            return pages, (sampled, [None] * n_rows)
         # a MoE model's routing [B*C, moe layers, k]: each row's tokens, where the batch laid them
         q = batch.tokens.shape[1]
         starts = np.cumsum([0] + [-(-n // q) * q for _, n in rows[:-1]])  # each row from a fresh row of q
-        return pages, (*sampled, [host[4][b : b + n] for b, (_, n) in zip(starts, rows, strict=True)])
+        return pages, (sampled, [host[1][b : b + n] for b, (_, n) in zip(starts, rows, strict=True)])
 
     def run(self, state: EngineState, plan: Plan):
         """Run a plan on the state's params and pages: one call for the decode batch, one for
         every prefill chunk packed together; on a ragged backend, one call for both (decode
         rows ride in the prefill's matmuls instead of streaming the weights again). Returns
         the new page buffers (the old ones are donated) and the sampled rows in `plan.rows`
-        order, with (last) each row's routed experts (a MoE model) or None."""
+        order (`StepOutput`: a host `Sampled`, and each row's routed experts (a MoE model) or
+        None; the kept bitmasks [rows, 0] unless a row of the plan asked for its kept set)."""
         pages = state.kv.pages
         if self.buckets.ragged:
             calls = [("ragged", rows) for rows in self.pack(plan.rows)]
         else:
             calls = [("decode", [(s, 1) for s in plan.decode])] if plan.decode else []
             calls += [("prefill", rows) for rows in self.pack(plan.prefill)]
+        kept = any(s.params.return_kept_set for s, _ in plan.rows)
         outs = []
         for kind, rows in calls:
-            pages, out = self._call(state.step_params, pages, rows, state.pool, kind)
+            pages, out = self._call(state.step_params, pages, rows, state.pool, kind, kept)
             outs.append(out)
-        parts = list(zip(*outs, strict=True))
-        routed = [r for rows in parts[4] for r in rows]  # per row: [n, moe layers, k] or None
-        return pages, (*(np.concatenate(p) for p in parts[:4]), routed)
+        sampled, routed = zip(*outs, strict=True)
+        routed = [r for rows in routed for r in rows]  # per row: [n, moe layers, k] or None
+        return pages, (jax.tree.map(lambda *a: np.concatenate(a), *sampled), routed)
 
     def warmup(self, params: Params, pages, progress: bool = True, cache: bool = False) -> None:
         """Compile every bucket now, so serving never compiles.

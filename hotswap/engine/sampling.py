@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from hotswap.args import LOGPROBS_MODES
 from hotswap.engine.structured import StructuredOutputs, structured_outputs
 from hotswap.errors import RequestError
 from hotswap.programs.sampler import TOP_LOGPROBS
+
+KEPT_SET_FORMS = ("count", "ids", "mask")  # SamplingParams.return_kept_set
 
 
 @dataclasses.dataclass
@@ -34,6 +37,14 @@ class SamplingParams:
     # A MoE model: return the experts every token was routed to (`CompletionOutput.routed_experts`),
     # what a trainer replays ("rollout routing replay").
     return_routed_experts: bool = False
+    # What `logprobs` and `top_logprobs` are of (vLLM's engine option `logprobs_mode`, here per
+    # request too; None: the engine's): LOGPROBS_MODES.
+    logprobs_mode: str | None = None
+    # Per token, the set the sampler could draw from (after the structured-output mask and the
+    # top-k/top-p/min-p filters; a greedy token's: itself): "count" its size
+    # (`CompletionOutput.kept_counts`), "ids" its size and ids (`kept_token_ids`), "mask" its size
+    # and a packed bitmask (`kept_masks`). True: "count".
+    return_kept_set: str | bool | None = None
 
     def __post_init__(self):
         if self.n < 1:
@@ -50,6 +61,16 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= TOP_LOGPROBS):
             raise RequestError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise RequestError(
+                f"logprobs_mode={self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}"
+            )
+        if isinstance(self.return_kept_set, bool):
+            self.return_kept_set = "count" if self.return_kept_set else None
+        if self.return_kept_set is not None and self.return_kept_set not in KEPT_SET_FORMS:
+            raise RequestError(
+                f"return_kept_set={self.return_kept_set!r}; use one of {', '.join(KEPT_SET_FORMS)} (or true)"
+            )
         self.structured_outputs = structured_outputs(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -20,17 +20,17 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-import numpy as np
-
 from hotswap.engine.outputs import finish_reason
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex, page_key
 from hotswap.engine.sequence import Sequence, Status
 from hotswap.engine.state import EngineState, KVCache
 from hotswap.engine_config import EngineConfig
+from hotswap.programs.sampler import Sampled
 
-# tokens, logprobs, top ids, top lps, and per row its tokens' routed experts (None: dense model)
-StepOutput = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]
+# the sampled rows (a `Sampled` of host arrays), and per row its tokens' routed experts (None:
+# dense model)
+StepOutput = tuple[Sampled, list]
 
 
 @dataclasses.dataclass
@@ -289,7 +289,8 @@ class Scheduler:
         w = _Work.of(state)
         page_version = state.kv.page_version.copy()
         page_adapter = state.kv.page_adapter.copy()
-        tok, lp, top_ids, top_lps, routed = out
+        sampled, routed = out
+        tok, lp, top_ids, top_lps = sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_lps
         rows = plan.rows
         for i, (seq, n) in enumerate(rows):
             if routed[i] is not None:  # a MoE model: the experts of the row's tokens
@@ -311,6 +312,8 @@ class Scheduler:
                 w.version,
                 (top_ids[i, :k].copy(), top_lps[i, :k].copy()) if k else None,
             )
+            if seq.params.return_kept_set is not None:
+                seq.append_kept(int(sampled.kept[i]), sampled.kept_mask[i])
             self.num_generated += 1
             reason, stop = finish_reason(seq, self.cfg.max_model_len)
             if reason is not None:

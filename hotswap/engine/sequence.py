@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hotswap.engine.sampling import SamplingParams
+from hotswap.programs.sampler import unpack_mask
 
 if TYPE_CHECKING:
     from hotswap.engine.outputs import RequestOutput, SequenceText
@@ -44,6 +45,8 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    # SamplingParams.return_kept_set: per token (kept count, its ids "ids" | packed words "mask" | None)
+    output_kept: list[tuple[int, np.ndarray | None]] = dataclasses.field(default_factory=list)
     output_versions: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -95,6 +98,13 @@ class Sequence:
         self.tokens_over_mixed_kv |= self.mixed_kv
         if top is not None:
             self.output_top.append(top)
+
+    def append_kept(self, count: int, words: np.ndarray) -> None:
+        """The last token's kept set (`SamplingParams.return_kept_set`): its size, and what the
+        request asked of it: its ids (decoded now, from the packed `words`) or the words."""
+        form = self.params.return_kept_set
+        held = unpack_mask(words).nonzero()[0].astype(np.int32) if form == "ids" else None
+        self.output_kept.append((count, words.copy() if form == "mask" else held))
 
     @property
     def all_ids(self) -> list[int]:

@@ -128,13 +128,14 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         logits = forward.logits_from_hidden(params, h_last, backend.matmuls, cfg.final_logit_softcapping)
-        out = sample(
+        sampled = sample(
             logits,
             sa,
             backend.row_stats,
             keep_thresholds=backend.keep_thresholds,
             categorical=backend.categorical,
         )
+    out = (sampled,)
     if routed is not None:  # a MoE model: the experts of every token, [B*C, moe layers, k] int16
         out = (*out, routed.reshape(-1, *routed.shape[2:]).astype(jnp.int16))
     return (new_kv if backend.read_then_write else pages), out
@@ -148,7 +149,7 @@ fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=
 
 
 def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled=None):
-    """One step on device: returns (new pages, (tokens, logprobs, top_ids, top_lps[, routed])),
+    """One step on device: returns (new pages, (Sampled[, routed])),
     routed for a MoE model: the experts each of the step's B*C tokens went to.
     `compiled`: warm-up's program for this bucket, when it holds one (see `Runner.warmup`)."""
     if compiled is not None:

@@ -31,7 +31,7 @@ def _logits(rows: int, seed: int = 0) -> jax.Array:
 
 def _tokens(logits, params: list[SamplingParams], seeds, steps, twin: str = "jnp") -> np.ndarray:
     sa = SamplingArrays.from_rows(list(zip(params, seeds, steps, strict=True)), len(params), logits.shape[-1])
-    return np.asarray(SAMPLE[twin](logits, sa)[0])
+    return np.asarray(SAMPLE[twin](logits, sa).tokens)
 
 
 def _kept_by_sorting(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
