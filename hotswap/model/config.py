@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from hotswap.errors import ConfigError
+from hotswap.model.hf_spellings import FULL, SLIDING, spelled, standard
 
 # HF `architectures[0]` -> our family name. Two similar families are cheaper to
 # read than a registry, so the differences are plain fields below.
@@ -38,7 +39,6 @@ _MODEL_TYPES = {
     "mixtral": "mixtral",
 }
 GEMMA = ("gemma2", "gemma3")
-SLIDING, FULL = "sliding_attention", "full_attention"
 _ACTS = {"silu", "gelu_pytorch_tanh"}
 _DTYPES = {"float32", "bfloat16", "float16"}
 
@@ -179,7 +179,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, dtype: str | None = None) -> ModelConfig:
-        """Pure function of an HF config.json dict. Raises ConfigError naming the field."""
+        """Pure function of an HF config.json dict, as any transformers from 4.56 on writes it
+        (hf_spellings.py). Raises ConfigError naming the field."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
+        cfg = standard(cfg)
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         if archs:
@@ -203,7 +207,7 @@ class ModelConfig:
 
         def need(key):
             if key not in cfg:
-                raise ConfigError(f"config.json is missing required field {key!r}")
+                raise ConfigError(f"config.json is missing required field {spelled(key)}")
             return cfg[key]
 
         # The fields beyond the Llama family's: Gemma's, or a Mistral window.
@@ -213,15 +217,11 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = cfg.get("head_dim") or (_GEMMA_DEFAULTS["head_dim"] if arch in GEMMA else hidden // heads)
 
-        # transformers 5 moved rope settings into `rope_parameters`; 4.x used
-        # top-level `rope_theta` + `rope_scaling`. Accept both. Gemma 3 in transformers 5
-        # keeps one entry per layer type: the full layers' is the model's rope.
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope = dict(rope.get(FULL) or {}) if FULL in rope or SLIDING in rope else rope
-        scaling = cfg.get("rope_scaling") or (
-            rope if rope.get("rope_type") not in (None, "default") else None
-        )
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", extra.pop("rope_theta", 10000.0))))
+        # Rope as transformers 4.x spelled it (hf_spellings.standard reads 5.x's `rope_parameters`
+        # into it): the full layers' base and scaling; Gemma 3's sliding layers' base is extra's.
+        default_theta = extra.pop("rope_theta", 10000.0)
+        theta = float(cfg.get("rope_theta", default_theta))
+        scaling = cfg.get("rope_scaling")
         rope_scaling = _rope_scaling(scaling) if scaling else None
 
         if cfg.get("attention_bias") and arch != "qwen2":
@@ -246,7 +246,7 @@ class ModelConfig:
                 )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        src_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        src_dtype = cfg.get("dtype") or "float32"
         return cls(
             arch=arch,
             vocab_size=int(need("vocab_size")),
@@ -356,31 +356,18 @@ def _gemma_fields(cfg: dict, arch: str) -> dict:
         "rope_theta": defaults["rope_theta"],
         "max_position_embeddings": defaults["max_position_embeddings"],
     }
-    if arch == "gemma3":
-        out["rope_local_base_freq"] = _local_rope_base(cfg, defaults["rope_local_base_freq"])
+    if arch == "gemma3":  # the sliding layers' rope base, unscaled (HF scales only the full layers')
+        out["rope_local_base_freq"] = float(get("rope_local_base_freq"))
     return out
 
 
-def _local_rope_base(cfg: dict, default: float) -> float:
-    """Gemma 3's sliding layers' rope base: transformers 5's `rope_parameters.sliding_attention`
-    or 4.x's `rope_local_base_freq`. Unscaled (HF scales only the full layers' rope)."""
-    local = (cfg.get("rope_parameters") or {}).get(SLIDING)
-    if local is None:
-        return float(cfg.get("rope_local_base_freq", default))
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(
-            f"rope_parameters.{SLIDING}.rope_type={local.get('rope_type')!r} is not supported (only 'default')"
-        )
-    return float(local.get("rope_theta", default))
-
-
 def _moe_fields(arch: str, cfg: dict) -> dict:
-    """The experts' fields of an HF config: Qwen3-MoE's names, or Mixtral's (`num_local_experts`,
-    experts of `intermediate_size`, every layer sparse, top-k always renormalised)."""
+    """The experts' fields of an HF config (its names read into one by hf_spellings): Qwen3-MoE's,
+    or Mixtral's (experts of `intermediate_size`, every layer sparse, top-k always renormalised)."""
     if arch == "qwen3_moe":
         for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             if key not in cfg:
-                raise ConfigError(f"config.json is missing required field {key!r}")
+                raise ConfigError(f"config.json is missing required field {spelled(key)}")
         only = cfg.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
             raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
@@ -393,11 +380,11 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
             "mlp_only_layers": tuple(sorted(only)),
         }
     if arch == "mixtral":
-        for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size"):
+        for key in ("num_experts", "num_experts_per_tok", "intermediate_size"):
             if key not in cfg:
-                raise ConfigError(f"config.json is missing required field {key!r}")
+                raise ConfigError(f"config.json is missing required field {spelled(key)}")
         return {
-            "num_experts": int(cfg["num_local_experts"]),
+            "num_experts": int(cfg["num_experts"]),
             "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
             "moe_intermediate_size": int(cfg["intermediate_size"]),
             "norm_topk_prob": True,
