@@ -286,15 +286,15 @@ def check_decode(smoke: bool, budget: Budget) -> dict:
             [(SamplingParams(temperature=0.0), 0, 0)] * b, batch.sample_idx.shape[0], mcfg.vocab_size
         )
         t0 = time.perf_counter()
-        pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
+        pages, out, _ = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
         jax.device_get(out)
         first = time.perf_counter() - t0
         for _ in range(2):
-            pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
+            pages, out, _ = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
             jax.device_get(out)
         t0 = time.perf_counter()
         for _ in range(steps):  # one host copy per step, as the engine does
-            pages, out = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
+            pages, out, _ = run_step(params, pages, batch, sa, cfg=mcfg, backend=backend)
             jax.device_get(out)
         step_s = (time.perf_counter() - t0) / steps
         kv_pages = b * math.ceil((ctx + 1) / ps)

@@ -17,6 +17,7 @@ import numpy as np
 
 from hotswap.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
 from hotswap.engine import structured
+from hotswap.engine.prompt_logprobs import Logprob
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Request, Sequence
 
@@ -75,6 +76,9 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     weights_version: int  # the engine's version when this output was built
+    # SamplingParams.prompt_logprobs = k: vLLM's list, None for the first prompt token, then per
+    # token {token id: Logprob} (the token itself and the top k); None until the prompt is whole.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class SequenceText:
@@ -230,8 +234,31 @@ def _routed(seq: Sequence) -> np.ndarray | None:
     return seq.routed[: min(seq.num_computed, seq.total_len - 1)].copy()
 
 
-def request_output(req: Request, weights_version: int) -> RequestOutput:
-    """The request's outputs now (each sample's text delta since the previous call)."""
+def _prompt_logprobs(req: Request, tokenizer: Tokenizer | None) -> list | None:
+    """vLLM's `prompt_logprobs` once the first sample's prompt is computed, built once per request."""
+    if req.params.prompt_logprobs is None:
+        return None
+    if req.prompt_logprobs is None:
+        record = req.seqs[0].prompt_record
+        if len(req.prompt_ids) <= 1:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+        elif record is not None and record.complete:
+            texts: dict[int, str] = {}
+
+            def decode(tid: int) -> str | None:
+                if tokenizer is None:
+                    return None
+                if tid not in texts:
+                    texts[tid] = tokenizer.decode([tid], skip_special_tokens=False)
+                return texts[tid]
+
+            req.prompt_logprobs = record.to_vllm(req.prompt_ids, decode)
+    return req.prompt_logprobs
+
+
+def request_output(req: Request, weights_version: int, tokenizer: Tokenizer | None = None) -> RequestOutput:
+    """The request's outputs now (each sample's text delta since the previous call); `tokenizer`
+    spells the prompt log-probs' tokens."""
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
@@ -240,4 +267,5 @@ def request_output(req: Request, weights_version: int) -> RequestOutput:
         num_cached_tokens=req.seqs[0].num_cached_tokens,
         finished=req.finished,
         weights_version=weights_version,
+        prompt_logprobs=_prompt_logprobs(req, tokenizer),
     )

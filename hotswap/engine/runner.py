@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import numpy as np
 
-from hotswap.engine import structured
+from hotswap.engine import prompt_logprobs, structured
 from hotswap.engine.pages import PagePool
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
@@ -174,6 +174,9 @@ class Runner:
             bt.segments[row : row + k] = r
             bt.adapters[row : row + k] = seq.lora_slot
             bt.sample_idx[r] = base + n - 1
+            if prompt_logprobs.asks(seq):
+                bt.prompt_targets.reshape(-1)[base : base + n] = prompt_logprobs.targets(seq, start, n)
+                bt.prompt_top.reshape(-1)[base : base + n] = seq.params.prompt_logprobs > 0
             row += k
         return bt if pool.window is not None else self._mirrored(bt)
 
@@ -208,7 +211,10 @@ class Runner:
             self.ecfg.logprobs_mode,
         )
         step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
-        pages, out = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
+        pages, out, prompt = run_step(
+            params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step
+        )
+        self._record_prompt(rows, batch, prompt)
         n_rows = len(rows)
         # One host copy per call; the kept sets' [S, V/32] bitmasks only when a row of the step asked.
         sampled = out[0] if kept else dataclasses.replace(out[0], kept_mask=np.zeros((s, 0), np.int32))
@@ -220,6 +226,20 @@ class Runner:
         q = batch.tokens.shape[1]
         starts = np.cumsum([0] + [-(-n // q) * q for _, n in rows[:-1]])  # each row from a fresh row of q
         return pages, (sampled, [host[1][b : b + n] for b, (_, n) in zip(starts, rows, strict=True)])
+
+    @staticmethod
+    def _record_prompt(rows: list[tuple[Sequence, int]], batch: Batch, prompt) -> None:
+        """Hand each row that asked for prompt log-probs its chunk's (copied to the host only when
+        some row asked): its positions start where `_chunks` laid the row, at a fresh row of C."""
+        if not (batch.prompt_targets >= 0).any():
+            return
+        lp, rank, top_ids, top_lps = jax.device_get(prompt)
+        q, base = batch.tokens.shape[1], 0
+        for seq, n in rows:
+            if prompt_logprobs.asks(seq):
+                at = slice(base, base + n)
+                seq.record_prompt(seq.num_computed, lp[at], rank[at], top_ids[at], top_lps[at])
+            base += -(-n // q) * q
 
     def run(self, state: EngineState, plan: Plan):
         """Run a plan on the state's params and pages: one call for the decode batch, one for

@@ -30,6 +30,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0..20)
+    # vLLM's: the prompt tokens' log-probs (`RequestOutput.prompt_logprobs`), each with the k
+    # most likely tokens at its position (0..20); raw distribution, as `LLM.score`. A request
+    # that asks recomputes its whole prompt (no prefix-cache hit: engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # The output must match this (JSON schema, regex, choice, grammar: engine/structured.py);
     # a dict is read as vLLM's JSON form.
@@ -61,6 +65,8 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= TOP_LOGPROBS):
             raise RequestError(f"logprobs must be in [0, {TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= TOP_LOGPROBS):
+            raise RequestError(f"prompt_logprobs must be in [0, {TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise RequestError(
                 f"logprobs_mode={self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}"

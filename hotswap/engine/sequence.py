@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hotswap.engine.prompt_logprobs import PromptRecord
 from hotswap.engine.sampling import SamplingParams
 from hotswap.programs.sampler import unpack_mask
 
@@ -76,6 +77,15 @@ class Sequence:
     # layer ([moe layers, k] int16), for every token that has KV (computed here, or read with
     # the prefix pages it hit). Grown as tokens are computed; None for a dense model.
     routed: np.ndarray | None = None
+    # SamplingParams.prompt_logprobs (the first sample only): the prompt tokens' log-probs so far,
+    # chunk by chunk as the step computes them (engine/prompt_logprobs.py).
+    prompt_record: PromptRecord | None = None
+
+    def record_prompt(self, start: int, lp, rank, top_ids, top_lps) -> None:
+        """A step's prompt log-probs for the chunk of positions [start, start + len(lp))."""
+        if self.prompt_record is None:
+            self.prompt_record = PromptRecord.empty(len(self.prompt_ids), self.params.prompt_logprobs or 0)
+        self.prompt_record.record(start, lp, rank, top_ids, top_lps)
 
     def record_routing(self, start: int, experts: np.ndarray) -> None:
         """The experts of tokens [start, start + len(experts)) (a step's, or a prefix hit's)."""
@@ -140,6 +150,8 @@ class Request:
     seqs: list[Sequence]
     sink: Sink | None = None
     stream: bool = False
+    # SamplingParams.prompt_logprobs: vLLM's list, built once the prompt is whole (outputs.py)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

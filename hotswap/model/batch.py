@@ -17,7 +17,7 @@ Sliding-window layers read and write their own pages when they have a pool of th
 same tables, slots and page list in that pool (equal to the others when there is none), and
 `windowed()` is the batch those layers see.
 
-All arrays are host-built int32 (runner.py) and padded to bucket shapes, so the step
+All arrays are host-built int32 (`prompt_top` bool) (runner.py) and padded to bucket shapes, so the step
 compiles once per bucket. Padding tokens sit at positions >= their row's kv_len, write
 to slot 0 (the null page) and are never sampled.
 """
@@ -49,6 +49,11 @@ class Batch:
     window_block_tables: jax.Array  # [B, P] block_tables in the window pool (0: a page behind the window)
     window_slots: jax.Array  # [B, C] slots in the window pool
     window_page_ids: jax.Array  # [N] page_ids in the window pool
+    # Prompt log-probs (programs/prompt_logprobs.py): at a prompt position of a row that asks,
+    # the next prompt token, whose log-prob the step returns (-1: not asked); and whether the
+    # row wants the top-k alternatives there too.
+    prompt_targets: jax.Array  # [B, C]
+    prompt_top: jax.Array  # [B, C] bool
 
     def windowed(self) -> Batch:
         """What a sliding-window layer reads and writes: the window pool's tables, slots and pages."""
@@ -79,4 +84,6 @@ class Batch:
             window_block_tables=z((b, p), np.int32),
             window_slots=z((b, c), np.int32),
             window_page_ids=z(n, np.int32),
+            prompt_targets=np.full((b, c), -1, np.int32),
+            prompt_top=z((b, c), bool),
         )

@@ -24,6 +24,7 @@ from hotswap.engine_config import EngineConfig
 from hotswap.kernels.backend import Backend
 from hotswap.model import forward
 from hotswap.model.batch import Batch
+from hotswap.programs.prompt_logprobs import prompt_logprobs
 from hotswap.programs.sampler import SamplingArrays, sample
 
 PREFILL_ROW = 16  # C of a packed prefill (Pallas, reference): a chunk wastes < 16 padded slots
@@ -125,7 +126,8 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
 
 def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     h, new_kv, pages, routed = forward.forward_paged(params, pages, batch, cfg=cfg, backend=backend)
-    h_last = h.reshape(-1, h.shape[-1])[batch.sample_idx]  # [S, D]
+    flat = h.reshape(-1, h.shape[-1])  # [B*C, D]
+    h_last = flat[batch.sample_idx]  # [S, D]
     with jax.named_scope("sample"):
         logits = forward.logits_from_hidden(params, h_last, backend.matmuls, cfg.final_logit_softcapping)
         sampled = sample(
@@ -138,7 +140,18 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     out = (sampled,)
     if routed is not None:  # a MoE model: the experts of every token, [B*C, moe layers, k] int16
         out = (*out, routed.reshape(-1, *routed.shape[2:]).astype(jnp.int16))
-    return (new_kv if backend.read_then_write else pages), out
+    with jax.named_scope("prompt_logprobs"):  # nothing unless some row asks (programs/prompt_logprobs.py)
+        prompt = prompt_logprobs(
+            flat,
+            batch.prompt_targets.reshape(-1),
+            batch.prompt_top.reshape(-1),
+            partial(
+                forward.logits_from_hidden, params, mms=backend.matmuls, softcap=cfg.final_logit_softcapping
+            ),
+            backend.row_stats,
+            cfg.vocab_size,
+        )
+    return (new_kv if backend.read_then_write else pages), out, prompt
 
 
 # read_then_write (the reference): read-only forward, then a separate in-place write of the K/V.
@@ -149,14 +162,15 @@ fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=
 
 
 def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled=None):
-    """One step on device: returns (new pages, (Sampled[, routed])),
-    routed for a MoE model: the experts each of the step's B*C tokens went to.
+    """One step on device: returns (new pages, (Sampled[, routed]), prompt),
+    routed for a MoE model: the experts each of the step's B*C tokens went to; prompt: the
+    prompt log-probs of the positions that asked (`prompt_logprobs.prompt_logprobs`).
     `compiled`: warm-up's program for this bucket, when it holds one (see `Runner.warmup`)."""
     if compiled is not None:
         return compiled(params, pages, batch, sa)
     if backend.read_then_write:
-        new_kv, out = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
-        return write_jit(pages, new_kv, batch, cfg=cfg, backend=backend), out
+        new_kv, out, prompt = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
+        return write_jit(pages, new_kv, batch, cfg=cfg, backend=backend), out, prompt
     return fused_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
 
 

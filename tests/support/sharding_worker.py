@@ -76,7 +76,7 @@ def collectives(llm: LLM) -> dict:
         batch, sa = placeholder_inputs(b, c, 4, e.backend, vocab_size=e.mcfg.vocab_size)
         args = (e.state.params, e.state.kv.pages, batch, sa)
         fwd = forward_jit.lower(*args, cfg=e.mcfg, backend=e.backend).compile()
-        new_kv, _ = forward_jit(*args, cfg=e.mcfg, backend=e.backend)
+        new_kv, *_ = forward_jit(*args, cfg=e.mcfg, backend=e.backend)
         write = write_jit.lower(e.state.kv.pages, new_kv, batch, cfg=e.mcfg, backend=e.backend).compile()
         for prog, compiled in (("forward", fwd), ("write", write)):
             found = KV_COLLECTIVE.findall(compiled.as_text())
