@@ -28,13 +28,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from hotswap.api import actions, streaming, structured_fields
+from hotswap.api import actions, prompt_fields, streaming, structured_fields
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.http_errors import HotswapError, PickleBodyRefused, RequestError, exception_body
 from hotswap.api.version_labels import label, spans
 from hotswap.engine import lifecycle
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.sampling import SamplingParams
+from hotswap.programs.sampler import TOP_LOGPROBS
 from hotswap.weights.options import UpdateOptions
 
 router = APIRouter()
@@ -273,6 +274,12 @@ class _Generate(BaseModel):
     sampling_params: _SGLangSampling = _SGLangSampling()
     stream: bool = False
     return_logprob: bool = False
+    # With return_logprob: the prompt tokens' log-probs from this index (-1: the last token only,
+    # which computes none) in `input_token_logprobs`; `top_logprobs_num` likeliest tokens per
+    # position in `input_top_logprobs` / `output_top_logprobs`; token texts instead of nulls.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
     rid: str | None = None
     # A MoE model's routing (SGLang's rollout routing replay): `meta_info.routed_experts`, base64
     # of int32 [rows, moe layers, k] for the tokens [routed_experts_start_len, seq_len - 1).
@@ -289,8 +296,36 @@ def _routed_experts(c, start: int) -> dict[str, Any]:
     return {"routed_experts": base64.b64encode(rows.tobytes()).decode(), "routed_experts_start_len": start}
 
 
+def _logprob_start(body: _Generate, prompt_len: int) -> int:
+    """The first prompt index whose token `input_token_logprobs` lists (SGLang's -1: the last)."""
+    start = prompt_len - 1 if body.logprob_start_len == -1 else body.logprob_start_len
+    if not 0 <= start < prompt_len:
+        raise RequestError(
+            f"logprob_start_len={body.logprob_start_len} must be -1 or in [0, {prompt_len - 1}] (the prompt's tokens)"
+        )
+    if not 0 <= body.top_logprobs_num <= TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs_num={body.top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
+    return start
+
+
+def _logprobs(ctx: ServerContext, body: _Generate, out: RequestOutput, start: int) -> dict[str, Any]:
+    """SGLang's log-prob fields of `meta_info`: [logprob, token id, text or null] per token."""
+    tok, c, k = ctx.engine.tokenizer, out.outputs[0], body.top_logprobs_num
+
+    def text(tid: int) -> str | None:
+        return tok.decode([tid], skip_special_tokens=False) if body.return_text_in_logprobs and tok else None
+
+    meta = prompt_fields.sglang_input(out.prompt_token_ids, out.prompt_logprobs, start, k, text)
+    meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    if k:
+        meta["output_top_logprobs"] = [
+            [[lp, i, text(i)] for i, lp in d.items()] for d in c.top_logprobs or []
+        ]
+    return meta
+
+
 def _body(
-    ctx: ServerContext, out: RequestOutput, return_logprob: bool, routed_from: int | None = None
+    ctx: ServerContext, out: RequestOutput, logprobs: dict[str, Any] | None, routed_from: int | None = None
 ) -> dict[str, Any]:
     c = out.outputs[0]
     finish = None if c.finish_reason is None else {"type": c.finish_reason}
@@ -307,8 +342,8 @@ def _body(
         "weight_versions": spans(ctx, versions),
         "kv_weight_versions": spans(ctx, c.kv_versions),  # hotswap: oldest KV per token
     }
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    if logprobs is not None:
+        meta.update(logprobs)
     if routed_from is not None:
         meta.update(_routed_experts(c, routed_from))
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
@@ -327,13 +362,19 @@ async def generate(body: _Generate, request: Request) -> Response:
         )
     params = body.sampling_params.engine()
     params.return_routed_experts = body.return_routed_experts
+    start = _logprob_start(body, len(ids)) if body.return_logprob else None
+    if start is not None:
+        params.logprobs = body.top_logprobs_num
+        if start < len(ids) - 1:  # the prompt's log-probs from the step (no prefix-cache hit then)
+            params.prompt_logprobs = body.top_logprobs_num
     routed_from = body.routed_experts_start_len if body.return_routed_experts else None
     queue: asyncio.Queue = asyncio.Queue()
     # SGLang's `rid`: the client's id for this request (`meta_info.id`), which /abort_request takes.
     rids = [await ctx.submit(ids, params, body.stream, queue, rid=body.rid)]
 
     def render(out: RequestOutput) -> list[dict[str, Any]]:
-        return [_body(ctx, out, body.return_logprob, routed_from)]
+        logprobs = None if start is None else _logprobs(ctx, body, out, start)
+        return [_body(ctx, out, logprobs, routed_from)]
 
     if body.stream:
         return streaming.stream(streaming.events(ctx, request, queue, rids, render))
