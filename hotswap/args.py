@@ -331,6 +331,22 @@ class EngineArgs:
         choices=LOGPROBS_MODES,
         scopes=SERVING,
     )
+    structured_outputs_strict_mode: bool = option(
+        True,
+        "JSON schemas (response_format, `structured_outputs`, SGLang's `json_schema`, named and required "
+        "tool choices, structural tags) admit only the keys and array items they name, unless the schema "
+        "opens them (`additionalProperties: true` or a schema, `items`): xgrammar's strict mode, what "
+        "vLLM's default backend does. `--no-structured-outputs-strict-mode`: objects and arrays a schema "
+        "leaves unsaid are open, as the JSON Schema spec reads them (a request still closes its own with "
+        "`disable_additional_properties` or OpenAI's `strict: true`)",
+        "JSON schema（response_format、`structured_outputs`、SGLang 的 `json_schema`、指定函数或 required 的 "
+        "tool_choice、structural tag）只接受其中写明的键和数组元素，除非 schema 自己放开（`additionalProperties: "
+        "true` 或一个 schema、`items`）：即 xgrammar 的 strict mode，vLLM 默认后端的行为。"
+        "`--no-structured-outputs-strict-mode`：schema 未说明的对象和数组是开放的，按 JSON Schema 规范理解"
+        "（请求仍可用 `disable_additional_properties` 或 OpenAI 的 `strict: true` 关闭自己的 schema）",
+        type=bool,
+        scopes=SERVING,
+    )
     revision: str | None = option(
         None,
         "branch, tag or commit of a Hub ID (`None`: `main`); not for local paths",

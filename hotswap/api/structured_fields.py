@@ -54,9 +54,10 @@ def from_response_format(rf: dict[str, Any] | None) -> StructuredOutputs | None:
         schema = spec.get("schema")
         if not isinstance(schema, dict | bool):
             raise RequestError.of_field("response_format.json_schema.schema", "expected a JSON schema object")
-        # OpenAI's strict mode: objects take only the keys their schema names (strict schemas
-        # must say `additionalProperties: false`; here it is implied). The output matches the
-        # schema strict or not.
+        # OpenAI's `strict: true`: only the keys and items the schema names. That is the engine's
+        # default (`structured_outputs_strict_mode`, as vLLM's default backend); `strict: true`
+        # keeps it where the engine turned it off. `strict: false` opens nothing (vLLM ignores it
+        # too): the schema's own `additionalProperties: true` does.
         return StructuredOutputs(
             json=schema if isinstance(schema, dict) else json.dumps(schema),
             disable_additional_properties=spec.get("strict") is True,

@@ -154,7 +154,12 @@ class Admission:
         if self.tokenizer is None:
             raise RequestError("structured_outputs: this model has no tokenizer to constrain the output with")
         if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.mcfg.vocab_size, self.eos_ids)
+            self.grammars = Grammars(
+                self.tokenizer,
+                self.mcfg.vocab_size,
+                self.eos_ids,
+                strict_mode=self.ecfg.structured_outputs_strict_mode,
+            )
         return [self.grammars.matcher(so) for _ in range(params.n)]
 
     @contextlib.contextmanager

@@ -29,6 +29,7 @@ import llguidance.numpy
 import numpy as np
 
 from hotswap.checkpoint.tokenizer import Tokenizer
+from hotswap.engine.strict_schema import strict
 from hotswap.errors import RequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -58,7 +59,9 @@ class StructuredOutputs:
     grammar: str | None = None
     structural_tag: dict | str | None = None
     # JSON options (vLLM's): the whitespace allowed between JSON tokens (a regex; default
-    # `WHITESPACE`), none at all, or objects closed to keys their schema does not name.
+    # `WHITESPACE`), none at all, or the schema compiled in strict mode (only the keys and items
+    # it names: engine/strict_schema.py) even where the engine's `structured_outputs_strict_mode`
+    # is off. Strict mode is the default, as with vLLM's default backend (xgrammar).
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
@@ -100,47 +103,38 @@ class StructuredOutputs:
         text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
         return self.kind, text, tuple(getattr(self, o) for o in OPTIONS)
 
-    def _json(self, schema: dict | str) -> str:
-        if self.disable_additional_properties:
-            schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
+    def _json(self, schema: dict | str, strict_mode: bool) -> str:
+        # The one place a JSON schema is handed to llguidance (structural tags and tool choices
+        # come here too), so the one place that decides whether it is compiled strict.
+        if strict_mode or self.disable_additional_properties:
+            schema = strict(json.loads(schema) if isinstance(schema, str) else schema)
         if self.disable_any_whitespace:
             options = {"whitespace_flexible": False}
         else:
             options = {"whitespace_pattern": self.whitespace_pattern or WHITESPACE}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
 
-    def to_grammar(self) -> str:
-        """The llguidance grammar (not yet checked: `Grammars.matcher` does that)."""
+    def to_grammar(self, strict_mode: bool = True) -> str:
+        """The llguidance grammar (not yet checked: `Grammars.matcher` does that). `strict_mode`:
+        JSON schemas admit only the keys and items they name (engine/strict_schema.py)."""
         kind, value = self.kind, getattr(self, self.kind)
         try:
             if kind == "json":
-                return self._json(value)
+                return self._json(value, strict_mode)
             if kind == "json_object":
-                return self._json({"type": "object"})
+                return self._json({"type": "object"}, strict_mode)  # bare: any object either way
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(value)
             if kind == "choice":
                 return llguidance.grammar_from("choice", json.dumps(value))
             if kind == "grammar":
                 return llguidance.grammar_from("grammar", value)
-            return _structural_tag(value)
+            return _structural_tag(value, strict_mode or self.disable_additional_properties)
         except (ValueError, TypeError, AssertionError) as e:
             raise RequestError.of_field(f"structured_outputs.{kind}", str(e)) from e
 
 
-def _closed(schema):
-    """The schema with `additionalProperties: false` on every object that does not set it."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _structural_tag(value: dict | str) -> str:
+def _structural_tag(value: dict | str, strict_mode: bool) -> str:
     """vLLM's structural_tag form -> an llguidance Lark grammar of free text and tagged segments."""
     spec = json.loads(value) if isinstance(value, str) else value
     if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list) or not spec["structures"]:
@@ -154,9 +148,13 @@ def _structural_tag(value: dict | str) -> str:
         if not isinstance(begin, str) or not begin:
             raise ValueError("each structure needs a non-empty 'begin'")
         trigger = next((t for t in triggers if begin.startswith(t)), begin)
+        schema = s.get("schema") or {}
         tags.append(
             llguidance.StructTag(
-                trigger=trigger, begin=begin, grammar=s.get("schema") or {}, end=s.get("end", "")
+                trigger=trigger,
+                begin=begin,
+                grammar=strict(schema) if strict_mode else schema,
+                end=s.get("end", ""),
             )
         )
     return llguidance.StructTag.to_grammar(tags)
@@ -164,9 +162,12 @@ def _structural_tag(value: dict | str) -> str:
 
 class Grammars:
     """One model's constraint compiler: its llguidance tokenizer and the compiled matchers (an
-    LRU over `StructuredOutputs.key`)."""
+    LRU over `StructuredOutputs.key`). `strict_mode`: the engine's `structured_outputs_strict_mode`
+    (JSON schemas admit only what they name; off: what the JSON Schema spec admits)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int], *, strict_mode: bool = True
+    ):
         # The model's vocabulary (embedding rows) may exceed the tokenizer's: the mask covers
         # every row, and ids with no token are never allowed.
         eos = list(eos_ids) or None
@@ -175,6 +176,7 @@ class Grammars:
         # Requests arrive on several threads; compiling under this lock (not the engine's)
         # never holds up a step.
         self._lock = threading.Lock()
+        self.strict_mode = strict_mode
 
     def __len__(self) -> int:
         """Distinct constraints compiled and kept."""
@@ -190,7 +192,7 @@ class Grammars:
         key = so.key()
         template = self._compiled.get(key)
         if template is None:
-            grammar = so.to_grammar()
+            grammar = so.to_grammar(self.strict_mode)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
             if is_error:
                 raise RequestError.of_field(

@@ -191,3 +191,20 @@ def test_structural_tag_constrains_only_inside_its_tags(llm):
 
     assert accepts('any text <f=add>{"a": 3}</f> and more')
     assert not accepts('text <f=add>{"a": "three"}</f>')  # not the schema inside the tag
+
+
+def test_the_engine_option_reaches_the_compiler(llm, tiny_dir):
+    """`structured_outputs_strict_mode` (on by default) decides how every schema compiles."""
+    so = StructuredOutputs(json={"type": "object", "properties": {"k": {"enum": ["v"]}}})
+    extra = '{"k": "v", "other": 1}'
+
+    def admits(engine) -> bool:
+        engine.add_request("s", PROMPT, SamplingParams(max_tokens=2, structured_outputs=so))
+        engine.abort("s")
+        matcher, ids = engine.grammars.matcher(so), engine.tokenizer.encode(extra, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    assert llm.engine.grammars is None or llm.engine.grammars.strict_mode
+    assert not admits(llm.engine)
+    opened = LLM(tiny_dir, **KW, warmup=False, structured_outputs_strict_mode=False)
+    assert admits(opened.engine)
