@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hotswap.api import structured_fields
+from hotswap.api.prompt_fields import FLOOR
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.structured import StructuredOutputs
@@ -61,6 +62,10 @@ class _Common(_Strict):
     # vLLM's: the prompt tokens' log-probs with the k likeliest at each position (a completions
     # choice's / a chat response's `prompt_logprobs`; api/prompt_fields.py).
     prompt_logprobs: int | None = None
+    # What the log-probs are of (vLLM's engine option `logprobs_mode`, here per request; None: the
+    # server's) and each token's kept set (`return_kept_set`: api/kept_fields.py); SamplingParams's.
+    logprobs_mode: str | None = None
+    return_kept_set: bool | str | None = None
     # vLLM's: the id this request answers with (`cmpl-<id>`, `chatcmpl-<id>`) and can be aborted
     # by; the X-Request-Id header wins (api/request_ids.py). Default: a fresh one.
     request_id: str | None = None
@@ -102,6 +107,8 @@ class _Common(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logprobs_mode=self.logprobs_mode,
+            return_kept_set=self.return_kept_set,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=constraint,
         )
@@ -264,6 +271,12 @@ def token_str(tokenizer, tid: int, as_ids: bool = False) -> str:
     return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer is not None else str(tid)
 
 
+def wire_logprob(lp: float) -> float:
+    """JSON has no -inf (a token a processed `logprobs_mode` filtered out): clamped at
+    `prompt_fields.FLOOR`, as vLLM's OpenAI server clamps it."""
+    return max(lp, FLOOR)
+
+
 def completion_logprobs(
     tokenizer, comp: CompletionOutput, start: int, text_offset: int, as_ids: bool = False
 ) -> dict[str, Any]:
@@ -276,11 +289,12 @@ def completion_logprobs(
     top = None
     if comp.top_logprobs is not None:
         top = [
-            {token_str(tokenizer, i, as_ids): lp for i, lp in d.items()} for d in comp.top_logprobs[start:]
+            {token_str(tokenizer, i, as_ids): wire_logprob(lp) for i, lp in d.items()}
+            for d in comp.top_logprobs[start:]
         ]
     return {
         "tokens": tokens,
-        "token_logprobs": comp.logprobs[start:],
+        "token_logprobs": [wire_logprob(lp) for lp in comp.logprobs[start:]],
         "top_logprobs": top,
         "text_offset": offsets,
     }
@@ -291,7 +305,7 @@ def chat_logprobs(tokenizer, comp: CompletionOutput, start: int, as_ids: bool = 
 
     def entry(tid: int, lp: float) -> dict[str, Any]:
         s = token_str(tokenizer, tid, as_ids)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": wire_logprob(lp), "bytes": list(s.encode())}
 
     content = []
     for k in range(start, len(comp.token_ids)):

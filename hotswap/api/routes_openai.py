@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from hotswap.api import prompt_fields, streaming
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_api_key
 from hotswap.api.http_errors import EngineAsleep, PromptTooLong
+from hotswap.api.kept_fields import kept_json
 from hotswap.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -149,7 +150,10 @@ def routed(c: CompletionOutput) -> dict:
 def _no_tokens(c: CompletionOutput) -> CompletionOutput:
     """A choice with its generated tokens hidden: echo with max_tokens 0 shows the prompt alone."""
     top = None if c.top_logprobs is None else []
-    return dataclasses.replace(c, text="", token_ids=[], logprobs=[], top_logprobs=top, text_delta="")
+    hidden = {f: [] for f in ("kept_counts", "kept_token_ids", "kept_masks") if getattr(c, f) is not None}
+    return dataclasses.replace(
+        c, text="", token_ids=[], logprobs=[], top_logprobs=top, text_delta="", **hidden
+    )
 
 
 def _keeping_prompt_logprobs(rids: list[str], plps: dict, render: streaming.Render) -> streaming.Render:
@@ -209,6 +213,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     prompts[p][1], plps[p], body.logprobs, partial(token_str, tok, as_ids=as_ids), lp
                 )
         out = {"index": ci, "text": lead + text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        out.update(kept_json(comp, start))
         if body.prompt_logprobs is not None and start == 0:
             out["prompt_logprobs"] = prompt_fields.vllm_json(plps.get(p))
         if body.return_token_ids:  # a stream sends the prompt's ids with a choice's first tokens
@@ -311,7 +316,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 delta["tool_calls"] = [t.to_openai() for t in read.tool_calls]
             reason = _finish_reason(reason, reader.calls)
         out = {"index": ci, "delta": delta, "logprobs": logprobs(comp, start)}
-        out.update(token_ids(comp, start), finish_reason=reason)
+        out.update(token_ids(comp, start), **kept_json(comp, start), finish_reason=reason)
         if comp.finish_reason is not None:
             out.update(stop_reason=comp.stop_reason, **version_fields(comp), **wire(comp))
         return out
@@ -357,6 +362,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             "message": message,
             "logprobs": logprobs(c, 0),
             **token_ids(c, 0),
+            **kept_json(c),
             "finish_reason": reason,
             "stop_reason": c.stop_reason,
             **version_fields(c),

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict
 from hotswap.api import actions, prompt_fields, streaming, structured_fields
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.http_errors import HotswapError, PickleBodyRefused, RequestError, exception_body
+from hotswap.api.kept_fields import kept_json
+from hotswap.api.protocol import wire_logprob
 from hotswap.api.version_labels import label, spans
 from hotswap.engine import lifecycle
 from hotswap.engine.outputs import RequestOutput
@@ -246,6 +248,10 @@ class _SGLangSampling(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # hotswap's (as on the OpenAI routes): what the log-probs are of, each token's kept set
+    # (`meta_info.kept_counts` ...: api/kept_fields.py).
+    logprobs_mode: str | None = None
+    return_kept_set: bool | str | None = None
 
     def engine(self) -> SamplingParams:
         return SamplingParams(
@@ -259,6 +265,8 @@ class _SGLangSampling(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            logprobs_mode=self.logprobs_mode,
+            return_kept_set=self.return_kept_set,
             structured_outputs=structured_fields.from_sglang(
                 self.json_schema, self.regex, self.ebnf, self.structural_tag
             ),
@@ -316,10 +324,12 @@ def _logprobs(ctx: ServerContext, body: _Generate, out: RequestOutput, start: in
         return tok.decode([tid], skip_special_tokens=False) if body.return_text_in_logprobs and tok else None
 
     meta = prompt_fields.sglang_input(out.prompt_token_ids, out.prompt_logprobs, start, k, text)
-    meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+    meta["output_token_logprobs"] = [
+        [wire_logprob(lp), t, text(t)] for lp, t in zip(c.logprobs, c.token_ids, strict=True)
+    ]
     if k:
         meta["output_top_logprobs"] = [
-            [[lp, i, text(i)] for i, lp in d.items()] for d in c.top_logprobs or []
+            [[wire_logprob(lp), i, text(i)] for i, lp in d.items()] for d in c.top_logprobs or []
         ]
     return meta
 
@@ -346,6 +356,7 @@ def _body(
         meta.update(logprobs)
     if routed_from is not None:
         meta.update(_routed_experts(c, routed_from))
+    meta.update(kept_json(c))
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 

@@ -24,8 +24,9 @@ from hotswap.engine.sequence import Request, Sequence
 
 @dataclasses.dataclass
 class CompletionOutput:
-    """One sample. logprobs[i] is token i's log-prob under the raw model distribution;
-    weights_versions[i] is the weights version that produced token i."""
+    """One sample. logprobs[i] is token i's log-prob under the raw model distribution (or what
+    the request's `logprobs_mode` names); weights_versions[i] is the weights version that
+    produced token i."""
 
     index: int
     text: str
@@ -50,6 +51,13 @@ class CompletionOutput:
     # int16 [prompt_len + generated - 1, moe layers, k], best first; tokens read from the prefix
     # cache report the routing their pages were written with.
     routed_experts: np.ndarray | None = None
+    # With SamplingParams(return_kept_set=...): per token, the size of the set the sampler could
+    # draw it from (after the structured-output mask and the top-k/top-p/min-p filters; 1 for a
+    # greedy token), and with "ids" that set's ids (int32, ascending), with "mask" that set as
+    # packed words (int32 [ceil(V / 32)], bit t % 32 of word t // 32).
+    kept_counts: list[int] | None = None
+    kept_token_ids: list[np.ndarray] | None = None
+    kept_masks: list[np.ndarray] | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -224,7 +232,19 @@ def _completion(seq: Sequence) -> CompletionOutput:
         text_delta=delta,
         kv_versions=list(seq.output_kv_versions),
         routed_experts=_routed(seq) if p.return_routed_experts else None,
+        **_kept(seq),
     )
+
+
+def _kept(seq: Sequence) -> dict:
+    """The kept-set fields of `CompletionOutput` the sample's params ask for."""
+    form = seq.params.return_kept_set
+    if form is None:
+        return {}
+    out = {"kept_counts": [count for count, _ in seq.output_kept]}
+    if form != "count":
+        out["kept_token_ids" if form == "ids" else "kept_masks"] = [held for _, held in seq.output_kept]
+    return out
 
 
 def _routed(seq: Sequence) -> np.ndarray | None:
