@@ -11,7 +11,9 @@ HTTP layer:
 - an update's REST fields become one `UpdateOptions` (`UpdateFields`, generated from it);
 - the engine is called, in a worker thread (`ServerContext.run_sync`: a drain may take a
   while, and the event loop keeps streaming meanwhile), and the server's count of committed
-  updates and its version labels are written.
+  updates and its version labels are written;
+- requests are aborted by the ids clients know them by (`abort_requests`: vLLM's
+  `/abort_requests`, SGLang's `/abort_request`).
 
 Payload bytes are not decoded here: the engine decodes them (`weights/readers.wire_tensors`),
 the body's bytes or the `tensors` list of a JSON body parsed here alike.
