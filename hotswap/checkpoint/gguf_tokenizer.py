@@ -3,15 +3,15 @@
 A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, the merges (or,
 for SentencePiece vocabularies, scores), the token types, the special-token ids and
 the chat template as metadata, and names the pre-tokenizer (`tokenizer.ggml.pre`)
-whose split regex it hard-codes. This module assembles the same tokenizer from
-`tokenizers` parts, as transformers' GGUF loader does, so that both encode alike:
+whose split regex it hard-codes. This module assembles from `tokenizers` parts the
+tokenizer llama.cpp runs on the file, so that both encode alike:
 - byte-level BPE (`tokenizer.ggml.model` = "gpt2": Llama 3, SmolLM, Qwen): the stored
   vocabulary and merges, the split named by `tokenizer.ggml.pre` (llama.cpp's regexes);
-- Gemma's SentencePiece vocabulary (`"llama"` in a gemma2/gemma3 file): a Unigram model
-  over the stored pieces and scores with byte fallback (`gguf_sentencepiece.py`);
-then the tokens matched whole before the model runs (byte-level: control tokens as special
-added tokens, user-defined ones as plain ones; SentencePiece: the named special tokens only,
-as transformers), and a BOS/EOS post-processor when the metadata asks for one.
+- SentencePiece (`"llama"`: Llama 2, Mistral, Gemma): merges by the pieces' scores with
+  byte fallback and the file's `add_space_prefix` (`gguf_sentencepiece.py`);
+then the control, unknown and user-defined tokens matched whole before the model runs (as
+llama.cpp's tokenize with `parse_special`; control and unknown ones are special, dropped by
+decode(skip_special_tokens=True)), and a BOS/EOS post-processor when the metadata asks for one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hotswap.checkpoint import gguf_sentencepiece
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.errors import CheckpointError
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp's token types
 
 _LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -83,39 +83,60 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], *, where: str = "GGUF") -> 
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         return None
-    arch = meta.get("general.architecture")
-    sentencepiece = kind == "llama" and arch in gguf_sentencepiece.ARCHS
-    if kind != "gpt2" and not sentencepiece:
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(
-            f"{where}: tokenizer.ggml.model={kind!r} is not supported for {arch!r} (byte-level BPE, 'gpt2', "
-            f"and the SentencePiece vocabularies of {', '.join(gguf_sentencepiece.ARCHS)})"
+            f"{where}: tokenizer.ggml.model={kind!r} is not supported (byte-level BPE, 'gpt2', "
+            "and SentencePiece, 'llama')"
         )
+    sentencepiece = kind == "llama"
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if len(types) != len(tokens):
         raise CheckpointError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
-    if sentencepiece:
-        tok, vocab = _sentencepiece(meta, tokens, where)
-    else:
-        tok, vocab = _byte_level(meta, tokens, types, where)
+    # llama.cpp's ids for a SentencePiece file that names none (Llama 2's).
+    defaults = {"bos": 1, "eos": 2, "unknown": 0} if sentencepiece else {}
 
     def special(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        i = meta.get(f"tokenizer.ggml.{key}_token_id", defaults.get(key))
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
     bos, eos, pad = special("bos"), special("eos"), special("padding")
+    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", sentencepiece))
+    if sentencepiece:
+        scores = list(meta.get("tokenizer.ggml.scores") or [])
+        if len(scores) != len(tokens):
+            raise CheckpointError(f"{where}: {len(scores)} token scores for {len(tokens)} tokens")
+        tok = gguf_sentencepiece.model_tokenizer(tokens, scores, special("unknown"), prefix_space)
+    else:
+        tok = _byte_level(meta, tokens, where)
+    # Matched whole in the text before the model runs, as llama.cpp does; control and unknown
+    # tokens are special (dropped by decode(skip_special_tokens=True)), user-defined ones
+    # (<think>, Gemma's runs of spaces and newlines) are not.
+    kinds = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in kinds if k in (_CONTROL, _UNKNOWN)]
+    )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED])
     # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
-        tok.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, vocab)
-    template = meta.get("tokenizer.chat_template")
-    return Tokenizer(tok, bos_token=bos, eos_token=eos, pad_token=pad, chat_template=template)
+        ids = {t: i for i, t in enumerate(tokens)}
+        tok.post_processor = _post_processor(bos if add_bos else None, eos if add_eos else None, ids)
+    kw = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    if sentencepiece:
+        return gguf_sentencepiece.SentencePieceTokenizer(
+            tok, prefix_space=prefix_space, add_bos=add_bos, **kw
+        )
+    return Tokenizer(tok, **kw)
 
 
-def _byte_level(
-    meta: Mapping[str, Any], tokens: list[str], types: list[int], where: str
-) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+def _byte_level(meta: Mapping[str, Any], tokens: list[str], where: str) -> tokenizers.Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
@@ -124,41 +145,4 @@ def _byte_level(
     tok = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
-    # Matched whole in the text before the BPE runs, as llama.cpp does; control tokens are special
-    # (dropped by decode(skip_special_tokens=True)), user-defined ones (e.g. <think>) are not.
-    tok.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _CONTROL
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _USER_DEFINED
-        ]
-    )
-    return tok, vocab
-
-
-def _sentencepiece(
-    meta: Mapping[str, Any], tokens: list[str], where: str
-) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
-    scores = list(meta.get("tokenizer.ggml.scores") or [])
-    if len(scores) != len(tokens):
-        raise CheckpointError(f"{where}: {len(scores)} token scores for {len(tokens)} tokens")
-    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
-    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok = gguf_sentencepiece.tokenizer(gguf_sentencepiece.respell(tokens), scores, unk, prefix_space)
-    # The named special tokens are matched whole (the other control pieces are left to the model).
-    named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("padding", "eos", "bos", "unknown")]
-    special = [tokens[int(i)] for i in named if i is not None and 0 <= int(i) < len(tokens)]
-    if gguf_sentencepiece.MASK in tokens:
-        special.append(gguf_sentencepiece.MASK)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(special)])
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    return tok, vocab
+    return tok

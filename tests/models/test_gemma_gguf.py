@@ -2,9 +2,9 @@
 against transformers loading the same file, and seeded Gemma 2 / Gemma 3 files written as
 llama.cpp's converter writes them (tests/support/gguf_files.py).
 
-transformers (5.12) reads a Gemma GGUF's tokenizer as a Unigram model over the stored pieces
-and scores, and adds no BOS although the file asks for one (`add_bos_token`); llama.cpp and
-hotswap add it. Token ids are compared without special tokens, and BOS separately.
+The tokenizer's oracle is llama.cpp on the same file (tests/models/test_gguf_tokenizer_llama_cpp.py):
+transformers 5.12 reads a Gemma GGUF's vocabulary as a Unigram model, which llama.cpp does not
+(it merges by the pieces' scores), so its ids are not compared here.
 """
 
 from __future__ import annotations
@@ -29,38 +29,6 @@ MIXED = (
     "Non-ASCII: café naïve Ünïcödé, 日本語のテキスト, Привет мир, مرحبا, 한국어\n"
     "Emoji: 🤖🚀👍🏽 👨‍👩‍👧 ❤️ — “quotes” ‘single’ … \u00a0nbsp \u200bzero-width \x07bell"
 )
-TEXTS = [
-    MIXED,
-    "Hello world!",
-    "  two leading spaces\n\n\ttab and newlines",
-    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
-    "<bos>a<mask>b<unk>c<pad>",
-    " ",
-]
-
-
-@pytest.fixture(scope="module")
-def hf_gemma3_tokenizer(gemma3_gguf):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
-
-
-@soak  # transformers parses the 262k-entry GGUF vocabulary for minutes
-def test_gemma3_270m_tokenizer_matches_transformers_reading_the_same_file(gemma3_gguf, hf_gemma3_tokenizer):
-    theirs = hf_gemma3_tokenizer
-    f = gguf_io.GGUFFile(gemma3_gguf)
-    ours = gguf_io.tokenizer_from_metadata(f.metadata, where=str(gemma3_gguf))
-    for text in TEXTS:
-        ids = ours.encode(text, add_special_tokens=False)
-        assert ids == theirs.encode(text, add_special_tokens=False), text
-        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
-        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
-    assert len(ours.encode(MIXED, add_special_tokens=False)) > 100
-    assert f.metadata["tokenizer.ggml.add_bos_token"] is True
-    assert ours.encode("Hi") == [theirs.bos_token_id, *ours.encode("Hi", add_special_tokens=False)]
-    # The file carries no chat template, and neither tokenizer invents one.
-    assert "tokenizer.chat_template" not in f.metadata and theirs.chat_template is None
 
 
 # ---- the real model: greedy and log-probs against transformers on prompts past the window ----
@@ -194,7 +162,8 @@ def test_seeded_gemma_gguf_loads_as_its_checkpoint(seeded_gemma):
 
 def test_seeded_gemma_gguf_reads_as_transformers_reads_it(seeded_gemma):
     """transformers' GGUF loader on the same file: the same tensors (so the file is written as
-    llama.cpp writes it, norms shifted), and the same tokenizer and chat template."""
+    llama.cpp writes it, norms shifted) and the same chat template text (its token ids are
+    llama.cpp's, checked against llama.cpp in test_gguf_tokenizer_llama_cpp.py)."""
     import torch
     import transformers
 
@@ -208,8 +177,6 @@ def test_seeded_gemma_gguf_reads_as_transformers_reads_it(seeded_gemma):
     for name, a in theirs.items():
         np.testing.assert_array_equal(ours[name], a, err_msg=name)
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
-    for text in [*TEXTS, "the cat is on the mat  and\tthe dog\n\n"]:
-        assert ours_tok.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
     text = ours_tok.apply_chat_template(CHAT)
     assert text == tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\nName three colors.<end_of_turn>\n")

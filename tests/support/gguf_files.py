@@ -2,7 +2,9 @@
 `gguf` package, from an HF checkpoint directory: Llama files (q/k rows permuted for ggml's
 rope) and Gemma 2 / Gemma 3 files (Gemma's norm names, every `*norm.weight` stored as w + 1,
 the metadata the converter writes and nothing more), and Qwen3-MoE files (each projection's
-experts stacked in one tensor, the expert counts in the metadata).
+experts stacked in one tensor, the expert counts in the metadata). A Llama file carries the
+checkpoint's byte-level BPE tokenizer, or a seeded SentencePiece vocabulary (`sentencepiece_vocab`,
+shaped as Llama 2's / Mistral's) as `_set_vocab_sentencepiece` writes one.
 
 `encode(gguf_name, array) -> (data, qtype)` chooses how each tensor is stored (default: 2-D
 weights in one block type via `gguf.quants.quantize`, 1-D tensors in F32, as llama.cpp).
@@ -66,6 +68,114 @@ def _tokenizer_from_dir(w: gguf.GGUFWriter, model_dir: Path) -> None:
     w.add_chat_template(tconf["chat_template"])
 
 
+# The text a seeded SentencePiece vocabulary is trained on: English, code, digits, accents.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. The three primary colors are red, yellow and blue.
+Once upon a time there was a little model that wanted to answer every question in the world.
+def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)  # the Fibonacci numbers, 0 1 1 2 3 5 8
+for i in range(10): print(i, i * i, "hello world")  # squares from 0 to 81
+Numbers: 1234567890, 3.14159, 2.71828, 42, 100%, $5.00, 12:30, 2026-12-05.
+Café, naïve, façade, résumé, Zürich, São Paulo, Ångström, señor, élève, über.
+What is the capital of France? Paris is the capital of France, and Berlin is the capital of Germany.
+I'm here, you're there, they've gone, we'll see, she'd know, it's fine, don't worry.
+"""
+# Control and user-defined tokens beyond <unk>, <s>, </s>: Mistral's instruction markers, and one
+# user-defined token (matched whole in text, never special), as llama.cpp's types say.
+_CONTROL = ["[INST]", "[/INST]"]
+_USER_DEFINED = ["<tool>"]
+SPM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def sentencepiece_vocab(size: int) -> dict:
+    """A SentencePiece BPE vocabulary of `size` pieces shaped as Llama 2's: <unk> <s> </s>, the
+    control and user-defined tokens, the 256 byte pieces <0x00>..<0xFF>, then the pieces a BPE
+    trained on `_CORPUS` merges (score -rank: the merge order) and last its characters (scores
+    below every merge), "▁" for a space. Deterministic: the most frequent pair is merged first,
+    ties to the smaller pair."""
+    head = ["<unk>", "<s>", "</s>", *_CONTROL, *_USER_DEFINED]
+    types = [2, 3, 3, *[3] * len(_CONTROL), *[4] * len(_USER_DEFINED)] + [6] * 256
+    tokens = head + [f"<0x{b:02X}>" for b in range(256)]
+    words: dict[tuple[str, ...], int] = {}
+    for w in _CORPUS.split():
+        key = tuple("\u2581" + w)
+        words[key] = words.get(key, 0) + 1
+    chars: dict[str, int] = {}
+    for w, n in words.items():
+        for c in w:
+            chars[c] = chars.get(c, 0) + n
+    alphabet = sorted(chars, key=lambda c: (-chars[c], c))
+    room = size - len(tokens) - len(alphabet)
+    merged: list[str] = []
+    while len(merged) < room:
+        pairs: dict[tuple[str, str], int] = {}
+        for w, n in words.items():
+            for pair in zip(w, w[1:], strict=False):
+                pairs[pair] = pairs.get(pair, 0) + n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        piece = best[0] + best[1]
+        if piece not in merged:
+            merged.append(piece)
+        words = {_merge(w, best): n for w, n in words.items()}
+    pieces = merged + alphabet
+    tokens += pieces
+    types += [1] * len(pieces)
+    tokens += [f"<unused{i}>" for i in range(size - len(tokens))]  # a corpus too small to fill it
+    types += [5] * (size - len(types))
+    scores = [0.0] * len(head + list(range(256))) + [-float(i) for i in range(size - len(head) - 256)]
+    return {"tokens": tokens, "scores": scores, "types": types, "unk": 0, "bos": 1, "eos": 2}
+
+
+def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(word):
+        if word[i : i + 2] == pair:
+            out.append(pair[0] + pair[1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def _sentencepiece_tokenizer(w: gguf.GGUFWriter, vocab: dict, chat_template: str | None) -> None:
+    """The tokenizer metadata llama.cpp's `_set_vocab_sentencepiece` writes for Llama 2 / Mistral."""
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_scores(vocab["scores"])
+    w.add_token_types(vocab["types"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    w.add_unk_token_id(vocab["unk"])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(True)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
+def write_sentencepiece_vocab_gguf(out: Path, size: int = 512) -> Path:
+    """A llama GGUF with the seeded SentencePiece vocabulary, the hyper-parameters llama.cpp reads
+    and no tensors: what `Llama(path, vocab_only=True)` loads (tests/support/record_llama_cpp_tokens.py).
+    Byte-for-byte the same each time, so its sha256 names the vocabulary the goldens were taken on."""
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(1)
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(16)
+    w.add_layer_norm_rms_eps(1e-6)
+    _sentencepiece_tokenizer(w, sentencepiece_vocab(size), SPM_CHAT_TEMPLATE)
+    return _finish(w, out)
+
+
 def _finish(w: gguf.GGUFWriter, out: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -74,9 +184,11 @@ def _finish(w: gguf.GGUFWriter, out: Path) -> Path:
     return out
 
 
-def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, *, encode: Encode | None = None) -> Path:
+def write_gguf(
+    model_dir: Path, out: Path, qtype: Q = Q.F32, *, encode: Encode | None = None, sentencepiece: bool = False
+) -> Path:
     """An HF Llama checkpoint directory -> a llama GGUF file (2-D weights in `qtype` unless `encode`
-    says otherwise), with its tokenizer."""
+    says otherwise), with its tokenizer, or with `sentencepiece` the seeded SentencePiece one."""
     encode = encode or quantized(qtype)
     cfg = ModelConfig.from_hf(hf.read_hf_config(model_dir))
     w = gguf.GGUFWriter(str(out), "llama")
@@ -91,7 +203,10 @@ def write_gguf(model_dir: Path, out: Path, qtype: Q = Q.F32, *, encode: Encode |
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if qtype in _FILE_TYPES:
         w.add_file_type(_FILE_TYPES[qtype])
-    _tokenizer_from_dir(w, model_dir)
+    if sentencepiece:
+        _sentencepiece_tokenizer(w, sentencepiece_vocab(cfg.vocab_size), SPM_CHAT_TEMPLATE)
+    else:
+        _tokenizer_from_dir(w, model_dir)
     for name, a in hf.read_hf_tensors(model_dir).items():
         a = np.asarray(a, np.float32)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
