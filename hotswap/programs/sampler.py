@@ -232,10 +232,13 @@ def _processed(logits, sa: SamplingArrays, greedy, lse, row_stats, keep_threshol
     """Some row asks for processed logits or its kept set: build the logits every row draws
     from [R, V] (mask, temperature, filters; what `_pick` builds on its way to a draw), draw
     from them, and read each row's values off the logits its mode names. Tokens are those
-    `_raw` draws: the same kernels on the same values."""
-    masked = jax.lax.cond(jnp.any(sa.constrained), lambda: _masked(logits, sa), lambda: logits)
+    `_raw` draws: the same kernels on the same values. Each [R, V] pass is one the asking rows
+    need (this runs on a memory-bound step): no copy of the logits, the top entries' source and
+    the kept set only when a row asks for them."""
     on = sa.temperature > 0  # a greedy row's processed logits: its masked logits, no filter
-    scaled = _scaled(masked, sa)
+    scaled = jax.lax.cond(
+        jnp.any(sa.constrained), lambda: _scaled(_masked(logits, sa), sa), lambda: _scaled(logits, sa)
+    )
     t = jax.lax.cond(
         jnp.any(on & _filters(sa)),
         lambda: keep_thresholds(
@@ -247,27 +250,42 @@ def _processed(logits, sa: SamplingArrays, greedy, lse, row_stats, keep_threshol
         lambda: jnp.full(on.shape, -jnp.inf, scaled.dtype),
     )  # [R]
     proc = jnp.where(scaled >= t[:, None], scaled, -jnp.inf)  # [R, V]
-    argmaxes = jax.lax.cond(jnp.any(sa.constrained), lambda: argmax(masked), lambda: greedy)
+    # A greedy row's scaled logits are its masked ones (divided by 1): `_raw`'s argmax.
+    argmaxes = jax.lax.cond(jnp.any(sa.constrained), lambda: argmax(scaled), lambda: greedy)
     tokens = jax.lax.cond(
         jnp.any(on),
         lambda: jnp.where(on, _draw(proc, sa, categorical).astype(jnp.int32), argmaxes),
         lambda: argmaxes,
     )
     processed = sa.mode >= PROCESSED
-    source = jnp.where(processed[:, None], proc, logits)
     shift = jnp.select(
         [sa.mode == 0, sa.mode == PROCESSED],
         [lse, jax.lax.cond(jnp.any(sa.mode == PROCESSED), lambda: row_stats(proc)[1], lambda: lse)],
         0.0,
     )
-    chosen = jnp.take_along_axis(source, tokens[:, None], axis=-1)[:, 0] - shift
+
+    def at_token(x):
+        return jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]
+
+    chosen = jnp.where(processed, at_token(proc), at_token(logits)) - shift
     r, v = logits.shape
-    top_lps, top_ids = jax.lax.cond(jnp.any(sa.want_top), lambda: _top(source, shift), lambda: _no_top(r))
-    # The kept set: what the draw could return (finite processed entries), the argmax alone for
-    # a greedy row.
-    keep = jnp.where(on[:, None], proc > -jnp.inf, jnp.arange(v)[None, :] == tokens[:, None])
-    keep &= sa.want_kept[:, None]
-    return Sampled(tokens, chosen, top_ids, top_lps, jnp.sum(keep, axis=-1, dtype=jnp.int32), _pack(keep))
+    top_lps, top_ids = jax.lax.cond(
+        jnp.any(sa.want_top),
+        lambda: _top(jnp.where(processed[:, None], proc, logits), shift),
+        lambda: _no_top(r),
+    )
+
+    def kept():
+        """The kept set: what the draw could return (finite processed entries), the argmax
+        alone for a greedy row; rows that did not ask, none."""
+        keep = jnp.where(on[:, None], proc > -jnp.inf, jnp.arange(v)[None, :] == tokens[:, None])
+        keep &= sa.want_kept[:, None]
+        return jnp.sum(keep, axis=-1, dtype=jnp.int32), _pack(keep)
+
+    count, mask = jax.lax.cond(
+        jnp.any(sa.want_kept), kept, lambda: (jnp.zeros(r, jnp.int32), jnp.zeros_like(sa.mask))
+    )
+    return Sampled(tokens, chosen, top_ids, top_lps, count, mask)
 
 
 def sample(
