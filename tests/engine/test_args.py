@@ -127,6 +127,8 @@ def test_every_shared_option_reaches_the_engine_config():
         max_loras=3,
         max_lora_rank=32,
         enable_return_routed_experts=True,
+        logprobs_mode="processed_logits",
+        structured_outputs_strict_mode=False,
     )
     assert set(changed) == shared - {"num_pages", "max_model_len"}  # those two are resolved
     ecfg = EngineConfig.of(EngineArgs(**changed), num_pages=10, max_model_len=64)
