@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from api_helpers import SMOL, openai_client
 
@@ -163,6 +164,41 @@ def test_json_schema_outputs_validate_on_twenty_schemas(client):
     assert not cut, cut  # every reply ended its JSON within max_tokens
     for schema, r in zip(SCHEMAS, replies, strict=True):
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    city: str
+
+
+def test_a_pydantic_schema_without_additional_properties_ends_and_validates(client):
+    """What Pydantic-model clients send (`model_json_schema()`, no `strict`, no
+    `additionalProperties`): strict mode by default (as vLLM's default backend) keeps SmolLM2 to
+    the three keys, so it ends, greedy and sampled. Under the spec's open reading (the engine
+    option off) it added keys ("occupation", "family", ...) and ran to max_tokens greedy."""
+    schema = Person.model_json_schema()
+    assert "additionalProperties" not in schema
+
+    def ask(temperature: float, seed: int | None):
+        return client.chat.completions.create(
+            model=SMOL,
+            messages=[{"role": "user", "content": "Make up a person."}],
+            temperature=temperature,
+            seed=seed,
+            max_tokens=160,
+            response_format={"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}},
+        )
+
+    runs = [(0.0, None)] + [(0.7, seed) for seed in range(4)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        replies = list(pool.map(lambda a: ask(*a), runs))
+    for run, r in zip(runs, replies, strict=True):
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (run, c.message.content)
+        # the judge: the schema closed, so an added key fails
+        jsonschema.validate(json.loads(c.message.content), {**schema, "additionalProperties": False})
+        Person.model_validate_json(c.message.content)
 
 
 def test_json_object_and_streamed_schema(client):

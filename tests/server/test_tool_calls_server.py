@@ -11,6 +11,7 @@ field. SmolLM2's chat template renders no tools, so hotswap writes them in its m
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -107,6 +108,55 @@ def test_named_tool_choice_gives_arguments_that_validate(client):
     streamed = _streamed(client, tool_choice=NAMED)
     call = r.choices[0].message.tool_calls[0]
     assert streamed == ("", [(call.function.name, call.function.arguments)], "tool_calls")
+
+
+# As agent frameworks declare tools: no `additionalProperties`, so JSON Schema reads it open.
+OPEN_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city, e.g. Paris"},
+                "unit": {
+                    "type": "string",
+                    "enum": ["celsius", "fahrenheit"],
+                    "description": "Temperature unit",
+                },
+            },
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_named_tool_with_open_parameters_gives_only_the_named_keys(client):
+    """Strict mode by default (vLLM's default backend): the arguments take only the keys the
+    parameters name, greedy and sampled. Under the spec's open reading (the engine option off)
+    SmolLM2 added keys to every one of these calls ("type", "function", "description", ...)."""
+    params = OPEN_WEATHER["function"]["parameters"]
+
+    def ask(temperature: float, seed: int | None):
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[OPEN_WEATHER],
+            tool_choice=NAMED,
+            temperature=temperature,
+            seed=seed,
+            max_tokens=64,
+        )
+
+    runs = [(0.0, None)] + [(0.7, seed) for seed in range(4)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        replies = list(pool.map(lambda a: ask(*a), runs))
+    for run, r in zip(runs, replies, strict=True):
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", (run, c.message)
+        [call] = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), {**params, "additionalProperties": False})
 
 
 @pytest.mark.parametrize("parallel", [True, False])
