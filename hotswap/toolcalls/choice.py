@@ -13,7 +13,9 @@ constrained, and how that output is read back as calls.
   tool's parameters, and the call is built with that name.
 
 The constraint is `structured_outputs`' JSON form (`{"json": schema}`), which `SamplingParams`
-reads into the engine's `StructuredOutputs`. Bad input is a `RequestError` naming the field, raised
+reads into the engine's `StructuredOutputs`. Like every JSON schema it compiles in strict mode
+unless the engine turns that off (engine/strict_schema.py): a tool whose `parameters` leave
+`additionalProperties` out still gets only the keys they name, as from vLLM. Bad input is a `RequestError` naming the field, raised
 before anything is queued.
 """
 
