@@ -79,6 +79,32 @@ def test_a_directory_with_only_config_json_is_a_model(tmp_path):
     )
 
 
+def _qwen3_30b_a3b_as_transformers_5_saves(**changes) -> dict:
+    """Qwen3-30B-A3B's config.json as transformers 5.25 saves it (`save_pretrained`): the expert
+    count as `num_local_experts`, rope under `rope_parameters`, `dtype` (the preset has 4.x's names)."""
+    preset = load_preset("qwen3-30b-a3b")
+    old = ("num_experts", "rope_theta", "rope_scaling", "torch_dtype")
+    return {
+        **{k: v for k, v in preset.items() if k not in old},
+        "num_local_experts": preset["num_experts"],
+        "rope_parameters": {"rope_theta": preset["rope_theta"], "rope_type": "default"},
+        "dtype": preset["torch_dtype"],
+        "transformers_version": "5.25.0",
+        **changes,
+    }
+
+
+def test_aot_reads_the_moe_config_transformers_5_saves(tmp_path, capsys):
+    """The same model as the preset; `hotswap aot DIR` sizes its 128 experts' 56.87 GiB of params."""
+    (tmp_path / "config.json").write_text(json.dumps(_qwen3_30b_a3b_as_transformers_5_saves()))
+    assert tpu_slice.load_model_config(str(tmp_path), "bfloat16") == tpu_slice.load_model_config(
+        "qwen3-30b-a3b", "bfloat16"
+    )
+    assert cli.main(["aot", str(tmp_path), "--topology", "v5e:1x1"]) == 2
+    err = capsys.readouterr().err
+    assert "no room for the KV cache" in err and "params 56.87 GiB" in err, err
+
+
 # --------------------------------------------------------------------------- KV sizing
 
 
@@ -391,9 +417,10 @@ def _check_moe_decode(report: dict, layers: int) -> None:
 
 @pytest.mark.slow
 def test_moe_with_fewer_kv_heads_than_chips_compiles_for_v5e_8(tmp_path):
-    """qwen3-30b-a3b cut to 2 layers: each of its 4 kv heads replicated over 2 of the 8 chips."""
+    """qwen3-30b-a3b cut to 2 layers (as transformers 5 saves it): each of its 4 kv heads replicated
+    over 2 of the 8 chips."""
     (tmp_path / "config.json").write_text(
-        json.dumps({**load_preset("qwen3-30b-a3b"), "num_hidden_layers": 2})
+        json.dumps(_qwen3_30b_a3b_as_transformers_5_saves(num_hidden_layers=2))
     )
     _check_moe_decode(_moe_at_tp8(str(tmp_path), num_pages=4096, max_num_seqs=32), 2)
 

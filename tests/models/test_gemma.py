@@ -134,7 +134,11 @@ TRANSFORMERS_TINY = dict(
     "family,extra",
     [
         ("Gemma2", {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0}),
-        ("Gemma3Text", {"sliding_window_pattern": 3, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+        pytest.param(
+            "Gemma3Text",
+            {"sliding_window_pattern": 3, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+            marks=pytest.mark.transformers_matrix,
+        ),
     ],
 )
 def test_transformers_checkpoint_loads_and_saves_back(tmp_path, family, extra):
@@ -186,6 +190,7 @@ def _gemma_config(**changes) -> dict:
     return {**hf_config_for(load_preset("tiny"), arch, overrides), **changes}
 
 
+@pytest.mark.transformers_matrix
 def test_config_fields_and_derived_layer_types():
     cfg = ModelConfig.from_hf(_gemma_config())
     assert cfg.arch == "gemma3" and cfg.qk_norm and cfg.hidden_act == "gelu_pytorch_tanh"
@@ -230,6 +235,7 @@ def test_config_fields_and_derived_layer_types():
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ],
 )
+@pytest.mark.transformers_matrix
 def test_bad_config_names_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
         ModelConfig.from_hf(_gemma_config(**changes))

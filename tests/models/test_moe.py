@@ -98,6 +98,7 @@ def test_generate_matches_transformers(moe_dirs, name):
     llm.engine.check_invariants()
 
 
+@pytest.mark.transformers_matrix
 def test_hf_round_trip(moe_dirs, tmp_path):
     """load -> save -> load is bit-exact, per-expert tensors as HF names them, and the saved
     directory loads in transformers."""
