@@ -131,6 +131,7 @@ def main() -> None:
         capture_output=True,
         text=True,
     ).stdout.strip()
+    DATA.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         files = _files(Path(tmp))
         for name in args.names:
