@@ -37,7 +37,7 @@ SPACE = "\u2581"
 
 def merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every (left, right) of two pieces that concatenate to a piece, best-scored piece first
-    (514,847 for Gemma 3's 262,144 pieces: the slowest step of a load, about a second)."""
+    (514,847 for Gemma 3's 262,144 pieces: the slowest step of building the tokenizer)."""
     pieces = set(tokens)
     out = []
     for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):

@@ -22,6 +22,7 @@ from record_llama_cpp_tokens import CHAT_PROMPTS, SPECIALS, golden_path, llama_c
 
 from hotswap.checkpoint import gguf_io
 from hotswap.engine.llm import LLM, SamplingParams
+from hotswap.errors import CheckpointError
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 RECORD = "re-record: .venv/bin/python tests/support/record_llama_cpp_tokens.py --llama-python VENV/bin/python"
@@ -103,3 +104,16 @@ def test_a_llama_gguf_with_a_sentencepiece_vocabulary_serves_a_chat(weights_root
     theirs = ref.generate([want["bare"]], sp, use_tqdm=False)[0].outputs[0]
     assert out.outputs[0].token_ids == theirs.token_ids
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_a_vocabulary_llama_cpp_runs_another_tokenizer_for_is_refused_naming_it():
+    meta = {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["[PAD]", "a"]}
+    with pytest.raises(CheckpointError, match=r"tokenizer\.ggml\.model='bert' is not supported"):
+        gguf_io.tokenizer_from_metadata(meta, where="m.gguf")
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "a"],
+        "tokenizer.ggml.scores": [0.0],
+    }
+    with pytest.raises(CheckpointError, match="m.gguf: 1 token scores for 2 tokens"):
+        gguf_io.tokenizer_from_metadata(meta, where="m.gguf")
