@@ -257,9 +257,9 @@ def test_decode_rows_and_prefill_chunks_run_in_one_call(tiny_dir, prompts, hf_re
     calls = []
     real = Runner._call
 
-    def spy(self, params, pages, rows, tables, kind):
+    def spy(self, params, pages, rows, tables, kind, *rest):
         calls.append((kind, sum(n for _, n in rows), sum(n > 1 for _, n in rows), len(rows)))
-        return real(self, params, pages, rows, tables, kind)
+        return real(self, params, pages, rows, tables, kind, *rest)
 
     monkeypatch.setattr(Runner, "_call", spy)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
