@@ -61,16 +61,14 @@ def standard(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _standard_rope(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The rope fields under their 4.x names, from either form (transformers 5's precedence: a
-    legacy `rope_scaling` replaces `rope_parameters`' full-layer entry; a `rope_theta` inside it
-    wins over the top-level one)."""
-    params = cfg.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"rope_parameters must be an object, got {params!r}")
+    """The rope fields under their 4.x names, from either form, with transformers 5's precedence:
+    a legacy `rope_scaling` replaces `rope_parameters` (Gemma 3: updates its full layers' entry);
+    a `rope_theta` inside them wins over the top-level one."""
+    params = _object(cfg, "rope_parameters")
     nested = FULL in params or SLIDING in params
-    full = dict(params.get(FULL) or {}) if nested else dict(params)
-    if cfg.get("rope_scaling"):
-        full = {**(full if nested else {}), **cfg["rope_scaling"]}
+    full = _object(params, FULL, "rope_parameters.") if nested else params
+    if cfg.get("rope_scaling") is not None:
+        full = {**(full if nested else {}), **_object(cfg, "rope_scaling")}
     out: dict[str, Any] = {}
     theta = _first(full.get("rope_theta"), cfg.get("rope_theta"))
     if theta is not None:
@@ -81,7 +79,7 @@ def _standard_rope(cfg: dict[str, Any]) -> dict[str, Any]:
             **{k: v for k, v in full.items() if k not in ("type", "rope_theta")},
             "rope_type": kind,
         }
-    local = dict(params.get(SLIDING) or {}) if nested else {}
+    local = _object(params, SLIDING, "rope_parameters.") if nested else {}
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise ConfigError(
             f"rope_parameters.{SLIDING}.rope_type={local.get('rope_type')!r} is not supported (only 'default')"
@@ -90,6 +88,16 @@ def _standard_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     if local_theta is not None:
         out["rope_local_base_freq"] = local_theta
     return out
+
+
+def _object(parent: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    """parent[key], a JSON object ({} when unset)."""
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}{key} must be an object, got {value!r}")
+    return dict(value)
 
 
 def _first(*values):

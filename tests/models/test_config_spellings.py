@@ -183,6 +183,8 @@ def test_the_fields_the_spellings_carry():
             r"missing required field 'num_experts' \(or 'num_local_experts'\)",
         ),
         ({"rope_parameters": [1e6]}, "rope_parameters must be an object"),
+        ({"rope_parameters": {"full_attention": 1e6}}, "rope_parameters.full_attention must be an object"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be an object"),
     ],
 )
 def test_bad_spellings_name_the_field(changes, message):
