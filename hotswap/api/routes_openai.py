@@ -207,7 +207,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         lead = echo[p] if start == 0 and (echo_lps or not body.stream) else ""
         lp = None
         if body.logprobs is not None:
-            lp = completion_logprobs(tok, comp, start, offset + len(lead), as_ids)
+            # the generated text's offsets follow the echoed prompt
+            shift = len(echo[p]) if echo_lps or not body.stream else 0
+            lp = completion_logprobs(tok, comp, start, offset + shift, as_ids)
             if echo_lps and start == 0 and plps.get(p) is not None:
                 lp = prompt_fields.echo_logprobs(
                     prompts[p][1], plps[p], body.logprobs, partial(token_str, tok, as_ids=as_ids), lp

@@ -77,9 +77,14 @@ def test_echo_logprobs_stream_leads_with_the_prompt(api_client, oracle):
             model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=1, stream=True
         )
     )
-    first = next(c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs)
-    assert first.text.startswith(oracle.engine.tokenizer.decode(ids))
-    np.testing.assert_allclose(first.logprobs.token_logprobs[1 : len(ids)], _score(oracle, ids), atol=1e-5)
+    firsts = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs]
+    echoed = oracle.engine.tokenizer.decode(ids)
+    assert firsts[0].text.startswith(echoed)
+    np.testing.assert_allclose(
+        firsts[0].logprobs.token_logprobs[1 : len(ids)], _score(oracle, ids), atol=1e-5
+    )
+    # the generated tokens' offsets count the echoed prompt before them, in every chunk
+    assert all(c.logprobs.text_offset[0] >= len(echoed) for c in firsts[1:] if c.logprobs.tokens)
 
 
 def test_vllm_prompt_logprobs_on_completions_and_chat(api_http, oracle):
