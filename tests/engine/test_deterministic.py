@@ -1,7 +1,8 @@
 """Deterministic mode (`LLM(deterministic=True)`): a request's token ids and log-probs are the same
 bits alone, in a batch of 15 others, after a prefix hit and with a smaller prefill chunk, for
-greedy and seeded sampling, and `score` returns those log-probs bit for bit. Where the mode
-cannot run (other dtypes, attention paths, a multi-device mesh) it is a ConfigError."""
+greedy and seeded sampling, and `score` returns those log-probs (and the prompt's, asked with
+`prompt_logprobs`) bit for bit. Where the mode cannot run (other dtypes, attention paths, a
+multi-device mesh) it is a ConfigError."""
 
 from __future__ import annotations
 
@@ -78,6 +79,16 @@ def test_a_request_is_the_same_bits_whatever_else_runs(engines, mode):
     _assert_bitwise(_one(prefix, [target], sp, cached=48), alone, "after a 48-token prefix hit")
     score = engines["plain"].score(target, alone[0])
     assert np.asarray(score, np.float32).tobytes() == alone[1].tobytes(), "score differs from generation"
+
+
+def test_prompt_logprobs_are_the_bits_score_returns(engines):
+    """SamplingParams.prompt_logprobs, computed by the step programs in prefill chunks beside
+    other rows, is `score`'s log-probs bit for bit."""
+    target = _tokens(400, 90)
+    sps = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=1)]
+    plp = engines["chunk64"].generate([_tokens(401, 30), target], sps, use_tqdm=False)[1].prompt_logprobs
+    got = np.asarray([plp[t][target[t]].logprob for t in range(1, len(target))], np.float32)
+    assert got.tobytes() == np.asarray(engines["plain"].score(target[:1], target[1:]), np.float32).tobytes()
 
 
 def test_fixed_matmul_rows_do_not_depend_on_the_row_count():
