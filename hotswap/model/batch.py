@@ -17,8 +17,8 @@ Sliding-window layers read and write their own pages when they have a pool of th
 same tables, slots and page list in that pool (equal to the others when there is none), and
 `windowed()` is the batch those layers see.
 
-All arrays are host-built int32 (`prompt_top` bool) (runner.py) and padded to bucket shapes, so the step
-compiles once per bucket. Padding tokens sit at positions >= their row's kv_len, write
+All arrays are host-built (runner.py), int32 but for the bool `prompt_top`, and padded to
+bucket shapes, so the step compiles once per bucket. Padding tokens sit at positions >= their row's kv_len, write
 to slot 0 (the null page) and are never sampled.
 """
 
