@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotswap.engine.prompt_logprobs import Logprob
+from hotswap.engine.prompt_record import Logprob
 
 FLOOR = -9999.0
 

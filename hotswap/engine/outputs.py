@@ -17,7 +17,7 @@ import numpy as np
 
 from hotswap.checkpoint.tokenizer import IncrementalDecoder, Tokenizer
 from hotswap.engine import structured
-from hotswap.engine.prompt_logprobs import Logprob
+from hotswap.engine.prompt_record import Logprob
 from hotswap.engine.sampling import SamplingParams
 from hotswap.engine.sequence import Request, Sequence
 

@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import numpy as np
 
-from hotswap.engine import prompt_logprobs, structured
+from hotswap.engine import prompt_record, structured
 from hotswap.engine.pages import PagePool
 from hotswap.engine.scheduler import Plan
 from hotswap.engine.sequence import Sequence
@@ -174,8 +174,8 @@ class Runner:
             bt.segments[row : row + k] = r
             bt.adapters[row : row + k] = seq.lora_slot
             bt.sample_idx[r] = base + n - 1
-            if prompt_logprobs.asks(seq):
-                bt.prompt_targets.reshape(-1)[base : base + n] = prompt_logprobs.targets(seq, start, n)
+            if prompt_record.asks(seq):
+                bt.prompt_targets.reshape(-1)[base : base + n] = prompt_record.targets(seq, start, n)
                 bt.prompt_top.reshape(-1)[base : base + n] = seq.params.prompt_logprobs > 0
             row += k
         return bt if pool.window is not None else self._mirrored(bt)
@@ -236,7 +236,7 @@ class Runner:
         lp, rank, top_ids, top_lps = jax.device_get(prompt)
         q, base = batch.tokens.shape[1], 0
         for seq, n in rows:
-            if prompt_logprobs.asks(seq):
+            if prompt_record.asks(seq):
                 at = slice(base, base + n)
                 seq.record_prompt(seq.num_computed, lp[at], rank[at], top_ids[at], top_lps[at])
             base += -(-n // q) * q

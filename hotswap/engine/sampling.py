@@ -32,7 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0..20)
     # vLLM's: the prompt tokens' log-probs (`RequestOutput.prompt_logprobs`), each with the k
     # most likely tokens at its position (0..20); raw distribution, as `LLM.score`. A request
-    # that asks recomputes its whole prompt (no prefix-cache hit: engine/prompt_logprobs.py).
+    # that asks recomputes its whole prompt (no prefix-cache hit: engine/prompt_record.py).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # The output must match this (JSON schema, regex, choice, grammar: engine/structured.py);

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from hotswap.engine import prompt_logprobs
+from hotswap.engine import prompt_record
 from hotswap.engine.outputs import finish_reason
 from hotswap.engine.pages import PagePool
 from hotswap.engine.prefix import PrefixIndex, page_key
@@ -130,7 +130,7 @@ class Scheduler:
         if parent is not None and not parent.is_finished and parent.num_computed >= len(seq.prompt_ids):
             # n > 1: share the parent's full prompt pages directly (works without prefix caching).
             pages = list(w.pool.table(parent.seq_id)[: min(max_pages, len(seq.prompt_ids) // self.ps)])
-        elif self.cfg.enable_prefix_caching and not prompt_logprobs.asks(seq):
+        elif self.cfg.enable_prefix_caching and not prompt_record.asks(seq):
             # (a request asking for prompt log-probs recomputes its prompt: a cached page holds
             # no log-probs)
             key = 0
@@ -241,7 +241,7 @@ class Scheduler:
                 continue  # an update is draining: only already-started (preempted) work may run
             if seq.fork_parent is not None and self._parent_pending(seq):
                 continue  # n > 1: wait for the parent's prompt so its pages can be shared
-            if pending and not prompt_logprobs.asks(seq) and self._waits_for_prefix(w, seq, pending):
+            if pending and not prompt_record.asks(seq) and self._waits_for_prefix(w, seq, pending):
                 continue  # a shared prefix is being computed this step: hit it next step
             self._match_prefix(w, seq)
             if not seq.admitted_once:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hotswap.engine.prompt_logprobs import PromptRecord
+from hotswap.engine.prompt_record import PromptRecord
 from hotswap.engine.sampling import SamplingParams
 from hotswap.programs.sampler import unpack_mask
 
@@ -78,7 +78,7 @@ class Sequence:
     # the prefix pages it hit). Grown as tokens are computed; None for a dense model.
     routed: np.ndarray | None = None
     # SamplingParams.prompt_logprobs (the first sample only): the prompt tokens' log-probs so far,
-    # chunk by chunk as the step computes them (engine/prompt_logprobs.py).
+    # chunk by chunk as the step computes them (engine/prompt_record.py).
     prompt_record: PromptRecord | None = None
 
     def record_prompt(self, start: int, lp, rank, top_ids, top_lps) -> None:

@@ -25,7 +25,7 @@ from hotswap.kernels.backend import Backend
 from hotswap.model import forward
 from hotswap.model.batch import Batch
 from hotswap.programs.prompt_logprobs import prompt_logprobs
-from hotswap.programs.sampler import SamplingArrays, sample
+from hotswap.programs.sampler import Sampled, SamplingArrays, sample
 
 PREFILL_ROW = 16  # C of a packed prefill (Pallas, reference): a chunk wastes < 16 padded slots
 
@@ -137,7 +137,7 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
             keep_thresholds=backend.keep_thresholds,
             categorical=backend.categorical,
         )
-    out = (sampled,)
+    out = (_leaves(sampled),)
     if routed is not None:  # a MoE model: the experts of every token, [B*C, moe layers, k] int16
         out = (*out, routed.reshape(-1, *routed.shape[2:]).astype(jnp.int16))
     with jax.named_scope("prompt_logprobs"):  # nothing unless some row asks (programs/prompt_logprobs.py)
@@ -161,17 +161,28 @@ write_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=
 fused_jit = partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=(1,))(_step)
 
 
+# The program's outputs are tuples only: the step cache (programs/step_cache.py) rebuilds a
+# loaded program's output tree from nested tuples, so `Sampled` leaves the program as the
+# tuple of its fields and `run_step` puts it back together.
+def _leaves(sampled: Sampled) -> tuple:
+    return tuple(getattr(sampled, f.name) for f in dataclasses.fields(Sampled))
+
+
+def _with_sampled(pages, out, prompt):
+    return pages, (Sampled(*out[0]), *out[1:]), prompt
+
+
 def run_step(params, pages, batch: Batch, sa, *, cfg, backend: Backend, compiled=None):
     """One step on device: returns (new pages, (Sampled[, routed]), prompt),
     routed for a MoE model: the experts each of the step's B*C tokens went to; prompt: the
     prompt log-probs of the positions that asked (`prompt_logprobs.prompt_logprobs`).
     `compiled`: warm-up's program for this bucket, when it holds one (see `Runner.warmup`)."""
     if compiled is not None:
-        return compiled(params, pages, batch, sa)
+        return _with_sampled(*compiled(params, pages, batch, sa))
     if backend.read_then_write:
         new_kv, out, prompt = forward_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
-        return write_jit(pages, new_kv, batch, cfg=cfg, backend=backend), out, prompt
-    return fused_jit(params, pages, batch, sa, cfg=cfg, backend=backend)
+        return _with_sampled(write_jit(pages, new_kv, batch, cfg=cfg, backend=backend), out, prompt)
+    return _with_sampled(*fused_jit(params, pages, batch, sa, cfg=cfg, backend=backend))
 
 
 def lower_step(

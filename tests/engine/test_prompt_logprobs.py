@@ -1,4 +1,4 @@
-"""`SamplingParams.prompt_logprobs` (engine/prompt_logprobs.py, programs/prompt_logprobs.py): the
+"""`SamplingParams.prompt_logprobs` (engine/prompt_record.py, programs/prompt_logprobs.py): the
 prompt tokens' log-probs, ranks and top-k, computed by the step programs, equal `LLM.score` and
 the cache-free forward's full distribution: over chunked prefill, in a batch with rows that do
 not ask, with the prompt in the prefix cache (recomputed), for n > 1, and on the reference
@@ -77,7 +77,7 @@ def test_a_cached_prompt_is_recomputed_and_scores_the_same(llm):
     hit = llm.generate([ids], GREEDY, use_tqdm=False)[0]
     assert hit.num_cached_tokens == 48  # the prompt is in the prefix cache
     out = llm.generate([ids], _asking(0), use_tqdm=False)[0]
-    assert out.num_cached_tokens == 0  # asked for prompt log-probs: recomputed (engine/prompt_logprobs.py)
+    assert out.num_cached_tokens == 0  # asked for prompt log-probs: recomputed (engine/prompt_record.py)
     _check(llm, ids, out.prompt_logprobs, 0)
     assert all(len(d) == 1 for d in out.prompt_logprobs[1:])  # k = 0: the token alone
 
