@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from gemma_checkpoints import GEMMA_TEMPLATE
 from gguf_files import write_gemma_gguf
 from helpers import soak
 
@@ -87,20 +88,6 @@ def test_gemma3_270m_greedy_and_logprobs_match_transformers_past_the_window(gemm
 
 # ---- seeded Gemma 2 / Gemma 3 files, as llama.cpp's converter writes them ----------------
 
-# Gemma 3's chat template, as its tokenizer_config.json has it (text content only).
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
-    '{%- else -%}{%- set first_user_prefix = "" -%}{%- set loop_messages = messages -%}{%- endif -%}'
-    "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
-    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
-    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
-    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}"
-    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\\n'}}{%- endif -%}"
-)
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Name three colors."},

@@ -142,8 +142,12 @@ def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _sentencepiece_tokenizer(w: gguf.GGUFWriter, vocab: dict, chat_template: str | None) -> None:
-    """The tokenizer metadata llama.cpp's `_set_vocab_sentencepiece` writes for Llama 2 / Mistral."""
+def _sentencepiece_tokenizer(
+    w: gguf.GGUFWriter, vocab: dict, chat_template: str | None, *, space_prefix: bool = True
+) -> None:
+    """The tokenizer metadata llama.cpp's `_set_vocab_sentencepiece` writes: Llama 2 / Mistral
+    (a space prefix), Gemma (none, and a pad token). The order is the converter's: the seeded
+    file's sha256 (tests/data) depends on it."""
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(vocab["tokens"])
@@ -152,9 +156,11 @@ def _sentencepiece_tokenizer(w: gguf.GGUFWriter, vocab: dict, chat_template: str
     w.add_bos_token_id(vocab["bos"])
     w.add_eos_token_id(vocab["eos"])
     w.add_unk_token_id(vocab["unk"])
+    if "pad" in vocab:
+        w.add_pad_token_id(vocab["pad"])
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_add_space_prefix(True)
+    w.add_add_space_prefix(space_prefix)
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
@@ -241,20 +247,7 @@ def write_gemma_gguf(
         w.add_final_logit_softcapping(raw["final_logit_softcapping"])
     else:
         w.add_rope_freq_base(raw["rope_parameters"]["full_attention"]["rope_theta"])
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_scores(vocab["scores"])
-    w.add_token_types(vocab["types"])
-    w.add_bos_token_id(vocab["bos"])
-    w.add_eos_token_id(vocab["eos"])
-    w.add_unk_token_id(vocab["unk"])
-    w.add_pad_token_id(vocab["pad"])
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(False)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
+    _sentencepiece_tokenizer(w, vocab, chat_template, space_prefix=False)
     for name, a in tensors.items():
         a = np.asarray(a, np.float32)
         if name.endswith("norm.weight"):
