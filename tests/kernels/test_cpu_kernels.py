@@ -138,9 +138,10 @@ def test_a_shared_header_is_part_of_every_kernels_build_key(tmp_path, monkeypatc
         (src / f.name).write_bytes(f.read_bytes())
     monkeypatch.setattr(cpu_build, "SOURCES", src)
     cxx = cpu_build._compiler()
-    before = cpu_build._library_path(src / "small_matmul.cc", cxx)
+    target = cpu_build.native_target(cxx)
+    before = cpu_build._library_path(src / "small_matmul.cc", cxx, target)
     (src / "parallel.h").write_text((src / "parallel.h").read_text() + "\n// edited\n")
-    assert cpu_build._library_path(src / "small_matmul.cc", cxx) != before
+    assert cpu_build._library_path(src / "small_matmul.cc", cxx, target) != before
 
 
 @pytest.mark.parametrize("r,v", [(1, 32000), (32, 1000), (3, 17), (4, 1)])
