@@ -34,7 +34,7 @@ def block_rows(vocab_size: int) -> int:
     return rows
 
 
-def _empty(t: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def nothing_asked(t: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     return (
         jnp.zeros(t, jnp.float32),
         jnp.zeros(t, jnp.int32),
@@ -60,7 +60,7 @@ def prompt_logprobs(
     return jax.lax.cond(
         jnp.any(targets >= 0),
         lambda: _asked(h, targets, top, logits_of, row_stats, min(block_rows(vocab_size), t)),
-        lambda: _empty(t),
+        lambda: nothing_asked(t),
     )
 
 
@@ -92,7 +92,7 @@ def _asked(h, targets, top, logits_of, row_stats, rows: int):
         got = (chosen - lse, rank, top_ids, top_lps)
         return tuple(a.at[dest].set(v, mode="drop") for a, v in zip(acc, got, strict=True))
 
-    return jax.lax.fori_loop(0, (n + rows - 1) // rows, block, _empty(t))
+    return jax.lax.fori_loop(0, (n + rows - 1) // rows, block, nothing_asked(t))
 
 
 def _shifted_top(logits: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

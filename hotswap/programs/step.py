@@ -24,7 +24,7 @@ from hotswap.engine_config import EngineConfig
 from hotswap.kernels.backend import Backend
 from hotswap.model import forward
 from hotswap.model.batch import Batch
-from hotswap.programs.prompt_logprobs import prompt_logprobs
+from hotswap.programs.prompt_logprobs import nothing_asked, prompt_logprobs
 from hotswap.programs.sampler import Sampled, SamplingArrays, sample
 
 PREFILL_ROW = 16  # C of a packed prefill (Pallas, reference): a chunk wastes < 16 padded slots
@@ -141,17 +141,26 @@ def _step(params, pages, batch: Batch, sa, *, cfg, backend: Backend):
     if routed is not None:  # a MoE model: the experts of every token, [B*C, moe layers, k] int16
         out = (*out, routed.reshape(-1, *routed.shape[2:]).astype(jnp.int16))
     with jax.named_scope("prompt_logprobs"):  # nothing unless some row asks (programs/prompt_logprobs.py)
-        prompt = prompt_logprobs(
-            flat,
-            batch.prompt_targets.reshape(-1),
-            batch.prompt_top.reshape(-1),
-            partial(
-                forward.logits_from_hidden, params, mms=backend.matmuls, softcap=cfg.final_logit_softcapping
-            ),
-            backend.row_stats,
-            cfg.vocab_size,
-        )
+        prompt = _prompt_logprobs(flat, batch, params, cfg=cfg, backend=backend)
     return (new_kv if backend.read_then_write else pages), out, prompt
+
+
+def _prompt_logprobs(flat, batch: Batch, params, *, cfg, backend: Backend):
+    """The prompt log-probs of the step's asking positions. A decode step of a backend that is
+    not ragged carries no prompt position (its prompts run in packed prefill rows), so its
+    program leaves the path out: on TPU the lm head inside the path's `cond` costs a copy of the
+    head's shard in temporaries (337 MiB a chip for Gemma 3 27B on v5e x8), which every decode
+    step would otherwise hold."""
+    if batch.prompt_targets.shape[-1] == 1 and not backend.ragged_steps:
+        return nothing_asked(flat.shape[0])
+    return prompt_logprobs(
+        flat,
+        batch.prompt_targets.reshape(-1),
+        batch.prompt_top.reshape(-1),
+        partial(forward.logits_from_hidden, params, mms=backend.matmuls, softcap=cfg.final_logit_softcapping),
+        backend.row_stats,
+        cfg.vocab_size,
+    )
 
 
 # read_then_write (the reference): read-only forward, then a separate in-place write of the K/V.
