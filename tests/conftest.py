@@ -11,6 +11,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+# `make test` runs one pytest process per test folder (a single process compiling the whole
+# suite's programs grew past what XLA:CPU survives: it crashed serializing a program into the
+# cache about 45% in) and points all of them at one run directory, so the folders still share
+# their compiled programs.
+RUN_CACHE_ENV = "HOTSWAP_TEST_RUN_CACHE"
+
+
 def _run_cache_dir() -> Path:
     """hotswap's cache directory for this run: compiled programs (`xla/`, `steps/`) start empty,
     and everything else (the C++ kernels, models, converted weights) is the user's, linked.
@@ -21,12 +28,17 @@ def _run_cache_dir() -> Path:
     cache, nor loads what an earlier run left. tests/engine/test_compile_cache.py tests the
     cache itself, in directories of its own."""
     user = Path(os.environ.get("HOTSWAP_CACHE_DIR") or Path.home() / ".cache" / "hotswap")
-    run = Path(tempfile.mkdtemp(prefix="hotswap-test-cache-"))
-    atexit.register(shutil.rmtree, run, ignore_errors=True)  # removes the links, not what they name
+    shared = os.environ.get(RUN_CACHE_ENV)
+    if shared:  # one run of several pytest processes (the Makefile's): theirs, removed by the caller
+        run = Path(shared)
+        run.mkdir(parents=True, exist_ok=True)
+    else:
+        run = Path(tempfile.mkdtemp(prefix="hotswap-test-cache-"))
+        atexit.register(shutil.rmtree, run, ignore_errors=True)  # removes the links, not what they name
     for name in ("kernels", "models", "weights", "gguf"):
         (user / name).mkdir(parents=True, exist_ok=True)
     for entry in user.iterdir():
-        if entry.name not in ("xla", "steps"):
+        if entry.name not in ("xla", "steps") and not (run / entry.name).exists():
             (run / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     return run
 
