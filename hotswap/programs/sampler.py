@@ -77,7 +77,8 @@ class SamplingArrays:
         mode = np.zeros(pad_to, np.int32)
         kept = np.zeros(pad_to, bool)
         for i, (sp, seed, idx) in enumerate(rows):
-            t[i], k[i], p[i], m[i] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
+            # top_k past the vocabulary keeps every token: clipped into int32 (a client may send any int)
+            t[i], k[i], p[i], m[i] = sp.temperature, min(max(sp.top_k, 0), vocab_size), sp.top_p, sp.min_p
             s[i], st[i], top[i] = np.uint32(seed & 0xFFFFFFFF), idx, bool(sp.logprobs)
             mode[i] = LOGPROBS_MODES.index(sp.logprobs_mode or logprobs_mode)
             kept[i] = sp.return_kept_set is not None

@@ -22,6 +22,14 @@ from .relkit import ADMIN_KEY, API_KEY
 # Open on purpose: liveness and Prometheus scraping (as in vLLM), and FastAPI's schema and docs pages,
 # which describe the API but reach no engine state.
 OPEN = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+# Inference routes outside /v1/ (vLLM's, at the root): the api key, as the OpenAI routes.
+INFERENCE = {"/tokenize", "/detokenize"}
+
+
+def _inference(path: str) -> bool:
+    return path.startswith("/v1/") or path in INFERENCE
+
+
 PACKAGE = Path(__file__).resolve().parents[2] / "hotswap"
 BANNED_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}
 BANNED_MODULES |= {"multiprocessing.reduction"}  # ForkingPickler
@@ -74,7 +82,7 @@ def _unguarded(app) -> list[str]:
         guards = _guards(dependant) if dependant is not None else set()
         if not guards & {require_api_key, require_admin}:
             problems.append(f"{sorted(methods)} {path}: no auth dependency")
-        elif not path.startswith("/v1/") and require_admin not in guards:
+        elif not _inference(path) and require_admin not in guards:
             # Lifecycle routes swap weights or free memory: the api key must not be enough.
             problems.append(f"{sorted(methods)} {path}: lifecycle route without require_admin")
     return problems
@@ -102,7 +110,7 @@ def test_unauthenticated_calls_get_401(app):
             r = client.request(method, path)
             assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (method, path)
             assert r.json()["error"]["type"] == "authentication_error"
-            if not path.startswith("/v1/"):
+            if not _inference(path):
                 r = client.request(method, path, headers={"Authorization": f"Bearer {API_KEY}"})
                 assert r.status_code == 403, f"{method} {path} accepts the api key as admin"
                 assert r.json()["error"]["type"] == "permission_error"
