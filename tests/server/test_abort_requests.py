@@ -143,6 +143,23 @@ def _sequences(engine) -> list:
         return [seq for req in engine.requests.values() for seq in req.seqs]
 
 
+def _pause_mid_way(engine, monkeypatch, rows: int) -> None:
+    """Pause the engine ("keep") from its loop's own thread, right after the step that gives
+    `rows` sequences MID_WAY tokens each: two rows of the tiny model finish MAX_TOKENS in well
+    under a second, so a test thread slowed by a loaded machine could otherwise see them end
+    before its abort arrives."""
+    step = engine.step
+
+    def step_then_pause():
+        out = step()
+        seqs = _sequences(engine)
+        if len(seqs) >= rows and min(len(s.output_ids) for s in seqs) >= MID_WAY:
+            engine.pause("keep")
+        return out
+
+    monkeypatch.setattr(engine, "step", step_then_pause)
+
+
 async def _abort_scenario(base: str, engine) -> tuple[list[Stream], list, dict]:
     streams = _streams()
     limits = httpx.Limits(max_connections=N_STREAMS + 8)
@@ -177,10 +194,15 @@ async def _abort_scenario(base: str, engine) -> tuple[list[Stream], list, dict]:
     return streams, seqs, answers
 
 
-def test_fifty_streams_aborted_by_id_and_all(served):
+def test_fifty_streams_aborted_by_id_and_all(served, monkeypatch):
     base, engine, ctx = served
     tok = engine.tokenizer
-    streams, seqs, answers = asyncio.run(_abort_scenario(base, engine))
+    _pause_mid_way(engine, monkeypatch, rows=N_STREAMS)
+    try:
+        streams, seqs, answers = asyncio.run(_abort_scenario(base, engine))
+    finally:
+        monkeypatch.undo()
+        engine.resume()
 
     for s in streams:  # each ended with "abort", its partial output whole
         assert s.done and s.finish_reason == "abort", s
@@ -223,10 +245,11 @@ def test_fifty_streams_aborted_by_id_and_all(served):
         assert r.json()["choices"][0]["text"].isalpha()
 
 
-def test_plain_requests_return_their_partial_text(served):
+def test_plain_requests_return_their_partial_text(served, monkeypatch):
     """Non-streaming requests aborted mid-way answer with their partial text; vLLM's empty
-    `request_ids` aborts everything."""
+    `request_ids` aborts everything, paused requests included."""
     base, engine, _ = served
+    _pause_mid_way(engine, monkeypatch, rows=2)
 
     async def scenario():
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -243,14 +266,18 @@ def test_plain_requests_return_their_partial_text(served):
             ]
             tasks = [asyncio.create_task(p) for p in posts]
             deadline = time.monotonic() + 120
-            while len(seqs := _sequences(engine)) < 2 or min(len(s.output_ids) for s in seqs) < MID_WAY:
+            while not engine.is_paused:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
             by_id = await client.post("/abort_requests", json={"request_ids": ["p1"]}, headers=ADMIN)
             everything = await client.post("/vllm/abort_requests", json={}, headers=ADMIN)
             return by_id.json(), everything.json(), await asyncio.gather(*tasks)
 
-    by_id, everything, (completion, chat) = asyncio.run(scenario())
+    try:
+        by_id, everything, (completion, chat) = asyncio.run(scenario())
+    finally:
+        monkeypatch.undo()
+        engine.resume()
     assert by_id["request_ids"] == ["cmpl-p1-0"] and everything["request_ids"] == ["chatcmpl-p2"]
     assert completion.json()["id"] == "cmpl-p1" and chat.json()["id"] == "chatcmpl-p2"
     tok = engine.tokenizer
