@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from hotswap.errors import ConfigError
+from hotswap.speculative import SpeculativeConfig
 from hotswap.toolcalls.formats import PARSER_NAMES
 
 # "auto": the Pallas kernel on TPU, the C++ kernels on one CPU device (when they build), else
@@ -61,11 +62,13 @@ def option(
     doc_default: str | None = None,
     doc_default_zh: str | None = None,
     flag: str | None = None,
+    parse: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A field of `EngineArgs`. `engine`: a field of `EngineConfig` too (else it is read where the
     model is loaded, or handed to the `Engine` or the server on its own); `doc_default`: the docs'
     default cell when the default is resolved later (None here); `flag`: the CLI flag when it is
-    not the field's name in dashes."""
+    not the field's name in dashes; `parse`: what turns a given value (a flag's string, a
+    keyword's dict) into the field's value, raising ConfigError (an option that is an object)."""
     meta = dict(
         help=help,
         help_zh=help_zh,
@@ -77,8 +80,17 @@ def option(
         doc_default=doc_default,
         doc_default_zh=doc_default_zh or doc_default,
         flag=flag,
+        parse=parse,
     )
     return dataclasses.field(default=default, metadata=meta)
+
+
+def parsed(obj: Any) -> None:
+    """Run each `parse` option's parser on the value a frozen dataclass (`EngineArgs`,
+    `EngineConfig`) was built with, in place."""
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("parse") is not None:
+            object.__setattr__(obj, f.name, f.metadata["parse"](getattr(obj, f.name)))
 
 
 def check(f: dataclasses.Field, value: Any) -> None:
@@ -347,6 +359,23 @@ class EngineArgs:
         type=bool,
         scopes=SERVING,
     )
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        'speculative decoding, vLLM\'s object: `{"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": a, "prompt_lookup_max": b}` (prompt lookup) or `{"method": '
+        '"draft_model", "model": "self", "draft_layers": n, "num_speculative_tokens": k}` (the '
+        "model's first n layers and its head draft). Exact: every token is the one decoding without it "
+        "gives (greedy and seeded sampling alike); rows with structured outputs do not speculate",
+        '推测解码，vLLM 的对象：`{"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_min": a, "prompt_lookup_max": b}`（提示词查找）或 `{"method": '
+        '"draft_model", "model": "self", "draft_layers": n, "num_speculative_tokens": k}`'
+        "（由模型的前 n 层和输出头起草）。结果精确：每个词元都与不用推测解码时相同（贪心与带种子的采样皆然）；"
+        "带结构化输出的请求不做推测",
+        type=str,
+        parse=SpeculativeConfig.parse,
+        doc_default="`None` (off)",
+        doc_default_zh="`None`（关闭）",
+    )
     revision: str | None = option(
         None,
         "branch, tag or commit of a Hub ID (`None`: `main`); not for local paths",
@@ -359,6 +388,7 @@ class EngineArgs:
     # ---- construction ------------------------------------------------------------
 
     def __post_init__(self):
+        parsed(self)
         for f in dataclasses.fields(self):
             check(f, getattr(self, f.name))
 
@@ -399,7 +429,7 @@ class EngineArgs:
             if m["type"] is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
-                kw["type"] = m["type"]
+                kw["type"] = m["parse"] or m["type"]
                 if m["choices"]:
                     kw["choices"] = list(m["choices"])
             group.add_argument(cls.flag(f), **kw)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hotswap.args import EngineArgs, check
+from hotswap.args import EngineArgs, check, parsed
 from hotswap.errors import ConfigError
 
 __all__ = ["RESOLVED", "EngineConfig", "check_pages_fit", "default_dtype"]
@@ -45,6 +45,7 @@ class _EngineConfig:
     """What `EngineConfig` does beside holding its fields (generated below)."""
 
     def __post_init__(self):
+        parsed(self)
         for f in dataclasses.fields(self):
             check(f, getattr(self, f.name))
         check_pages_fit(self.num_pages, self.page_size, self.max_model_len)

@@ -19,7 +19,7 @@ import threading
 import jax
 
 from hotswap import host_memory
-from hotswap.engine import lifecycle
+from hotswap.engine import lifecycle, speculation
 from hotswap.engine.adapters import Adapters, Loaded
 from hotswap.engine.admission import Admission
 from hotswap.engine.controller import LifecycleController
@@ -96,7 +96,9 @@ class Engine:
             raise ConfigError(f"enable_return_routed_experts: this {mcfg.arch} model has no experts")
         self.ref = StateRef(state)
         self.runner = Runner(mcfg, ecfg, self.backend)
-        self.sched = Scheduler(ecfg, fill=self.runner.buckets.fill)
+        self.sched = Scheduler(
+            ecfg, fill=self.runner.buckets.fill, propose=speculation.proposer(ecfg.speculative_config)
+        )
         self._lock = threading.RLock()
         self._steps = 0
         self.admission = Admission(

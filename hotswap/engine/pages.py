@@ -149,6 +149,19 @@ class PagePool:
         if self.window is not None:
             self.window.advance(seq_id, self.table(seq_id), num_tokens)
 
+    def truncate(self, seq_id: int, keep: int) -> None:
+        """seq keeps the first `keep` pages of its table; the rest (its own, unindexed: a
+        speculative verification's rejected positions) lose its reference."""
+        table = self.table(seq_id)
+        if len(table) <= keep:
+            return
+        if self.window is not None:
+            self.window.drop_tail(seq_id, table, keep)
+        tail = np.asarray(table[keep:], np.int64)
+        self.refcount[tail] -= 1
+        assert (self.refcount[tail] >= 0).all(), f"seq {seq_id}: a page was released twice"
+        self.tables[seq_id] = table[:keep]
+
     def release(self, seq_id: int) -> None:
         """Drop seq's table and keys; its pages lose one reference each."""
         if self.window is not None:

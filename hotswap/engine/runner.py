@@ -154,7 +154,7 @@ class Runner:
             bt = Batch.zeros(nb, q, p, samples)
         tokens, positions, slots = bt.tokens.reshape(-1), bt.positions.reshape(-1), bt.slots.reshape(-1)
         window_slots = bt.window_slots.reshape(-1)
-        row = 0
+        row = slot = 0
         for r, ((seq, n), k) in enumerate(zip(rows, need, strict=True)):
             start, base = seq.num_computed, row * q
             table = pool.table(seq.seq_id)
@@ -173,7 +173,10 @@ class Runner:
             bt.chunk_starts[row : row + k] = start
             bt.segments[row : row + k] = r
             bt.adapters[row : row + k] = seq.lora_slot
-            bt.sample_idx[r] = base + n - 1
+            # its last position, or every position a verification feeds (Sequence.samples)
+            m = seq.samples
+            bt.sample_idx[slot : slot + m] = np.arange(base + n - m, base + n)
+            slot += m
             if prompt_record.asks(seq):
                 bt.prompt_targets.reshape(-1)[base : base + n] = prompt_record.targets(seq, start, n)
                 bt.prompt_top.reshape(-1)[base : base + n] = seq.params.prompt_logprobs > 0
@@ -182,12 +185,17 @@ class Runner:
 
     def _masks(self, rows: list[tuple[Sequence, int]], s: int) -> np.ndarray | None:
         """The packed token masks of the constrained rows that sample a token in this call (a
-        prompt chunk short of its end samples nothing); None when no row is constrained."""
-        live = [(q.matcher, i) for i, (q, n) in enumerate(rows) if q.matcher is not None]
-        if not live:
+        prompt chunk short of its end samples nothing), at each row's sampled row; None when
+        no row is constrained (a constrained row never verifies a draft: one sampled row)."""
+        if not any(q.matcher is not None for q, _ in rows):
             return None
         mask = np.zeros((s, mask_words(self.mcfg.vocab_size)), np.int32)
-        sampling = [(m, i) for m, i in live if rows[i][0].num_computed + rows[i][1] >= rows[i][0].total_len]
+        at = np.cumsum([0] + [q.samples for q, _ in rows[:-1]])
+        sampling = [
+            (q.matcher, int(j))
+            for (q, n), j in zip(rows, at, strict=True)
+            if q.matcher is not None and q.num_computed + n >= q.total_len
+        ]
         structured.fill_masks(sampling, mask)
         return mask
 
@@ -203,8 +211,9 @@ class Runner:
         else:
             batch = self.prefill_batch(rows, pool)
         s = batch.sample_idx.shape[0]
+        # a verification's rows sample the output positions after the last token, in turn
         sa = SamplingArrays.from_rows(
-            [(q.params, q.seed, len(q.output_ids)) for q, _ in rows],
+            [(q.params, q.seed, len(q.output_ids) + j) for q, _ in rows for j in range(q.samples)],
             s,
             self.mcfg.vocab_size,
             self._masks(rows, s),
@@ -215,11 +224,11 @@ class Runner:
             params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step
         )
         self._record_prompt(rows, batch, prompt)
-        n_rows = len(rows)
+        n_rows, n_samples = len(rows), sum(q.samples for q, _ in rows)
         # One host copy per call; the kept sets' [S, V/32] bitmasks only when a row of the step asked.
         sampled = out[0] if kept else dataclasses.replace(out[0], kept_mask=np.zeros((s, 0), np.int32))
         host = jax.device_get((sampled, *out[1:]))
-        sampled = jax.tree.map(lambda a: a[:n_rows], host[0])
+        sampled = jax.tree.map(lambda a: a[:n_samples], host[0])
         if len(host) == 1:
             return pages, (sampled, [None] * n_rows)
         # a MoE model's routing [B*C, moe layers, k]: each row's tokens, where the batch laid them

@@ -28,6 +28,7 @@ from hotswap.engine.sequence import Sequence, Status
 from hotswap.engine.state import EngineState, KVCache
 from hotswap.engine_config import EngineConfig
 from hotswap.programs.sampler import Sampled
+from hotswap.speculative import verified_per_step
 
 # the sampled rows (a `Sampled` of host arrays), and per row its tokens' routed experts (None:
 # dense model)
@@ -67,12 +68,23 @@ class _Work:
         return dataclasses.replace(state, pool=self.pool, prefix=self.prefix)
 
 
+# A draft for a sequence: (sequence, at most this many tokens) -> the tokens (engine/speculation.py)
+Propose = Callable[[Sequence, int], list[int]]
+
+
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, fill: Callable[[int], int] | None = None):
+    def __init__(
+        self, ecfg: EngineConfig, fill: Callable[[int], int] | None = None, propose: Propose | None = None
+    ):
         """`fill(n)`: how many of a step's n ready tokens to run, so that the step lands on a
-        compiled size (`step.Buckets.fill`); None runs them all."""
+        compiled size (`step.Buckets.fill`); None runs them all. `propose`: speculative
+        decoding's drafts (None: no speculation)."""
         self.cfg = ecfg
         self.fill = fill or (lambda n: n)
+        self.propose = propose
+        self.drafts_per_step = verified_per_step(ecfg.speculative_config, ecfg.max_num_seqs)
+        self.num_draft_tokens = 0  # proposed and verified, over the engine's life
+        self.num_accepted_tokens = 0
         self.ps = ecfg.page_size
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -113,6 +125,7 @@ class Scheduler:
         """Recompute later: drop KV, keep tokens, back to the front of the queue."""
         w.pool.release(seq.seq_id)
         seq.num_computed = 0
+        seq.draft = []
         seq.mixed_kv = False  # its KV will be rebuilt under the current weights
         seq.kv_version = None
         seq.status = Status.WAITING
@@ -208,13 +221,20 @@ class Scheduler:
     def schedule(self, state: EngineState) -> tuple[Plan, EngineState]:
         w = _Work.of(state)
         budget = self.cfg.max_num_batched_tokens
+        drafts = self.drafts_per_step
         plan = Plan(decode=[], prefill=[])
 
-        # 1. Running sequences, oldest first; preempt the youngest when pages run out.
+        # 1. Running sequences, oldest first; preempt the youngest when pages run out. A decoding
+        # sequence with a draft verifies it: its last token and the draft, as one chunk.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING or budget <= 0:
                 continue
-            n = 1 if not seq.in_prefill else min(seq.total_len - seq.num_computed, budget)
+            if seq.in_prefill:
+                n = min(seq.total_len - seq.num_computed, budget)
+            else:
+                seq.draft = self._draft(seq, min(budget - 1, drafts))
+                drafts -= len(seq.draft)
+                n = seq.samples
             while not self._grow(w, seq, seq.num_computed + n):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(w, victim)
@@ -223,7 +243,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             budget -= n
-            if seq.in_prefill:
+            if n > 1 or seq.in_prefill:
                 plan.prefill.append((seq, n))
             else:
                 plan.decode.append(seq)
@@ -276,6 +296,19 @@ class Scheduler:
         if cut > 0 and plan.prefill and plan.prefill[-1][1] > cut:
             seq, n = plan.prefill[-1]
             plan.prefill[-1] = (seq, n - cut)
+            seq.draft = seq.draft[: max(0, len(seq.draft) - cut)]  # a verification verifies less
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """The draft seq verifies this step: at most `room` tokens, none past max_model_len or
+        past what max_tokens leaves (the token after an accepted draft comes free). A sequence
+        under structured outputs never speculates (its mask would be needed at every drafted
+        position)."""
+        if self.propose is None or seq.matcher is not None:
+            return []
+        room = min(room, self.cfg.max_model_len - seq.total_len)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+        return self.propose(seq, room) if room > 0 else []
 
     def _parent_pending(self, seq: Sequence) -> bool:
         p = seq.fork_parent
@@ -293,38 +326,59 @@ class Scheduler:
         page_version = state.kv.page_version.copy()
         page_adapter = state.kv.page_adapter.copy()
         sampled, routed = out
-        tok, lp, top_ids, top_lps = sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_lps
         rows = plan.rows
+        at = 0  # the row's first sampled row: rows sample Sequence.samples each, in order
         for i, (seq, n) in enumerate(rows):
+            first, at = at, at + seq.samples
+            # A verification keeps the last token and the draft's accepted prefix: its positions
+            # now hold KV of the tokens the sequence has; the rest is rolled back.
+            kept = 1 + accepted(seq.draft, sampled.tokens[first:at]) if seq.draft else n
             if routed[i] is not None:  # a MoE model: the experts of the row's tokens
-                seq.record_routing(seq.num_computed, routed[i])
+                seq.record_routing(seq.num_computed, routed[i][:kept])
             table = w.pool.table(seq.seq_id)
-            first, last = seq.num_computed // self.ps, (seq.num_computed + n - 1) // self.ps
-            page_version[list(table[first : last + 1])] = w.version
-            page_adapter[list(table[first : last + 1])] = seq.adapter
-            seq.num_computed += n
-            # Index newly full pages before a finish can release them (then they stay cached).
+            lo, hi = seq.num_computed // self.ps, (seq.num_computed + n - 1) // self.ps
+            page_version[list(table[lo : hi + 1])] = w.version  # every page the step wrote
+            page_adapter[list(table[lo : hi + 1])] = seq.adapter
+            seq.num_computed += kept
+            # Index newly full pages before a finish can release them (then they stay cached);
+            # a page of accepted draft tokens reads them from the draft.
             self._register_full_pages(w, seq)
             w.pool.advance(seq.seq_id, seq.num_computed)
-            if seq.num_computed < seq.total_len:
+            if seq.draft:
+                self.num_draft_tokens += len(seq.draft)
+                self.num_accepted_tokens += kept - 1
+                seq.spec_proposed += len(seq.draft)
+                seq.spec_accepted += kept - 1
+                seq.draft = []
+                # the pages past the next token's hold only rejected positions
+                w.pool.truncate(seq.seq_id, -(-(seq.num_computed + 1) // self.ps))
+            elif seq.num_computed < seq.total_len:
                 continue  # a prompt chunk short of the prompt's end: nothing sampled
-            k = seq.params.logprobs
-            seq.append_token(
-                int(tok[i]),
-                float(lp[i]),
-                w.version,
-                (top_ids[i, :k].copy(), top_lps[i, :k].copy()) if k else None,
-            )
-            if seq.params.return_kept_set is not None:
-                seq.append_kept(int(sampled.kept[i]), sampled.kept_mask[i])
-            self.num_generated += 1
-            reason, stop = finish_reason(seq, self.cfg.max_model_len)
-            if reason is not None:
-                seq.stop_reason = stop
-                self._finish(w, seq, reason)
+            for j in range(first, first + (kept if at - first > 1 else 1)):
+                if self._append(w, seq, sampled, j):
+                    break
         state = w.into(state)
         kv = KVCache(pages=state.kv.pages, page_version=page_version, page_adapter=page_adapter)
         return dataclasses.replace(state, kv=kv), [s for s, _ in rows]
+
+    def _append(self, w: _Work, seq: Sequence, sampled: Sampled, j: int) -> bool:
+        """Append the token of sampled row j to seq; True if that finished it."""
+        k = seq.params.logprobs
+        seq.append_token(
+            int(sampled.tokens[j]),
+            float(sampled.logprobs[j]),
+            w.version,
+            (sampled.top_ids[j, :k].copy(), sampled.top_lps[j, :k].copy()) if k else None,
+        )
+        if seq.params.return_kept_set is not None:
+            seq.append_kept(int(sampled.kept[j]), sampled.kept_mask[j])
+        self.num_generated += 1
+        reason, stop = finish_reason(seq, self.cfg.max_model_len)
+        if reason is None:
+            return False
+        seq.stop_reason = stop
+        self._finish(w, seq, reason)
+        return True
 
     # ---- ending and preempting outside a step -------------------------------------
 
@@ -356,3 +410,17 @@ class Scheduler:
             if seq in self.running:
                 self._preempt(w, seq)
         return w.into(state)
+
+
+def accepted(draft: list[int], tokens) -> int:
+    """How many leading draft tokens the target sampled too. Row i's token is what decoding
+    without speculation samples at that output position (the same logits, the same uniform:
+    programs/sampler.py), so the longest agreeing prefix, plus the target's token after it, is
+    exactly the run decoding would have produced. For a draft that is one proposal, not a
+    distribution (prompt lookup, a greedy draft model), this is the modified rejection sampling
+    of Leviathan et al. with q a point mass: the draft token x is kept with probability p(x),
+    and otherwise the target's token is a draw from p without x."""
+    n = 0
+    while n < len(draft) and int(tokens[n]) == draft[n]:
+        n += 1
+    return n

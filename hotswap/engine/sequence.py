@@ -80,6 +80,12 @@ class Sequence:
     # SamplingParams.prompt_logprobs (the first sample only): the prompt tokens' log-probs so far,
     # chunk by chunk as the step computes them (engine/prompt_record.py).
     prompt_record: PromptRecord | None = None
+    # Speculative decoding (engine/speculation.py): the tokens proposed to follow the last one,
+    # fed after it to this step's verification and cleared once the step is done; and over the
+    # sequence's life, how many were proposed and how many the target accepted.
+    draft: list[int] = dataclasses.field(default_factory=list)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     def record_prompt(self, start: int, lp, rank, top_ids, top_lps) -> None:
         """A step's prompt log-probs for the chunk of positions [start, start + len(lp))."""
@@ -121,11 +127,22 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
-        """all_ids[start:start+n] without building all_ids (a decode step reads one token)."""
+        """all_ids[start:start+n] without building all_ids (a decode step reads one token), and
+        past the last token the draft (what a verification step feeds)."""
         p = len(self.prompt_ids)
         if start >= p:
-            return self.output_ids[start - p : start - p + n]
-        return (self.prompt_ids[start : start + n] + self.output_ids[: max(0, start + n - p)])[:n]
+            out = self.output_ids[start - p : start - p + n]
+        else:
+            out = (self.prompt_ids[start : start + n] + self.output_ids[: max(0, start + n - p)])[:n]
+        if len(out) < n and self.draft:
+            past = start + len(out) - self.total_len
+            out = out + self.draft[past : past + n - len(out)]
+        return out
+
+    @property
+    def samples(self) -> int:
+        """Rows this sequence samples in the step: one, or one per position a verification feeds."""
+        return 1 + len(self.draft)
 
     @property
     def total_len(self) -> int:

@@ -133,6 +133,12 @@ class WindowPages:
             self._unhold(self.local_of[list(table[d:first])])
             self.dropped[seq_id] = first
 
+    def drop_tail(self, seq_id: int, table: tuple[int, ...], keep: int) -> None:
+        """seq's table is cut to its first `keep` pages: release the twins of the rest it holds."""
+        start = max(keep, self.dropped.get(seq_id, 0))
+        if len(table) > start:
+            self._unhold(self.local_of[list(table[start:])])
+
     def release(self, seq_id: int, table: tuple[int, ...]) -> None:
         d = self.dropped.pop(seq_id, 0)
         if len(table) > d:

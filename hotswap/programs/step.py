@@ -26,6 +26,7 @@ from hotswap.model import forward
 from hotswap.model.batch import Batch
 from hotswap.programs.prompt_logprobs import nothing_asked, prompt_logprobs
 from hotswap.programs.sampler import Sampled, SamplingArrays, sample
+from hotswap.speculative import verified_per_step
 
 PREFILL_ROW = 16  # C of a packed prefill (Pallas, reference): a chunk wastes < 16 padded slots
 
@@ -55,6 +56,9 @@ class Buckets:
     prefill_pages: tuple[int, ...]  # P of a packed prefill (0: nothing cached before any chunk)
     max_samples: int  # rows sampled in one call at most: each running sequence once
     ragged: bool  # steps are [T, 1] blocks (`Backend.ragged_steps`): `batch` holds every T
+    # Speculative decoding: the draft tokens a step verifies at most, each one more sampled row
+    # (`speculative.verified_per_step`); 0 without speculation.
+    drafts: int = 0
 
     @staticmethod
     def for_config(ecfg: EngineConfig, backend: Backend) -> Buckets:
@@ -87,6 +91,7 @@ class Buckets:
             prefill_pages=prefill_pages,
             max_samples=ecfg.max_num_seqs,
             ragged=backend.ragged_steps,
+            drafts=verified_per_step(ecfg.speculative_config, ecfg.max_num_seqs),
         )
 
     def shapes(self) -> list[tuple[int, int, int]]:
@@ -102,9 +107,12 @@ class Buckets:
         return big + ([(self.blocks[-1], PREFILL_ROW, self.prefill_pages[-1])] if self.blocks else [])
 
     def samples(self, b: int, c: int) -> int:
-        """S, the rows a (B, C) step samples: one per sequence in it. A packed prefill has at most
-        one sequence per row; a [T, 1] step at most every running sequence."""
-        return b if c != 1 else min(b, self.max_samples)
+        """S, the rows a (B, C) step samples: one per sequence in it, and one per draft token it
+        verifies. A packed prefill has at most one sequence per row; a [T, 1] step at most every
+        running sequence (and never more rows than tokens)."""
+        if c != 1:
+            return b + min(self.drafts, b * (c - 1))
+        return min(b, self.max_samples + self.drafts)
 
     def fill(self, n: int) -> int:
         """Tokens a ragged step should run when `n` are ready: n, or the bucket below n when

@@ -1,0 +1,30 @@
+"""Speculative decoding: where a step's drafts come from (`proposer`), one place.
+
+A decoding sequence with a draft is verified in the step as a chunk of its last token and the
+draft; every position of the chunk is sampled as decoding would sample it, and the scheduler
+keeps the draft's longest prefix the target agrees with, plus the target's next token
+(scheduler.py `accepted`). So speculation changes how many tokens a step yields, never which:
+with the same logits, the output is the one decoding without speculation gives, greedy or
+seeded. The verified rows ride in the step's batch beside every other row (continuous batching
+kept), their rejected positions' pages are released, and only accepted tokens' pages enter the
+prefix index.
+"""
+
+from __future__ import annotations
+
+from hotswap.engine import ngram
+from hotswap.engine.scheduler import Propose
+from hotswap.engine.sequence import Sequence
+from hotswap.speculative import SpeculativeConfig
+
+
+def proposer(config: SpeculativeConfig | None) -> Propose | None:
+    """The scheduler's draft source for `config` (None: no speculation)."""
+    if config is None:
+        return None
+    k, lo, hi = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+
+    def prompt_lookup(seq: Sequence, room: int) -> list[int]:
+        return ngram.propose(seq.all_ids, lo, hi, min(k, room))
+
+    return prompt_lookup
