@@ -93,6 +93,19 @@ def parsed(obj: Any) -> None:
             object.__setattr__(obj, f.name, f.metadata["parse"](getattr(obj, f.name)))
 
 
+def _flag_type(parse: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """A `parse` option's parser as argparse's `type`: its ConfigError becomes argparse's usage
+    error (exit 2, "argument --flag: <the message>"), not a traceback."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
 def check(f: dataclasses.Field, value: Any) -> None:
     """`value` of the option `f` against its row: one of its choices, within its bound. None is
     a value only of an option whose default is None (one resolved later, or "no bound")."""
@@ -429,7 +442,7 @@ class EngineArgs:
             if m["type"] is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
-                kw["type"] = m["parse"] or m["type"]
+                kw["type"] = _flag_type(m["parse"]) if m["parse"] else m["type"]
                 if m["choices"]:
                     kw["choices"] = list(m["choices"])
             group.add_argument(cls.flag(f), **kw)
