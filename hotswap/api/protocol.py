@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hotswap.api import structured_fields
+from hotswap.api import router_fields, structured_fields
 from hotswap.api.prompt_fields import FLOOR
 from hotswap.engine.outputs import CompletionOutput, RequestOutput
 from hotswap.engine.sampling import SamplingParams
@@ -69,6 +69,12 @@ class _Common(_Strict):
     # vLLM's: the id this request answers with (`cmpl-<id>`, `chatcmpl-<id>`) and can be aborted
     # by; the X-Request-Id header wins (api/request_ids.py). Default: a fresh one.
     request_id: str | None = None
+    # Fields sglang-router fills and SGLang / vLLM clients send (api/router_fields.py): a stop
+    # string kept in the text (SGLang's `no_stop_trim`, vLLM's `include_stop_str_in_output`);
+    # hidden states are not returned (true: a 400).
+    no_stop_trim: bool = False
+    include_stop_str_in_output: bool = False
+    return_hidden_states: bool = False
     # Accepted for openai-client compatibility; only neutral values (see `_check_neutral`).
     user: str | None = None
     frequency_penalty: float | None = None
@@ -76,6 +82,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
 
     def _check_neutral(self) -> None:
+        router_fields.refuse_unserved(self)
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise unsupported(name, "penalties are not implemented; leave it unset or 0")
@@ -110,6 +117,7 @@ class _Common(_Strict):
             logprobs_mode=self.logprobs_mode,
             return_kept_set=self.return_kept_set,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.no_stop_trim or self.include_stop_str_in_output,
             structured_outputs=constraint,
         )
 
@@ -188,6 +196,10 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # SGLang's reasoning split (sglang-router sends both true): either value, there is no
+    # reasoning parser here (SGLang without --reasoning-parser ignores them too).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from hotswap.api import actions, prompt_fields, streaming, structured_fields
+from hotswap.api import actions, prompt_fields, router_fields, streaming, structured_fields
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.http_errors import HotswapError, PickleBodyRefused, RequestError, exception_body
 from hotswap.api.kept_fields import kept_json
@@ -252,6 +252,8 @@ class _SGLangSampling(BaseModel):
     # (`meta_info.kept_counts` ...: api/kept_fields.py).
     logprobs_mode: str | None = None
     return_kept_set: bool | str | None = None
+    # SGLang's: a matched stop string stays at the end of the text (api/router_fields.py).
+    no_stop_trim: bool = False
 
     def engine(self) -> SamplingParams:
         return SamplingParams(
@@ -267,6 +269,7 @@ class _SGLangSampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs_mode=self.logprobs_mode,
             return_kept_set=self.return_kept_set,
+            include_stop_str_in_output=self.no_stop_trim,
             structured_outputs=structured_fields.from_sglang(
                 self.json_schema, self.regex, self.ebnf, self.structural_tag
             ),
@@ -293,6 +296,16 @@ class _Generate(BaseModel):
     # of int32 [rows, moe layers, k] for the tokens [routed_experts_start_len, seq_len - 1).
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # What sglang-router fills in (api/router_fields.py): `model` names the served model or a
+    # LoRA adapter, as on /v1/*; `no_logs` either value (no request's contents are logged here);
+    # the rest only at these values (another: a 400 naming it).
+    model: str | None = None
+    no_logs: bool = False
+    log_metrics: bool = True
+    return_hidden_states: bool = False
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
 
 def _routed_experts(c, start: int) -> dict[str, Any]:
@@ -366,6 +379,8 @@ async def generate(body: _Generate, request: Request) -> Response:
     ctx.check_admitting()
     if (body.text is None) == (body.input_ids is None):
         raise RequestError('/generate takes exactly one of "text" or "input_ids" (one prompt)')
+    router_fields.refuse_unserved(body)
+    lora_name = ctx.check_model(body.model)
     _, ids = ctx.engine.tokenize(body.text if body.text is not None else body.input_ids)
     if not 0 <= body.routed_experts_start_len <= len(ids):
         raise RequestError(
@@ -381,7 +396,7 @@ async def generate(body: _Generate, request: Request) -> Response:
     routed_from = body.routed_experts_start_len if body.return_routed_experts else None
     queue: asyncio.Queue = asyncio.Queue()
     # SGLang's `rid`: the client's id for this request (`meta_info.id`), which /abort_request takes.
-    rids = [await ctx.submit(ids, params, body.stream, queue, rid=body.rid)]
+    rids = [await ctx.submit(ids, params, body.stream, queue, lora_name, rid=body.rid)]
 
     def render(out: RequestOutput) -> list[dict[str, Any]]:
         logprobs = None if start is None else _logprobs(ctx, body, out, start)

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.api import management, routes_lora, routes_openai, routes_sglang, routes_vllm
+from hotswap.api import management, routes_lora, routes_openai, routes_sglang, routes_sglang_info, routes_vllm
 from hotswap.api.engine_loop import (
     OUTCOMES,
     TALLY_KEY,
@@ -334,6 +334,8 @@ def create_app(
     # RL controllers written for SGLang (its names are free here) and vLLM (under /vllm, where
     # the OpenAI routes are mounted again so one base URL serves generation and control).
     app.include_router(routes_sglang.router)
+    # What a router reads of a replica (SGLang's /server_info, /get_load ...): the api key.
+    app.include_router(routes_sglang_info.router, dependencies=[Depends(require_api_key)])
     app.include_router(routes_vllm.router)
     # vLLM's /tokenize, /detokenize (inference: the api key) and /abort_requests (admin) are
     # free names at the root, and under /vllm with the rest of vLLM's routes.

@@ -96,7 +96,8 @@ class SequenceText:
     a token costs O(1) text work however long the output is. Stop strings are
     searched in the newly decoded text plus the last `max(len(stop)) - 1` characters
     before it, so a stop string that spans tokens is found on the token that completes
-    it. As in vLLM, the text is cut just before the stop string. Without stop strings
+    it. As in vLLM, the text is cut just before the stop string (or just after it, with
+    `include_stop_str_in_output`). Without stop strings
     nothing needs the text per token, so decoding waits until `text` or `take_delta`
     is read (one decode of the whole output for a request that is not streamed).
     """
@@ -104,6 +105,7 @@ class SequenceText:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
         self._dec = IncrementalDecoder(tokenizer, params.skip_special_tokens)
         self._stops: list[str] = list(params.stop or [])
+        self._keep_stop = params.include_stop_str_in_output
         self._tail_len = max(0, max((len(s) for s in self._stops), default=0) - 1)
         self._unread: list[int] = []  # appended ids not yet decoded (no stop strings: decoded lazily)
         self._joined = ""  # the decoded text, up to the pieces in `_fresh`
@@ -134,7 +136,7 @@ class SequenceText:
         for s in self._stops:
             j = window.find(s)
             if j >= 0:
-                self._stop_at = start - len(tail) + j
+                self._stop_at = start - len(tail) + j + (len(s) if self._keep_stop else 0)
                 return s
         return None
 

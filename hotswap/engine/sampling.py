@@ -35,6 +35,9 @@ class SamplingParams:
     # that asks recomputes its whole prompt (no prefix-cache hit: engine/prompt_record.py).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's (SGLang's `no_stop_trim`): a matched stop string stays at the end of the text
+    # instead of being cut off (the text still ends with it: what follows in its token is cut).
+    include_stop_str_in_output: bool = False
     # The output must match this (JSON schema, regex, choice, grammar: engine/structured.py);
     # a dict is read as vLLM's JSON form.
     structured_outputs: StructuredOutputs | dict | None = None

@@ -22,8 +22,17 @@ from .relkit import ADMIN_KEY, API_KEY
 # Open on purpose: liveness and Prometheus scraping (as in vLLM), and FastAPI's schema and docs pages,
 # which describe the API but reach no engine state.
 OPEN = {"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-# Inference routes outside /v1/ (vLLM's, at the root): the api key, as the OpenAI routes.
+# Inference routes outside /v1/ (vLLM's, at the root): the api key, as the OpenAI routes. And what
+# a router reads of a replica, SGLang's (api/routes_sglang_info.py): the api key, as /v1/models.
 INFERENCE = {"/tokenize", "/detokenize"}
+INFERENCE |= {
+    "/server_info",
+    "/get_server_info",
+    "/model_info",
+    "/get_model_info",
+    "/get_load",
+    "/health_generate",
+}
 
 
 def _inference(path: str) -> bool:
