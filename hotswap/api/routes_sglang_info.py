@@ -23,7 +23,7 @@ from hotswap.api.engine_loop import ServerContext, ctx_of
 from hotswap.api.version_labels import label
 from hotswap.engine.sampling import SamplingParams
 from hotswap.errors import HotswapError
-from hotswap.model.config import _ARCHS, _MODEL_TYPES
+from hotswap.model.config import hf_names
 
 router = APIRouter()
 HEALTH_GENERATE_S = 20.0  # SGLang's /health_generate waits 20 s for its token too
@@ -65,7 +65,8 @@ def _server_info(ctx: ServerContext) -> dict[str, Any]:
 
 
 def _model_info(ctx: ServerContext) -> dict[str, Any]:
-    e, arch = ctx.engine, ctx.engine.mcfg.arch
+    e = ctx.engine
+    model_type, architecture = hf_names(e.mcfg.arch)
     return {
         "model_path": ctx.model_name,
         "tokenizer_path": ctx.model_name if e.tokenizer is not None else None,
@@ -74,9 +75,8 @@ def _model_info(ctx: ServerContext) -> dict[str, Any]:
         "weight_version": label(ctx, e.weights_version),
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        # HF's names of this family (config.json's `model_type` and `architectures[0]`)
-        "model_type": next(t for t, a in _MODEL_TYPES.items() if a == arch),
-        "architectures": [next(c for c, a in _ARCHS.items() if a == arch)],
+        "model_type": model_type,
+        "architectures": [architecture],
     }
 
 

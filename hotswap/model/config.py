@@ -43,6 +43,12 @@ _ACTS = {"silu", "gelu_pytorch_tanh"}
 _DTYPES = {"float32", "bfloat16", "float16"}
 
 
+def hf_names(arch: str) -> tuple[str, str]:
+    """A family's names in HF's config.json: (`model_type`, `architectures[0]`)."""
+    model_type = next(t for t, a in _MODEL_TYPES.items() if a == arch)
+    return model_type, next(c for c, a in _ARCHS.items() if a == arch)
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rope frequency scaling, as HF computes it: "llama3" (long wavelengths divided by

@@ -40,10 +40,12 @@ def metaspace_tok():
     return Tokenizer(tok)
 
 
-def stream(tok, ids, stop=(), skip=True, stop_terminated=()):
+def stream(tok, ids, stop=(), skip=True, stop_terminated=(), keep=False):
     """Feed ids one at a time, taking a delta after each (as the engine does for a stream).
-    Returns (the processor, the deltas, how many ids it took, the stop string that matched)."""
-    st = SequenceText(tok, SamplingParams(stop=list(stop), skip_special_tokens=skip))
+    Returns (the processor, the deltas, how many ids it took, the stop string that matched).
+    `keep`: include_stop_str_in_output."""
+    params = SamplingParams(stop=list(stop), skip_special_tokens=skip, include_stop_str_in_output=keep)
+    st = SequenceText(tok, params)
     deltas, hit, n = [], None, 0
     for n, t in enumerate(ids, 1):
         hit = st.append(t, stop_terminated=t in stop_terminated)
@@ -130,6 +132,23 @@ def test_stop_strings_match_the_full_redecode(tok):
                 spanning += want_hit is not None and len(want_text) < len(tok.decode(ids[: want_n - 1]))
                 checked += 1
     assert checked > 300 and spanning > 50
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop_string(tok):
+    """vLLM's include_stop_str_in_output (SGLang's no_stop_trim): the old rule's text, the stop
+    string after it, and the deltas add up to it; whatever followed it in its token is cut."""
+    checked = 0
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        for start in range(1, len(text), 3):
+            for length in (1, 2, 5):
+                stops = ["\x00never", text[start : start + length]]
+                st, deltas, n, hit = stream(tok, ids, stops, keep=True)
+                want_n, want_hit, want_text = old_rule(tok, ids, stops)
+                assert (n, hit) == (want_n, want_hit), (text, stops)
+                assert st.text == want_text + (hit or "") and "".join(deltas) == st.text, (text, stops)
+                checked += hit is not None
+    assert checked > 100
 
 
 def test_stop_string_at_the_very_start(tok):
