@@ -110,6 +110,19 @@ def _metrics_text(ctx: ServerContext) -> str:
             e.stats["cached_tokens"],
         ),
         ("engine_steps_total", "counter", "Engine steps run.", e.stats["steps"]),
+        ("spec_decode_num_drafts_total", "counter", "Speculative drafts verified.", e.stats["spec_drafts"]),
+        (
+            "spec_decode_num_draft_tokens_total",
+            "counter",
+            "Speculative draft tokens verified.",
+            e.stats["spec_draft_tokens"],
+        ),
+        (
+            "spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Speculative draft tokens the target accepted.",
+            e.stats["spec_accepted_tokens"],
+        ),
         ("weights_version", "gauge", "Version of the weights now serving.", e.weights_version),
         (
             "weight_updates_total",

@@ -191,7 +191,15 @@ class Engine:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self.admission.counts, "steps": self._steps, "generated_tokens": self.sched.num_generated}
+        s = self.sched
+        return {
+            **self.admission.counts,
+            "steps": self._steps,
+            "generated_tokens": s.num_generated,
+            "spec_drafts": s.num_drafts,
+            "spec_draft_tokens": s.num_draft_tokens,
+            "spec_accepted_tokens": s.num_accepted_tokens,
+        }
 
     def check_invariants(self) -> None:
         """Refcounts equal the owners the state's tables list; only running sequences hold pages."""

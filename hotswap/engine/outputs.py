@@ -58,6 +58,22 @@ class CompletionOutput:
     kept_counts: list[int] | None = None
     kept_token_ids: list[np.ndarray] | None = None
     kept_masks: list[np.ndarray] | None = None
+    # Speculative decoding (speculative_config): drafts verified for this sample, their tokens,
+    # and how many of those the target accepted (all 0 without speculation).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted; None when nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verification yields on average, the target's own one included (vLLM's
+        "mean acceptance length": 1 + accepted / drafts); None when nothing was drafted."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -234,6 +250,9 @@ def _completion(seq: Sequence) -> CompletionOutput:
         text_delta=delta,
         kv_versions=list(seq.output_kv_versions),
         routed_experts=_routed(seq) if p.return_routed_experts else None,
+        num_drafts=seq.spec_drafts,
+        num_draft_tokens=seq.spec_proposed,
+        num_accepted_tokens=seq.spec_accepted,
         **_kept(seq),
     )
 

@@ -83,8 +83,8 @@ class Scheduler:
         self.fill = fill or (lambda n: n)
         self.propose = propose
         self.drafts_per_step = verified_per_step(ecfg.speculative_config, ecfg.max_num_seqs)
-        self.num_draft_tokens = 0  # proposed and verified, over the engine's life
-        self.num_accepted_tokens = 0
+        # speculative decoding over the engine's life: drafts verified, their tokens, accepted ones
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.ps = ecfg.page_size
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -332,7 +332,8 @@ class Scheduler:
             first, at = at, at + seq.samples
             # A verification keeps the last token and the draft's accepted prefix: its positions
             # now hold KV of the tokens the sequence has; the rest is rolled back.
-            kept = 1 + accepted(seq.draft, sampled.tokens[first:at]) if seq.draft else n
+            draft = seq.draft
+            kept = 1 + accepted(draft, sampled.tokens[first:at]) if draft else n
             if routed[i] is not None:  # a MoE model: the experts of the row's tokens
                 seq.record_routing(seq.num_computed, routed[i][:kept])
             table = w.pool.table(seq.seq_id)
@@ -344,28 +345,34 @@ class Scheduler:
             # a page of accepted draft tokens reads them from the draft.
             self._register_full_pages(w, seq)
             w.pool.advance(seq.seq_id, seq.num_computed)
-            if seq.draft:
-                self.num_draft_tokens += len(seq.draft)
+            if draft:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += kept - 1
-                seq.spec_proposed += len(seq.draft)
+                seq.spec_drafts += 1
+                seq.spec_proposed += len(draft)
                 seq.spec_accepted += kept - 1
                 seq.draft = []
                 # the pages past the next token's hold only rejected positions
                 w.pool.truncate(seq.seq_id, -(-(seq.num_computed + 1) // self.ps))
             elif seq.num_computed < seq.total_len:
                 continue  # a prompt chunk short of the prompt's end: nothing sampled
-            for j in range(first, first + (kept if at - first > 1 else 1)):
-                if self._append(w, seq, sampled, j):
+            # the accepted draft tokens, then the target's own: row j's log-probs are of the
+            # token at that position (an accepted draft token is the row's sampled token)
+            tokens = [*draft[: kept - 1], int(sampled.tokens[first + kept - 1])] if draft else [None]
+            for j, token in enumerate(tokens, first):
+                if self._append(w, seq, sampled, j, token):
                     break
         state = w.into(state)
         kv = KVCache(pages=state.kv.pages, page_version=page_version, page_adapter=page_adapter)
         return dataclasses.replace(state, kv=kv), [s for s, _ in rows]
 
-    def _append(self, w: _Work, seq: Sequence, sampled: Sampled, j: int) -> bool:
-        """Append the token of sampled row j to seq; True if that finished it."""
+    def _append(self, w: _Work, seq: Sequence, sampled: Sampled, j: int, token: int | None) -> bool:
+        """Append `token` (None: the token of sampled row j) with row j's log-probs to seq;
+        True if that finished it."""
         k = seq.params.logprobs
         seq.append_token(
-            int(sampled.tokens[j]),
+            int(sampled.tokens[j]) if token is None else token,
             float(sampled.logprobs[j]),
             w.version,
             (sampled.top_ids[j, :k].copy(), sampled.top_lps[j, :k].copy()) if k else None,

@@ -82,8 +82,9 @@ class Sequence:
     prompt_record: PromptRecord | None = None
     # Speculative decoding (engine/speculation.py): the tokens proposed to follow the last one,
     # fed after it to this step's verification and cleared once the step is done; and over the
-    # sequence's life, how many were proposed and how many the target accepted.
+    # sequence's life, how many drafts were verified, their tokens and how many the target accepted.
     draft: list[int] = dataclasses.field(default_factory=list)
+    spec_drafts: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
 

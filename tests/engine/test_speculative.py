@@ -1,0 +1,230 @@
+"""Speculative decoding (speculative_config) on the tiny seeded checkpoints: the tokens are those
+of decoding without it, in every case a batch meets; the sampled distribution is the target's
+(a chi-square test, which fails when the acceptance rule is broken on purpose); a weight update
+mid-run never lets a token through unchecked by the weights that serve it.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from hotswap import LLM, SamplingParams
+from hotswap.engine import scheduler
+from hotswap.errors import ConfigError
+
+KNOBS = dict(
+    max_model_len=512,
+    max_num_seqs=64,
+    max_num_batched_tokens=64,  # prompts past 64 tokens are prefilled in chunks
+    num_pages=512,
+    max_waiting=20_000,  # the distribution test queues every draw at once
+    warmup=False,
+)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _prompts() -> list[list[int]]:
+    """Rows that draft much (repeated runs), rows that never find a match, a chunked one."""
+    rng = np.random.default_rng(0)
+    loop = [17, 40, 99, 5, 230]
+    return [
+        loop * 4,
+        [7, 8, 9, 10, 7, 8, 9, 10, 7],
+        rng.choice(np.arange(4, 512), 12, replace=False).tolist(),  # no repeats: nothing to look up
+        (loop * 30)[:150],  # three chunks of 64
+        rng.integers(4, 512, 90).tolist(),
+    ]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    """(plain, speculating): two engines on the same weights."""
+    return LLM(tiny_dir, **KNOBS), LLM(tiny_dir, speculative_config=NGRAM, **KNOBS)
+
+
+def _run(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_config_is_checked_once_with_clear_errors():
+    from hotswap.speculative import SpeculativeConfig
+
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert SpeculativeConfig.parse({}) is None
+    bad = [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 15\]"),
+        ({"method": "ngram", "num_speculative_tokens": 99}, "got 99"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "<=",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tokens": 2}, "unknown key"),
+        ("{not json", "not a JSON object"),
+    ]
+    for value, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            SpeculativeConfig.parse(value)
+
+
+def test_tokens_equal_decoding_without_speculation(pair, tiny_dir, tiny_dir_b):
+    """Greedy and seeded sampling; chunked prefill; prefix hits (the same prompts again); a
+    batch where some rows speculate and some do not; after a weight update."""
+    plain, spec = pair
+    prompts = _prompts()
+    cases = [
+        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=0.9, top_p=0.9, top_k=40, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=1.0, logprobs=3, seed=5, ignore_eos=True),
+    ]
+    before = dict(spec.engine.stats)
+    for round_ in range(2):  # round 2: every prompt's full pages are prefix hits
+        if round_ == 1:
+            assert spec.engine.stats["cached_tokens"] > before["cached_tokens"]
+        for params in cases:
+            want, got = _run(plain, prompts, params), _run(spec, prompts, params)
+            for w, g in zip(want, got, strict=True):
+                assert g.token_ids == w.token_ids
+                assert g.weights_versions == w.weights_versions
+                np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+                if params.logprobs:
+                    assert [sorted(t) for t in g.top_logprobs] == [sorted(t) for t in w.top_logprobs]
+    drafted = spec.engine.stats["spec_draft_tokens"] - before["spec_draft_tokens"]
+    took = spec.engine.stats["steps"] - before["steps"]
+    assert drafted > 0 and spec.engine.stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    for g in got:  # per sample, as `usage` reports it
+        assert g.num_accepted_tokens <= g.num_draft_tokens <= g.num_drafts * NGRAM["num_speculative_tokens"]
+        if g.num_drafts:
+            assert 1 <= g.mean_acceptance_length <= 1 + NGRAM["num_speculative_tokens"]
+    spec.engine.check_invariants()
+    assert took > 0
+
+    for llm in pair:  # after an update: version 2, the cache emptied, the same tokens again
+        llm.update_weights(str(tiny_dir_b))
+    want, got = _run(plain, prompts, cases[1]), _run(spec, prompts, cases[1])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert {v for g in got for v in g.weights_versions} == {plain.engine.weights_version}
+    for llm in pair:
+        llm.update_weights(str(tiny_dir))
+    spec.engine.check_invariants()
+    usage = spec.engine.state.pool.usage(spec.engine.state.prefix)
+    assert usage["owned"] == 0, usage  # every page a rejected draft held went back
+
+
+def test_fewer_steps_on_repetitive_text(pair):
+    """What speculation is for: a looping prompt decodes in far fewer steps."""
+    plain, spec = pair
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    steps = []
+    for llm in pair:
+        before = llm.engine.stats["steps"]
+        _run(llm, [[17, 40, 99, 5, 230] * 6], params)
+        steps.append(llm.engine.stats["steps"] - before)
+    print(f"\nsteps for 64 tokens: {steps[0]} plain, {steps[1]} with ngram")
+    assert steps[1] < steps[0]
+
+
+# ---- the distribution ---------------------------------------------------------------------
+
+DRAWS = KNOBS["max_waiting"]
+# The third token only lets the second be verified (a draft never runs past max_tokens).
+PAIR_PARAMS = dict(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+BROKEN_DRAWS = 4_000  # a broken rule shows at once
+
+
+def _pairs(llm, prompt, seeds) -> collections.Counter:
+    params = [SamplingParams(seed=int(s), **PAIR_PARAMS) for s in seeds]
+    outs = llm.generate([prompt] * len(seeds), params, use_tqdm=False)
+    return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
+
+
+def _p_value(a: collections.Counter, b: collections.Counter) -> float:
+    """Chi-square test of homogeneity of two samples of (first, second) token pairs; pairs seen
+    fewer than 10 times in both together are pooled into one cell."""
+    keys = sorted(set(a) | set(b))
+    common = [k for k in keys if a[k] + b[k] >= 10]
+    rare = [k for k in keys if a[k] + b[k] < 10]
+    table = [[a[k] for k in common], [b[k] for k in common]]
+    if rare:
+        table[0].append(sum(a[k] for k in rare))
+        table[1].append(sum(b[k] for k in rare))
+    return float(stats.chi2_contingency(np.array(table))[1])
+
+
+@pytest.fixture(scope="module")
+def lookup_prompt():
+    """481 of the 512 tokens once each: whatever the first sampled token, prompt lookup (n = 1)
+    nearly always finds it and drafts what followed it, so the second token is verified. 30
+    full pages and one token: every draw after the first computes one prompt token."""
+    return np.random.default_rng(1).permutation(np.arange(4, 4 + 30 * 16 + 1)).tolist()
+
+
+def test_sampling_is_exact_and_the_test_can_fail(pair, lookup_prompt, monkeypatch):
+    """>= 20k seeded draws of the first two tokens: with speculation (other seeds than the
+    plain run's) the pairs are distributed as without (chi-square, p > 0.01). With the rule
+    broken (a draft token accepted without checking it against the target's) the same test
+    fails: it can see a wrong acceptance rule."""
+    plain, spec = pair
+    want = _pairs(plain, lookup_prompt, range(DRAWS))
+    before = spec.engine.stats["spec_drafts"]
+    got = _pairs(spec, lookup_prompt, range(DRAWS, 2 * DRAWS))
+    verified = spec.engine.stats["spec_drafts"] - before
+    assert verified >= 0.8 * DRAWS, verified  # nearly every second token went through a verification
+    p_ok = _p_value(want, got)
+
+    monkeypatch.setattr(scheduler, "accepted", lambda draft, tokens: 1 if draft else 0)
+    broken = _pairs(spec, lookup_prompt, range(2 * DRAWS, 2 * DRAWS + BROKEN_DRAWS))
+    p_broken = _p_value(want, broken)
+    print(f"\nchi-square p: speculating {p_ok:.3g}, acceptance rule broken {p_broken:.3g}")
+    assert p_ok > 0.01
+    assert p_broken < 1e-6
+
+
+# ---- weight updates mid-run -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["drain", "recompute", "abort"])
+def test_an_update_mid_run_leaves_no_token_unchecked(pair, tiny_dir, tiny_dir_b, policy):
+    """Requests speculating when an update lands: each token's log-prob is the one `LLM.score`
+    gives under the weights version that produced it (speculation never lets a token through
+    that the serving weights did not sample)."""
+    plain, spec = pair
+    engine = spec.engine
+    prompts = _prompts()[:3]
+    params = SamplingParams(max_tokens=40, temperature=0.5, seed=2, ignore_eos=True)
+    outs = {}  # every final output, the ones a drain or an abort delivers inside the update too
+
+    def sink(out):
+        if out.finished:
+            outs[out.request_id] = out
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{policy}-{i}", p, params, sink=sink)
+    drafts = engine.stats["spec_drafts"]
+    while engine.stats["spec_drafts"] == drafts:  # until drafts are being verified
+        engine.step()
+        assert engine.has_unfinished()
+    v1 = engine.weights_version
+    spec.update_weights(str(tiny_dir_b), policy=policy)
+    while engine.has_unfinished():
+        engine.step()
+    weights = {v1: tiny_dir, v1 + 1: tiny_dir_b}
+    scored = 0
+    for i, p in enumerate(prompts):
+        c = outs[f"{policy}-{i}"].outputs[0]
+        for v in set(c.weights_versions):
+            plain.update_weights(str(weights[v]))
+            want = plain.score(p, c.token_ids)
+            at = [j for j, w in enumerate(c.weights_versions) if w == v]
+            np.testing.assert_allclose(np.asarray(c.logprobs)[at], want[at], atol=1e-5)
+            scored += len(at)
+    assert scored > 0
+    plain.update_weights(str(tiny_dir))
+    spec.update_weights(str(tiny_dir))
+    engine.check_invariants()
