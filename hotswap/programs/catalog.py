@@ -3,7 +3,8 @@
 The engine runs these compiled programs and nothing else on its devices:
 - one step per bucket (`step.Buckets`): a decode batch or a packed prefill, the sampler
   inside it; for a read-then-write backend (`Backend.read_then_write`, the jnp reference)
-  also the KV write that follows it, one per token block shape;
+  also the KV write that follows it, one per token block shape; with speculative decoding,
+  the bucket that verifies the most drafts in one call (`verification`);
 - `kv init`: the empty page buffers a new or woken cache starts from (`state.new_kv_cache`);
 - the update path (`hf_device`, `kernels/finite`): per distinct parameter shape and sharding,
   the on-device HF-layout conversion and the finiteness reduction.
@@ -38,7 +39,8 @@ from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.model.spec import is_spec, param_specs
 from hotswap.programs import kv_sizing
-from hotswap.programs.step import Buckets, lower_step, placeholder_inputs
+from hotswap.programs.step import PREFILL_ROW, Buckets, lower_step, pick, placeholder_inputs
+from hotswap.speculative import MAX_VERIFYING_ROWS
 from hotswap.weights import hf_device, place
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
@@ -197,6 +199,48 @@ def largest_shapes(ecfg: EngineConfig, backend: Backend) -> list[tuple[int, int,
     """The largest decode and the largest packed-prefill bucket: the steps with the most
     temporaries (what the KV sizing subtracts, and a quick AOT check)."""
     return Buckets.for_config(ecfg, backend).largest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    """The step that verifies the most drafts in one call (speculative decoding). A verifying
+    sequence feeds its last token and its k draft tokens as one chunk, every position sampled:
+    on a packed-prefill backend (Pallas, the reference) one row of PREFILL_ROW per sequence, in
+    the packed-prefill program; on a ragged one, k + 1 of a [T, 1] step's tokens."""
+
+    shape: tuple[int, int, int]  # (B, C, P) of the bucket
+    sequences: int  # verifying sequences one call holds (each at max_model_len: P pages)
+    tokens: int  # each one's chunk: its last token and k drafts
+    sampled_rows: int  # S of the bucket: `Buckets.samples`, its drafts included
+    calls: int  # calls a step takes to verify every sequence that may verify at once
+
+
+def verification(ecfg: EngineConfig, backend: Backend) -> Verification | None:
+    """The fullest verification step for `ecfg` (None without speculative decoding): as many
+    sequences as may verify in one step (min(max_num_seqs, MAX_VERIFYING_ROWS), each a full
+    draft: `speculative.verified_per_step`), as many as one call of the largest bucket holds."""
+    spec = ecfg.speculative_config
+    if spec is None:
+        return None
+    buckets = Buckets.for_config(ecfg, backend)
+    tokens = spec.num_speculative_tokens + 1
+    verifying = max(1, min(ecfg.max_num_seqs, MAX_VERIFYING_ROWS, ecfg.max_num_batched_tokens // tokens))
+    if buckets.ragged:
+        n = max(1, min(verifying, buckets.batch[-1] // tokens))
+        shape = (pick(buckets.batch, min(n * tokens, buckets.batch[-1])), 1, buckets.pages[-1])
+    else:
+        n = min(verifying, buckets.blocks[-1])
+        shape = (pick(buckets.blocks, n), PREFILL_ROW, buckets.prefill_pages[-1])
+    return Verification(shape, n, tokens, buckets.samples(*shape[:2]), -(-verifying // n))
+
+
+def pool_bytes_per_chip(pages: Iterable[jax.ShapeDtypeStruct]) -> int:
+    """One chip's bytes of the layers' page buffers (`abstract_inputs`' pages)."""
+    return sum(
+        int(np.prod(p.sharding.shard_shape(p.shape) if p.sharding is not None else p.shape))
+        * p.dtype.itemsize
+        for p in pages
+    )
 
 
 def largest_temps(mcfg: ModelConfig, ecfg: EngineConfig, target: Target) -> int:

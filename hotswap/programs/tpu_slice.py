@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -159,11 +160,12 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         acfg.disable_hybrid_kv_cache_manager,
     )
     stats: list[catalog.StepStats] = []
-    n_steps = compiled_pages = 0
+    n_steps = compiled_pages = compiled_pool = 0
+    verify: catalog.Verification | None = None
 
     def compile_all(pages: int) -> int:
         """Compile every program for a `pages` pool; returns the steps' largest temporary."""
-        nonlocal n_steps, compiled_pages
+        nonlocal n_steps, compiled_pages, compiled_pool, verify
         compiled_pages = pages
         ecfg = EngineConfig.of(
             engine_args, num_pages=pages, max_model_len=max_len, attention=target.backend.attention
@@ -174,7 +176,13 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
             "largest": catalog.largest_shapes(ecfg, backend),
             "decode": catalog.largest_shapes(ecfg, backend)[:1],
         }[acfg.buckets]
-        pages = set(catalog.abstract_inputs(mcfg, ecfg, target)[1])  # a full and a window layer's
+        # speculative decoding: whichever buckets, the step that verifies the most drafts
+        verify = catalog.verification(ecfg, backend)
+        if verify is not None and verify.shape not in shapes:
+            shapes = [*shapes, verify.shape]
+        layers = catalog.abstract_inputs(mcfg, ecfg, target)[1]
+        compiled_pool = catalog.pool_bytes_per_chip(layers)
+        pages = set(layers)  # a full and a window layer's
         todo = list(catalog.step_programs(mcfg, ecfg, target, shapes))
         n_steps = len(todo)
         todo += [*catalog.kv_init_programs(mcfg, ecfg, target), *catalog.update_programs(mcfg, target)]
@@ -216,7 +224,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     expert_bytes = catalog.params_bytes_per_chip(mcfg, target, experts_only=True)
     unread = round(expert_bytes * (1 - catalog.active_expert_fraction(mcfg, acfg.max_num_seqs)))
     read = params_bytes - unread + min(kv_bytes, acfg.max_num_seqs * max_len * token_bytes)
-    return {
+    report = {
         "model": model,
         "topology": acfg.topology,
         "chips": len(devices),
@@ -250,6 +258,45 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "decode_expert_fraction": round(catalog.active_expert_fraction(mcfg, acfg.max_num_seqs), 4),
         "est_decode_tok_s": round(acfg.max_num_seqs * chip.hbm_bytes_per_s / read, 1),
         "steps": [dataclasses.asdict(s) for s in stats],
+    }
+    spec = engine_args.speculative_config  # parsed (a dict or a JSON string given)
+    report["speculative_config"] = None if spec is None else json.loads(spec.describe())
+    if verify is not None:  # a call reads the params and its sequences' K/V at max_model_len
+        rows = verify.sequences * verify.tokens
+        unread = round(expert_bytes * (1 - catalog.active_expert_fraction(mcfg, rows)))
+        reads = params_bytes - unread + min(kv_bytes, verify.sequences * max_len * token_bytes)
+        report["verification"] = _verification(verify, steps, compiled_pool, reads)
+    else:
+        report["verification"] = None
+    return report
+
+
+def _verification(v: catalog.Verification, steps: list, pool: int, reads: int) -> dict:
+    """The verification step's part of the report: its shape, its bytes per chip (XLA's memory
+    analysis), whether it updates the KV pages in place (donated, aliased to its output, never
+    copied: `pool` is the compiled pool's bytes a chip; for a read-then-write backend, the jnp
+    reference, the KV write after the step does the writing), and `reads`, what one call reads
+    from HBM (the params, and its sequences' cached K/V at max_model_len)."""
+    b, c, p = v.shape
+    s = next(s for s in steps if s.name == catalog.step_name(b, c, p))
+    write = next((w for w in steps if w.name == f"kv write B={b} C={c}"), None)
+    copies = s.kv_copies + (write.kv_copies if write else 0)
+    aliased = max(s.alias_bytes, write.alias_bytes if write else 0)
+    return {
+        "step": s.name,
+        "sequences_per_call": v.sequences,
+        "tokens_per_sequence": v.tokens,
+        "sampled_rows": v.sampled_rows,
+        "calls_per_step": v.calls,
+        "argument_bytes": s.argument_bytes,
+        "output_bytes": s.output_bytes,
+        "temp_bytes": s.temp_bytes,
+        "alias_bytes": s.alias_bytes,
+        "peak_bytes": s.peak_bytes,
+        "pallas_calls": s.pallas_calls,
+        "kv_copies": s.kv_copies,
+        "kv_in_place": copies == 0 and aliased >= pool,
+        "bytes_read_per_call": reads,
     }
 
 
@@ -289,13 +336,36 @@ def table(report: dict) -> str:
         ),
         f"est. decode at {report['max_num_seqs']} seqs x {report['max_model_len']} tokens: "
         f"{report['est_decode_tok_s']:,.0f} tok/s (HBM-bandwidth bound)",
+        *_verification_lines(report, g),
         "",
         f"{'program':<34} {'arguments':>12} {'outputs':>12} {'temps':>12} {'aliased':>12} {'pallas':>6}",
     ]
     m = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    verify = (report.get("verification") or {}).get("step")
     for s in report["steps"]:
+        name = s["name"] + (" (verify)" if s["name"] == verify else "")
         lines.append(
-            f"{s['name']:<34} {m(s['argument_bytes']):>12} {m(s['output_bytes']):>12} "
+            f"{name:<34} {m(s['argument_bytes']):>12} {m(s['output_bytes']):>12} "
             f"{m(s['temp_bytes']):>12} {m(s['alias_bytes']):>12} {s['pallas_calls']:>6}"
         )
     return "\n".join(lines)
+
+
+def _verification_lines(report: dict, g: Callable[[int], str]) -> list[str]:
+    """The verification step, in words (nothing without speculative decoding)."""
+    v = report.get("verification")
+    if v is None:
+        return []
+    spec = report["speculative_config"]
+    place = (
+        "KV pages donated and updated in place"
+        if v["kv_in_place"]
+        else f"KV NOT in place ({v['kv_copies']} page-buffer copies, {g(v['alias_bytes'])} aliased)"
+    )
+    return [
+        f"verification ({spec['method']}, {spec['num_speculative_tokens']} draft tokens): {v['step']}, "
+        f"{v['sequences_per_call']} sequences x {v['tokens_per_sequence']} tokens a call, "
+        f"{v['sampled_rows']} sampled rows, {v['calls_per_step']} call(s) a step",
+        f"  per chip a call: temps {g(v['temp_bytes'])}, peak {g(v['peak_bytes'])}, reads "
+        f"{g(v['bytes_read_per_call'])} from HBM; {v['pallas_calls']} Pallas calls; {place}",
+    ]
