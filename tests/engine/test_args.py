@@ -14,6 +14,7 @@ import pytest
 from hotswap import EngineArgs
 from hotswap.args import SCOPES
 from hotswap.errors import ConfigError
+from hotswap.speculative import SpeculativeConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 ROW = re.compile(r"^\| (`[^|]+`) \| ([^|]+) \|", re.M)
@@ -129,6 +130,7 @@ def test_every_shared_option_reaches_the_engine_config():
         enable_return_routed_experts=True,
         logprobs_mode="processed_logits",
         structured_outputs_strict_mode=False,
+        speculative_config=SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4}),
     )
     assert set(changed) == shared - {"num_pages", "max_model_len"}  # those two are resolved
     ecfg = EngineConfig.of(EngineArgs(**changed), num_pages=10, max_model_len=64)
