@@ -37,6 +37,7 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import compile_cache
+from hotswap.speculative import MAX_VERIFYING_ROWS
 from hotswap.weights import pipeline, place, plan
 from hotswap.weights.chunks import ChunkStager
 from hotswap.weights.options import UpdateOptions
@@ -99,6 +100,7 @@ class Engine:
         self.sched = Scheduler(
             ecfg, fill=self.runner.buckets.fill, propose=speculation.proposer(ecfg.speculative_config)
         )
+        self.drafter = speculation.drafter(mcfg, ecfg, self.backend)
         self._lock = threading.RLock()
         self._steps = 0
         self.admission = Admission(
@@ -120,6 +122,9 @@ class Engine:
         )
         if warmup:
             self.runner.warmup(self.state.step_params, self.state.kv.pages, progress, cache=self._cache_on)
+            if self.drafter is not None:
+                rows = min(ecfg.max_num_seqs, MAX_VERIFYING_ROWS)
+                self.drafter.warmup(self.state, rows, progress, cache=self._cache_on)
 
     # ---- views --------------------------------------------------------------
 
@@ -242,6 +247,8 @@ class Engine:
         if plan.empty:
             return []
         try:
+            if self.drafter is not None:  # a draft model drafts what the plan verifies
+                self.state = self.state.with_pages(self.drafter.fill(self.state, plan))
             pages, out = self.runner.run(self.state, plan)
         except Exception:
             # Donated buffers may be gone: recompute every running sequence over a fresh, empty

@@ -174,7 +174,7 @@ class Runner:
             bt.segments[row : row + k] = r
             bt.adapters[row : row + k] = seq.lora_slot
             # its last position, or every position a verification feeds (Sequence.samples)
-            m = seq.samples
+            m = seq.samples(n)
             bt.sample_idx[slot : slot + m] = np.arange(base + n - m, base + n)
             slot += m
             if prompt_record.asks(seq):
@@ -190,7 +190,7 @@ class Runner:
         if not any(q.matcher is not None for q, _ in rows):
             return None
         mask = np.zeros((s, mask_words(self.mcfg.vocab_size)), np.int32)
-        at = np.cumsum([0] + [q.samples for q, _ in rows[:-1]])
+        at = np.cumsum([0] + [q.samples(n) for q, n in rows[:-1]])
         sampling = [
             (q.matcher, int(j))
             for (q, n), j in zip(rows, at, strict=True)
@@ -213,7 +213,7 @@ class Runner:
         s = batch.sample_idx.shape[0]
         # a verification's rows sample the output positions after the last token, in turn
         sa = SamplingArrays.from_rows(
-            [(q.params, q.seed, len(q.output_ids) + j) for q, _ in rows for j in range(q.samples)],
+            [(q.params, q.seed, len(q.output_ids) + j) for q, n in rows for j in range(q.samples(n))],
             s,
             self.mcfg.vocab_size,
             self._masks(rows, s),
@@ -224,7 +224,7 @@ class Runner:
             params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step
         )
         self._record_prompt(rows, batch, prompt)
-        n_rows, n_samples = len(rows), sum(q.samples for q, _ in rows)
+        n_rows, n_samples = len(rows), sum(q.samples(n) for q, n in rows)
         # One host copy per call; the kept sets' [S, V/32] bitmasks only when a row of the step asked.
         sampled = out[0] if kept else dataclasses.replace(out[0], kept_mask=np.zeros((s, 0), np.int32))
         host = jax.device_get((sampled, *out[1:]))
@@ -235,6 +235,16 @@ class Runner:
         q = batch.tokens.shape[1]
         starts = np.cumsum([0] + [-(-n // q) * q for _, n in rows[:-1]])  # each row from a fresh row of q
         return pages, (sampled, [host[1][b : b + n] for b, (_, n) in zip(starts, rows, strict=True)])
+
+    def greedy_step(self, params: Params, pages, seqs: list[Sequence], pool: PagePool):
+        """One decode step of `seqs` drawing each row's argmax, what a draft model's step is:
+        (new pages, the tokens [len(seqs)])."""
+        batch = self.ragged_batch([(s, 1) for s in seqs], pool) if self.buckets.ragged else None
+        batch = batch if batch is not None else self.decode_batch(seqs, pool)
+        sa = SamplingArrays.from_rows([], batch.sample_idx.shape[0], self.mcfg.vocab_size)  # all greedy
+        step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
+        pages, out, _ = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
+        return pages, np.asarray(jax.device_get(out[0].tokens))[: len(seqs)]
 
     @staticmethod
     def _record_prompt(rows: list[tuple[Sequence, int]], batch: Batch, prompt) -> None:
@@ -272,7 +282,15 @@ class Runner:
         routed = [r for rows in routed for r in rows]  # per row: [n, moe layers, k] or None
         return pages, (jax.tree.map(lambda *a: np.concatenate(a), *sampled), routed)
 
-    def warmup(self, params: Params, pages, progress: bool = True, cache: bool = False) -> None:
+    def warmup(
+        self,
+        params: Params,
+        pages,
+        progress: bool = True,
+        cache: bool = False,
+        *,
+        decode_upto: int | None = None,
+    ) -> None:
         """Compile every bucket now, so serving never compiles.
 
         With `cache` (a persistent compilation cache is on), a bucket's step is first looked
@@ -287,6 +305,8 @@ class Runner:
         from tqdm.auto import tqdm
 
         shapes = self.buckets.shapes()
+        if decode_upto is not None:  # a draft model's: its decode steps of at most this many rows
+            shapes = [x for x in shapes if x[1] == 1 and x[0] <= pick(self.buckets.batch, decode_upto)]
         bar = tqdm(total=len(shapes), desc="hotswap: compiling steps", disable=not progress, leave=False)
         counts = {"compiled": 0, "from_cache": 0, "in_memory": 0}
         threads = max(1, min(WARMUP_THREADS, os.cpu_count() or 1, len(shapes) - 1))

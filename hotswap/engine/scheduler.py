@@ -234,7 +234,7 @@ class Scheduler:
             else:
                 seq.draft = self._draft(seq, min(budget - 1, drafts))
                 drafts -= len(seq.draft)
-                n = seq.samples
+                n = 1 + len(seq.draft)
             while not self._grow(w, seq, seq.num_computed + n):
                 victim = max(self.running, key=lambda s: s.arrival)
                 self._preempt(w, victim)
@@ -329,7 +329,7 @@ class Scheduler:
         rows = plan.rows
         at = 0  # the row's first sampled row: rows sample Sequence.samples each, in order
         for i, (seq, n) in enumerate(rows):
-            first, at = at, at + seq.samples
+            first, at = at, at + seq.samples(n)
             # A verification keeps the last token and the draft's accepted prefix: its positions
             # now hold KV of the tokens the sequence has; the rest is rolled back.
             draft = seq.draft

@@ -140,10 +140,10 @@ class Sequence:
             out = out + self.draft[past : past + n - len(out)]
         return out
 
-    @property
-    def samples(self) -> int:
-        """Rows this sequence samples in the step: one, or one per position a verification feeds."""
-        return 1 + len(self.draft)
+    def samples(self, n: int) -> int:
+        """Rows a step's chunk of n of this sequence's tokens samples: every position of a
+        verification (its last token and its whole draft), else the chunk's last."""
+        return n if self.draft and n == 1 + len(self.draft) else 1
 
     @property
     def total_len(self) -> int:

@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from hotswap.engine import ngram
 from hotswap.engine.scheduler import Propose
+from hotswap.engine.self_draft import PENDING, SelfDraft
 from hotswap.engine.sequence import Sequence
+from hotswap.engine_config import EngineConfig
+from hotswap.kernels.backend import Backend
+from hotswap.model.config import ModelConfig
 from hotswap.speculative import SpeculativeConfig
 
 
 def proposer(config: SpeculativeConfig | None) -> Propose | None:
-    """The scheduler's draft source for `config` (None: no speculation)."""
+    """The scheduler's draft source for `config` (None: no speculation). A draft model's
+    tokens come from the device after the plan is made: the scheduler plans their number
+    (PENDING tokens) and `SelfDraft.fill` drafts them before the step runs."""
     if config is None:
         return None
     k, lo, hi = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
@@ -27,4 +33,16 @@ def proposer(config: SpeculativeConfig | None) -> Propose | None:
     def prompt_lookup(seq: Sequence, room: int) -> list[int]:
         return ngram.propose(seq.all_ids, lo, hi, min(k, room))
 
-    return prompt_lookup
+    def draft_model(seq: Sequence, room: int) -> list[int]:
+        return [PENDING] * min(k, room)
+
+    return prompt_lookup if config.method == "ngram" else draft_model
+
+
+def drafter(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> SelfDraft | None:
+    """The draft model a step runs before its verification (None: the drafts are the host's)."""
+    config = ecfg.speculative_config
+    if config is None or config.method != "draft_model":
+        return None
+    config.check_model(mcfg.num_layers)
+    return SelfDraft(mcfg, ecfg, backend)

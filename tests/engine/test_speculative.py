@@ -130,6 +130,46 @@ def test_fewer_steps_on_repetitive_text(pair):
     assert steps[1] < steps[0]
 
 
+SELF = {"method": "draft_model", "model": "self", "draft_layers": 1, "num_speculative_tokens": 3}
+
+
+def test_self_draft_tokens_equal_decoding_and_swap_with_the_policy(pair, tiny_dir, tiny_dir_b):
+    """The model's first layer and its head draft (self-speculation): the same tokens as
+    decoding without it, before and after an update, which swaps the draft with the policy
+    (it is the policy's own layers: nothing else to update)."""
+    plain = pair[0]
+    spec = LLM(tiny_dir, speculative_config=SELF, **KNOBS)
+    prompts = _prompts()
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.9, top_k=40, seed=4, ignore_eos=True),
+    ]
+    for weights in (tiny_dir_b, tiny_dir):
+        for params in cases:
+            want, got = _run(plain, prompts, params), _run(spec, prompts, params)
+            assert [g.token_ids for g in got] == [w.token_ids for w in want]
+            for w, g in zip(want, got, strict=True):
+                np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+        for llm in (plain, spec):
+            llm.update_weights(str(weights))
+    stats = spec.engine.stats
+    assert stats["spec_drafts"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    spec.engine.check_invariants()
+
+
+def test_deterministic_mode_covers_speculation(tiny_dir):
+    """Deterministic mode's kernels give a position the same bits in a verification chunk as in a
+    decode step: speculating or not, the log-probs are bitwise equal."""
+    knobs = {**KNOBS, "deterministic": True}
+    plain = LLM(tiny_dir, **knobs)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=9, ignore_eos=True)
+    want = _run(plain, _prompts(), params)
+    for config in (NGRAM, SELF):
+        got = _run(LLM(tiny_dir, speculative_config=config, **knobs), _prompts(), params)
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+
+
 # ---- the distribution ---------------------------------------------------------------------
 
 DRAWS = KNOBS["max_waiting"]
