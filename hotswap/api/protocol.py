@@ -269,11 +269,32 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    spec = spec_decode([c for o in outs for c in o.outputs])
+    return out if spec is None else {**out, "spec_decode": spec}
+
+
+def spec_decode(samples: list[CompletionOutput]) -> dict[str, Any] | None:
+    """Speculative decoding's figures for these samples (`usage.spec_decode`, SGLang's
+    `meta_info`): drafts verified, their tokens, the tokens accepted, the acceptance rate and
+    the mean acceptance length (vLLM's: tokens a verification yields, its own included).
+    None when nothing was drafted (no speculation, or nothing to look up)."""
+    drafts = sum(c.num_drafts for c in samples)
+    if not drafts:
+        return None
+    drafted = sum(c.num_draft_tokens for c in samples)
+    accepted = sum(c.num_accepted_tokens for c in samples)
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted,
+        "mean_acceptance_length": 1 + accepted / drafts,
     }
 
 

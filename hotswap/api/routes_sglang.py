@@ -32,7 +32,7 @@ from hotswap.api import actions, prompt_fields, router_fields, streaming, struct
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.http_errors import HotswapError, PickleBodyRefused, RequestError, exception_body
 from hotswap.api.kept_fields import kept_json
-from hotswap.api.protocol import wire_logprob
+from hotswap.api.protocol import spec_decode, wire_logprob
 from hotswap.api.version_labels import label, spans
 from hotswap.engine import lifecycle
 from hotswap.engine.outputs import RequestOutput
@@ -370,6 +370,9 @@ def _body(
     if routed_from is not None:
         meta.update(_routed_experts(c, routed_from))
     meta.update(kept_json(c))
+    spec = spec_decode([c])
+    if spec is not None:  # SGLang's count of verifications, and the figures `usage` carries
+        meta.update(spec_verify_ct=spec["num_drafts"], spec_decode=spec)
     return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 
