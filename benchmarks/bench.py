@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import bench_peers, rollout
+from benchmarks import bench_peers, rollout, speculative
 from benchmarks.limits import GemvProbe, probe_matmul_flops
 from benchmarks.sampled_decode import MODES
 from benchmarks.workloads import (
@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run only this part (startup: cold and warm LLM start; rollout: a GRPO rollout and an RL "
         "step, bf16, hotswap and vLLM A-B-A, benchmarks/rollout.py)",
     )
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="run only the speculative decoding benchmark (n-gram vs plain decoding on SmolLM2: "
+        "grounded and free prompts at batch 1, a rollout's tail; benchmarks/speculative.py)",
+    )
     # The engine options, as `hotswap serve` has them; one given here replaces the workload's own
     # setting (`WORKLOAD_ENGINE`), e.g. `--dtype bfloat16` or `--attention reference`.
     EngineArgs.add_cli_args(p, "llm", defaults=False)
@@ -109,6 +115,11 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir) if args.model_dir else out / "bench-100m"
+    if args.speculative:  # SmolLM2's GGUF, not the bench model: it needs text that means something
+        result = speculative.run(engine=EngineArgs.given(args, "llm"))
+        _write(out, {"speculative": result})
+        speculative.check(result)  # after the figures: a changed token fails the run, visibly
+        return 0
     if not (model_dir / "config.json").exists():
         create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
     batches = [int(b) for b in args.batches.split(",")]
