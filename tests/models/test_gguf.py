@@ -342,3 +342,42 @@ def test_converted_weights_are_cached_and_a_changed_file_is_converted_again(seed
     assert not np.array_equal(other["layers"][0]["wq"], cold["layers"][0]["wq"])
     # The new conversion replaced the old one: one entry per file, each as large as the params.
     assert len(list((tmp_path / "cache" / "weights").iterdir())) == 1
+
+
+# An input-grounded chat (repeat a given text with one change): what prompt lookup speeds up.
+GROUNDED = (
+    "Copy this paragraph exactly, but replace the word 'harbour' with 'port':\n\n"
+    "Once upon a time there was a little robot who lived in a quiet town by the sea. Every morning "
+    "the robot walked to the harbour, counted the boats, and wrote the number in a notebook."
+)
+
+
+@needs_smol
+@pytest.mark.slow
+def test_smollm2_speculative_tokens_equal_decoding_without_it(smol):
+    """The default model with n-gram speculation: greedy tokens equal the plain engine's on a
+    batch of a chunked prompt (past 64 tokens), a short one and a row under structured outputs
+    (which never speculates), again with their prefixes cached, and after an update."""
+    from hotswap.engine.structured import StructuredOutputs
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = LLM(SMOL, dtype="float32", speculative_config=ngram, **SMOL_KW)
+    tok = smol.get_tokenizer()
+    chats = [[{"role": "user", "content": c}] for c in (GROUNDED, "Name three colors.", "Pick a fruit.")]
+    prompts = [tok.apply_chat_template(c) for c in chats]
+    free = SamplingParams(max_tokens=48, temperature=0.0)
+    constrained = SamplingParams(
+        max_tokens=16, temperature=0.0, structured_outputs=StructuredOutputs(regex="(apple|pear)s?")
+    )
+    params = [free, free, constrained]
+    for round_ in range(3):  # 2: the prompts' pages are cached; 3: after an update (version 2)
+        if round_ == 2:
+            for llm in (smol, spec):
+                llm.update_weights(str(SMOL))
+        want = [o.outputs[0] for o in smol.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert got[0].num_accepted_tokens > 10 and got[2].num_drafts == 0
+        assert got[0].weights_versions[-1] == 1 + (round_ == 2)
+    assert spec.engine.stats["cached_tokens"] > 0
+    spec.engine.check_invariants()
