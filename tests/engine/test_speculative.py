@@ -229,11 +229,12 @@ def test_sampling_is_exact_and_the_test_can_fail(pair, lookup_prompt, monkeypatc
 # ---- weight updates mid-run -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["drain", "recompute", "abort"])
+@pytest.mark.parametrize("policy", ["drain", "recompute", "abort", "keep"])
 def test_an_update_mid_run_leaves_no_token_unchecked(pair, tiny_dir, tiny_dir_b, policy):
     """Requests speculating when an update lands: each token's log-prob is the one `LLM.score`
     gives under the weights version that produced it (speculation never lets a token through
-    that the serving weights did not sample)."""
+    that the serving weights did not sample). Under `keep` the tokens after the update were
+    computed over older KV: labelled so (their KV version), and scored only before it."""
     plain, spec = pair
     engine = spec.engine
     prompts = _prompts()[:3]
@@ -261,9 +262,11 @@ def test_an_update_mid_run_leaves_no_token_unchecked(pair, tiny_dir, tiny_dir_b,
         for v in set(c.weights_versions):
             plain.update_weights(str(weights[v]))
             want = plain.score(p, c.token_ids)
-            at = [j for j, w in enumerate(c.weights_versions) if w == v]
+            at = [j for j, w in enumerate(c.weights_versions) if w == v == c.kv_versions[j]]
             np.testing.assert_allclose(np.asarray(c.logprobs)[at], want[at], atol=1e-5)
             scored += len(at)
+        if policy == "keep":
+            assert c.mixed_weights_kv and c.weights_versions[-1] == v1 + 1 and c.kv_versions[-1] == v1
     assert scored > 0
     plain.update_weights(str(tiny_dir))
     spec.update_weights(str(tiny_dir))
