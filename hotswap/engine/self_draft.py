@@ -14,7 +14,6 @@ rejected positions as it does for any draft.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 from hotswap.engine.runner import Runner
 from hotswap.engine.scheduler import Plan
@@ -29,16 +28,10 @@ from hotswap.model.params import Params
 PENDING = -1
 
 
-def draft_config(mcfg: ModelConfig, layers: int) -> ModelConfig:
-    """The target's config cut to its first `layers` layers (their windows and experts as they are)."""
-    types = None if mcfg.layer_types is None else mcfg.layer_types[:layers]
-    return dataclasses.replace(mcfg, num_layers=layers, layer_types=types)
-
-
 class SelfDraft:
     def __init__(self, mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend):
         self.layers = ecfg.speculative_config.draft_layers
-        self.runner = Runner(draft_config(mcfg, self.layers), ecfg, backend)
+        self.runner = Runner(mcfg.first_layers(self.layers), ecfg, backend)
 
     def params(self, params: Params) -> Params:
         """The draft's view of the target's params: the same arrays, the first layers only."""

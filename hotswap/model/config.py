@@ -158,6 +158,13 @@ class ModelConfig:
         """Gemma's layer: (1 + w) norms, a norm after attention and after the MLP, scaled embeddings."""
         return self.arch in GEMMA
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """This model cut to its first n layers (their windows and experts as they are): a
+        self-speculative draft (engine/self_draft.py)."""
+        types = None if self.layer_types is None else self.layer_types[:n]
+        dense = tuple(i for i in self.mlp_only_layers if i < n)
+        return dataclasses.replace(self, num_layers=n, layer_types=types, mlp_only_layers=dense)
+
     def layer_window(self, i: int) -> int | None:
         """Layer i's attention window (positions it sees, itself included); None: all before it."""
         if self.layer_types is None or self.layer_types[i] != SLIDING:

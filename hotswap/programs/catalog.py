@@ -234,6 +234,25 @@ def verification(ecfg: EngineConfig, backend: Backend) -> Verification | None:
     return Verification(shape, n, tokens, buckets.samples(*shape[:2]), -(-verifying // n))
 
 
+def draft_programs(
+    mcfg: ModelConfig, ecfg: EngineConfig, target: Target
+) -> list[tuple[str, Callable[[], Any]]]:
+    """A self-speculative draft's step (speculative_config draft_model "self"; none otherwise):
+    the decode step of the model cut to its first layers, at the most sequences a step drafts
+    for, on the same params and pages (its K/V are the target's of those layers)."""
+    spec = ecfg.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return []
+    spec.check_model(mcfg.num_layers)
+    buckets = Buckets.for_config(ecfg, target.backend)
+    shape = (pick(buckets.batch, min(ecfg.max_num_seqs, MAX_VERIFYING_ROWS)), 1, buckets.pages[-1])
+    n = spec.draft_layers
+    on = dataclasses.replace(target, params={**target.params, "layers": target.params["layers"][:n]})
+    return [
+        (f"draft {name}", lower) for name, lower in step_programs(mcfg.first_layers(n), ecfg, on, [shape])
+    ]
+
+
 def pool_bytes_per_chip(pages: Iterable[jax.ShapeDtypeStruct]) -> int:
     """One chip's bytes of the layers' page buffers (`abstract_inputs`' pages)."""
     return sum(

@@ -183,7 +183,10 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         layers = catalog.abstract_inputs(mcfg, ecfg, target)[1]
         compiled_pool = catalog.pool_bytes_per_chip(layers)
         pages = set(layers)  # a full and a window layer's
-        todo = list(catalog.step_programs(mcfg, ecfg, target, shapes))
+        todo = [
+            *catalog.step_programs(mcfg, ecfg, target, shapes),
+            *catalog.draft_programs(mcfg, ecfg, target),
+        ]
         n_steps = len(todo)
         todo += [*catalog.kv_init_programs(mcfg, ecfg, target), *catalog.update_programs(mcfg, target)]
         for i, (name, lower) in enumerate(todo):
@@ -268,7 +271,22 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         report["verification"] = _verification(verify, steps, compiled_pool, reads)
     else:
         report["verification"] = None
+    draft = [s for s in steps if s.name.startswith("draft ")]
+    report["draft"] = _draft(draft[0], spec.draft_layers) if draft else None
     return report
+
+
+def _draft(s: catalog.StepStats, layers: int) -> dict:
+    """A self-draft's step in the report: its bytes per chip (it holds no params or pages of
+    its own: they are the model's first layers')."""
+    return {
+        "step": s.name,
+        "layers": layers,
+        "temp_bytes": s.temp_bytes,
+        "peak_bytes": s.peak_bytes,
+        "pallas_calls": s.pallas_calls,
+        "kv_copies": s.kv_copies,
+    }
 
 
 def _verification(v: catalog.Verification, steps: list, pool: int, reads: int) -> dict:
@@ -368,4 +386,16 @@ def _verification_lines(report: dict, g: Callable[[int], str]) -> list[str]:
         f"{v['sampled_rows']} sampled rows, {v['calls_per_step']} call(s) a step",
         f"  per chip a call: temps {g(v['temp_bytes'])}, peak {g(v['peak_bytes'])}, reads "
         f"{g(v['bytes_read_per_call'])} from HBM; {v['pallas_calls']} Pallas calls; {place}",
+        *_draft_lines(report, g),
+    ]
+
+
+def _draft_lines(report: dict, g: Callable[[int], str]) -> list[str]:
+    d = report.get("draft")
+    if d is None:
+        return []
+    return [
+        f"draft ({d['layers']} of the model's layers and its head): {d['step']}, per chip temps "
+        f"{g(d['temp_bytes'])}, peak {g(d['peak_bytes'])}; {d['pallas_calls']} Pallas calls, "
+        f"{d['kv_copies']} page-buffer copies (its K/V are the model's first layers')"
     ]

@@ -121,3 +121,17 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys):
             cli.main([*argv, bad])
         assert exit.value.code == 2
         assert f"argument --speculative-config: {said}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_self_draft_compiles_its_decode_step_on_the_models_pages(small):
+    """draft_model "self": the draft's decode step (the model cut to its first layer) compiled
+    for v5e beside the verification, Pallas attention on the model's own pages, no copy."""
+    self_draft = {"method": "draft_model", "model": "self", "draft_layers": 1, "num_speculative_tokens": 3}
+    acfg = tpu_slice.AotConfig(topology="v5e:1x1", buckets="decode", speculative_config=self_draft, **ENGINE)
+    report = tpu_slice.compile_for(small, acfg)
+    d = report["draft"]
+    assert d["step"] == "draft decode B=32 P=64" and d["layers"] == 1, d
+    assert d["pallas_calls"] == 1 and d["kv_copies"] == 0, d  # one layer's attention, in place
+    assert report["verification"]["tokens_per_sequence"] == 4
+    assert "draft (1 of the model's layers and its head): draft decode B=32 P=64" in tpu_slice.table(report)
