@@ -136,7 +136,7 @@ SELF = {"method": "draft_model", "model": "self", "draft_layers": 1, "num_specul
 def test_self_draft_tokens_equal_decoding_and_swap_with_the_policy(pair, tiny_dir, tiny_dir_b):
     """The model's first layer and its head draft (self-speculation): the same tokens as
     decoding without it, before and after an update, which swaps the draft with the policy
-    (it is the policy's own layers: nothing else to update)."""
+    (it is the policy's own layers: nothing else to update), and after a sleep and a wake-up."""
     plain = pair[0]
     spec = LLM(tiny_dir, speculative_config=SELF, **KNOBS)
     prompts = _prompts()
@@ -152,6 +152,10 @@ def test_self_draft_tokens_equal_decoding_and_swap_with_the_policy(pair, tiny_di
                 np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
         for llm in (plain, spec):
             llm.update_weights(str(weights))
+    spec.sleep(1)  # the draft's params and KV are the model's: asleep and awake with them
+    spec.wakeup()
+    want, got = _run(plain, prompts, cases[0]), _run(spec, prompts, cases[0])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
     stats = spec.engine.stats
     assert stats["spec_drafts"] > 0 and 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     spec.engine.check_invariants()
