@@ -10,6 +10,9 @@ object to `--speculative-config '{...}'`. Methods:
 - `draft_model` with `model: "self"`: the target's own first `draft_layers` layers, its final
   norm and its head (self-speculation, as in LayerSkip), a draft any model here has without a
   second checkpoint; its KV is the target's KV of those layers, in the same pages.
+- `draft_model` with `model: <path>`: a separate draft checkpoint (any the engine loads: an HF
+  directory, a GGUF file) with the target's vocabulary; its own params and KV buffers, indexed
+  by the target's pages (engine/draft_model.py), with a version of its own.
 
 Imports nothing heavy (the CLI parses it before JAX is loaded).
 """
@@ -49,7 +52,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 0  # ngram only
     prompt_lookup_max: int = 0
-    model: str | None = None  # draft_model only: "self"
+    model: str | None = None  # draft_model only: "self" or a draft checkpoint's path
     draft_layers: int = 0  # draft_model "self": how many of the target's first layers draft
 
     @staticmethod
@@ -84,7 +87,7 @@ class SpeculativeConfig:
 
     def check_model(self, num_layers: int) -> None:
         """What can only be checked against the target: a self-draft shorter than the model."""
-        if self.method == "draft_model" and not 1 <= self.draft_layers < num_layers:
+        if self.method == "draft_model" and self.model == SELF and not 1 <= self.draft_layers < num_layers:
             raise ConfigError(
                 f"speculative_config.draft_layers must be in [1, {num_layers - 1}] for this "
                 f"{num_layers}-layer model, got {self.draft_layers}"
@@ -121,12 +124,16 @@ def _draft(value: dict, k: int) -> SpeculativeConfig:
         if key in value:
             raise ConfigError(f"speculative_config.{key} is an ngram key, not draft_model's")
     model = value.get("model")
-    if model != SELF:
+    if not isinstance(model, str) or not model:
         raise ConfigError(
             f'speculative_config.model={model!r}: draft_model takes "self" (the target\'s first '
-            "`draft_layers` layers and its head); a separate draft checkpoint is not supported"
+            "`draft_layers` layers and its head) or the path of a draft checkpoint"
         )
     layers = _int(value, "draft_layers")
+    if model != SELF:
+        if layers is not None:
+            raise ConfigError('speculative_config.draft_layers is for model "self", not a draft checkpoint')
+        return SpeculativeConfig("draft_model", k, model=model)
     if layers is None or layers < 1:
         raise ConfigError(f"speculative_config.draft_layers must be >= 1, got {layers}")
     return SpeculativeConfig("draft_model", k, model=SELF, draft_layers=layers)

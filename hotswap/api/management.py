@@ -76,7 +76,8 @@ async def update_weights(request: Request) -> dict[str, Any]:
     - JSON `{"transfer": {"address", "uuid", "timeout_s", "processes"}}`: a tree another JAX
       process published with `hotswap.weights.transfer.publish`, pulled device to device;
     - JSON `{"tensors": [{name, dtype, shape, data (base64)}], "finished", "update_id"}`;
-    - safetensors bytes (`application/octet-stream`), `finished` and `update_id` as query parameters.
+    - safetensors bytes (`application/octet-stream`), `finished` and `update_id` as query parameters;
+    - JSON `{"path": ..., "draft": true}`: the draft checkpoint's weights instead (`_update_draft`).
 
     Pickle / torch.save bodies are refused (400) by their bytes, whatever the content type.
     """
@@ -97,6 +98,8 @@ async def update_weights(request: Request) -> dict[str, Any]:
         return _answer(result, chunk.policy)
 
     data = body.fields
+    if "draft" in data or "draft" in query:
+        return await _update_draft(ctx, data, query)
     named = [k for k in SOURCES if k in data]
     if len(named) != 1:
         raise PayloadError(
@@ -125,6 +128,30 @@ async def update_weights(request: Request) -> dict[str, Any]:
     else:
         source = actions.transfer_source(data["transfer"])
     return _answer(await actions.update(ctx, source, fields.options()), fields.policy)
+
+
+async def _update_draft(ctx: ServerContext, data: dict, query: dict) -> dict[str, Any]:
+    """`{"path": ..., "draft": true}` (or `"transfer"`): the source replaces the draft checkpoint
+    (speculative_config `model: <path>`), as `Engine.update_draft_weights`; the answer is its
+    new version. A draft update changes no token nor cache, so it takes no update options."""
+    fields = {**query, **data}
+    draft = fields.pop("draft")
+    if draft is not True and str(draft).lower() not in ("1", "true"):
+        raise RequestError(f'"draft" must be true to update the draft model, got {draft!r}')
+    named = [k for k in ("path", "transfer") if k in fields]
+    if len(named) != 1 or len(fields) != 1:
+        raise PayloadError(
+            'a draft update takes exactly one of "path" (a directory) or "transfer" beside "draft", '
+            f"and no update options; got {sorted(fields)}"
+        )
+    if "path" in fields:
+        if not isinstance(fields["path"], str):
+            raise RequestError('"path" must be a string: a directory under --weights-root')
+        source = actions.path_source(ctx, fields["path"])
+    else:
+        source = actions.transfer_source(fields["transfer"])
+    version = await ctx.run_sync(ctx.engine.update_draft_weights, source)
+    return {"draft_version": version, "weights_version": ctx.engine.weights_version}
 
 
 @router.delete("/update_weights")

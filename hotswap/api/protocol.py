@@ -289,13 +289,16 @@ def spec_decode(samples: list[CompletionOutput]) -> dict[str, Any] | None:
         return None
     drafted = sum(c.num_draft_tokens for c in samples)
     accepted = sum(c.num_accepted_tokens for c in samples)
-    return {
+    spec = {
         "num_drafts": drafts,
         "num_draft_tokens": drafted,
         "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted,
         "mean_acceptance_length": 1 + accepted / drafts,
     }
+    versions = sorted({v for c in samples for v in c.draft_versions})
+    # a draft checkpoint's versions that drafted for these samples (only where one ran)
+    return {**spec, "draft_versions": versions} if versions else spec
 
 
 def token_str(tokenizer, tid: int, as_ids: bool = False) -> str:

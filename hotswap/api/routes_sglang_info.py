@@ -77,6 +77,8 @@ def _model_info(ctx: ServerContext) -> dict[str, Any]:
         "has_audio_understanding": False,
         "model_type": model_type,
         "architectures": [architecture],
+        # a draft checkpoint's version (speculative_config `model: <path>`); None without one
+        "draft_version": e.draft_version,
     }
 
 

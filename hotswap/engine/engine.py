@@ -23,6 +23,7 @@ from hotswap.engine import lifecycle, speculation
 from hotswap.engine.adapters import Adapters, Loaded
 from hotswap.engine.admission import Admission
 from hotswap.engine.controller import LifecycleController
+from hotswap.engine.draft_model import DraftModel
 from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.runner import Runner
 from hotswap.engine.sampling import SamplingParams
@@ -139,6 +140,16 @@ class Engine:
     @property
     def weights_version(self) -> int:
         return self.state.weights_version
+
+    @property
+    def draft_model(self) -> DraftModel | None:
+        """The draft checkpoint speculation runs (speculative_config `model: <path>`), or None."""
+        return self.drafter if isinstance(self.drafter, DraftModel) else None
+
+    @property
+    def draft_version(self) -> int | None:
+        """The draft checkpoint's version (1 at load, + 1 per draft update); None without one."""
+        return self.draft_model.version if self.draft_model is not None else None
 
     @property
     def lock(self) -> threading.RLock:
@@ -264,13 +275,36 @@ class Engine:
         self.state = lifecycle.fresh_cache(
             self.state, new_kv_cache(self.mcfg, self.ecfg, sharding=self.kv_sharding, backend=self.backend)
         )
+        if self.draft_model is not None:
+            self.draft_model.recover()
 
     # ---- lifecycle (controller.py) ----------------------------------------------
 
-    def update_weights(self, source, options: UpdateOptions | None = None, **fields) -> int:
+    def update_weights(
+        self, source, options: UpdateOptions | None = None, *, draft: bool = False, **fields
+    ) -> int:
         """Read -> plan -> place -> apply the in-flight policy -> swap; returns the new version
-        (`LifecycleController.update_weights`)."""
+        (`LifecycleController.update_weights`). `draft`: the source replaces the draft
+        checkpoint instead (`update_draft_weights`)."""
+        if draft:
+            if options is not None or fields:
+                raise ConfigError("a draft update takes no update options: it changes no token nor cache")
+            return self.update_draft_weights(source)
         return self.controller.update_weights(source, options, **fields)
+
+    def update_draft_weights(self, source) -> int:
+        """Swap the draft checkpoint's params (read and checked before the lock: a bad source,
+        another vocabulary included, changes nothing); returns its new version. The target's
+        weights, version and cache are untouched; requests in flight go on, their draft KV
+        recomputed by the new draft as they next draft (drafts never decide a token)."""
+        draft = self.draft_model
+        if draft is None:
+            raise ConfigError(
+                'no draft checkpoint to update: speculative_config has no {"method": "draft_model", "model": <path>}'
+            )
+        staged = draft.staged(source, self.weights_root)
+        with self._lock:
+            return draft.swap(staged)
 
     def update_planned(self, checked: plan.Plan) -> int:
         """Place and swap a source already checked (`LifecycleController.update_planned`)."""
@@ -312,10 +346,16 @@ class Engine:
         self.controller.resume()
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        self.controller.sleep(level, mode)
+        self.controller.sleep(level, mode)  # (a drain takes the lock step by step)
+        if self.draft_model is not None:  # the draft's params and KV sleep with the target's
+            with self._lock:
+                self.draft_model.sleep()
 
     def wakeup(self, tags: list[str] | None = None) -> None:
-        self.controller.wakeup(tags)
+        with self._lock:
+            self.controller.wakeup(tags)
+            if self.draft_model is not None:
+                self.draft_model.wakeup(tags)
 
     def reset_prefix_cache(self) -> None:
         self.controller.reset_prefix_cache()

@@ -283,7 +283,9 @@ class LLM:
 
     # ---- lifecycle -------------------------------------------------------------
 
-    def update_weights(self, source, options: UpdateOptions | None = None, **fields) -> int:
+    def update_weights(
+        self, source, options: UpdateOptions | None = None, *, draft: bool = False, **fields
+    ) -> int:
         """Swap in new weights (pytree, HF-named dict, checkpoint dir, .gguf file, safetensors bytes,
         a `hotswap.weights.transfer.TransferRef` another JAX process published: pulled device to device, or a
         Flax NNX `nnx.State` / `nnx.Module` of the served model's family: mapped leaf to leaf), or a
@@ -297,7 +299,13 @@ class LLM:
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
+
+        `draft=True` (speculative_config with a draft checkpoint): `source` replaces the
+        draft's weights instead, in place; returns the draft's new version (the target's
+        version and cache are untouched).
         """
+        if draft:
+            return self.engine.update_weights(source, options, draft=True, **fields)
         return self.engine.update_weights(source, UpdateOptions.of(options, **fields))
 
     def _ensure_lora(self, request: LoRARequest) -> None:

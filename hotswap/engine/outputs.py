@@ -63,6 +63,9 @@ class CompletionOutput:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A draft checkpoint's versions whose drafts this sample verified, in order (a draft update
+    # mid-request shows as two); empty without one.
+    draft_versions: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -253,6 +256,7 @@ def _completion(seq: Sequence) -> CompletionOutput:
         num_drafts=seq.spec_drafts,
         num_draft_tokens=seq.spec_proposed,
         num_accepted_tokens=seq.spec_accepted,
+        draft_versions=list(seq.draft_versions),
         **_kept(seq),
     )
 

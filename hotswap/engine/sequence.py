@@ -87,6 +87,8 @@ class Sequence:
     spec_drafts: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    # The draft checkpoint's versions whose drafts it verified, in order (engine/draft_model.py).
+    draft_versions: list[int] = dataclasses.field(default_factory=list)
 
     def record_prompt(self, start: int, lp, rank, top_ids, top_lps) -> None:
         """A step's prompt log-probs for the chunk of positions [start, start + len(lp))."""

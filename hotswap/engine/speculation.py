@@ -13,19 +13,20 @@ prefix index.
 from __future__ import annotations
 
 from hotswap.engine import ngram
+from hotswap.engine.draft_model import DraftModel
 from hotswap.engine.scheduler import Propose
 from hotswap.engine.self_draft import PENDING, SelfDraft
 from hotswap.engine.sequence import Sequence
 from hotswap.engine_config import EngineConfig
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
-from hotswap.speculative import SpeculativeConfig
+from hotswap.speculative import SELF, SpeculativeConfig
 
 
 def proposer(config: SpeculativeConfig | None) -> Propose | None:
     """The scheduler's draft source for `config` (None: no speculation). A draft model's
     tokens come from the device after the plan is made: the scheduler plans their number
-    (PENDING tokens) and `SelfDraft.fill` drafts them before the step runs."""
+    (PENDING tokens) and `SelfDraft.fill` (`DraftModel.fill`) drafts them before the step runs."""
     if config is None:
         return None
     k, lo, hi = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
@@ -39,10 +40,13 @@ def proposer(config: SpeculativeConfig | None) -> Propose | None:
     return prompt_lookup if config.method == "ngram" else draft_model
 
 
-def drafter(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> SelfDraft | None:
-    """The draft model a step runs before its verification (None: the drafts are the host's)."""
+def drafter(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> SelfDraft | DraftModel | None:
+    """The draft model a step runs before its verification (None: the drafts are the host's):
+    the target's own first layers, or a draft checkpoint (engine/draft_model.py)."""
     config = ecfg.speculative_config
     if config is None or config.method != "draft_model":
         return None
+    if config.model != SELF:
+        return DraftModel(mcfg, ecfg)
     config.check_model(mcfg.num_layers)
     return SelfDraft(mcfg, ecfg, backend)
