@@ -42,7 +42,7 @@ lint: $(STAMP)
 # One pytest process per folder, sharing one run's compile cache (tests/conftest.py): a process
 # maps ~3 memory regions per program XLA:CPU compiles, and the whole suite in one process passed
 # Linux's 65,530 (vm.max_map_count) and crashed. Every folder runs; the status is the worst.
-TEST_DIRS := engine integrations kernels models project reliability server weights
+TEST_DIRS := engine fleet integrations kernels models project reliability server weights
 
 test: $(STAMP) $(NEWEST_STAMP) lint
 	@run=$$(mktemp -d -t hotswap-test-run-XXXXXX); status=0; \

@@ -21,7 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hotswap.api import management, routes_lora, routes_openai, routes_sglang, routes_sglang_info, routes_vllm
+from hotswap.api import (
+    management,
+    routes_fleet,
+    routes_lora,
+    routes_openai,
+    routes_sglang,
+    routes_sglang_info,
+    routes_vllm,
+)
 from hotswap.api.engine_loop import (
     OUTCOMES,
     TALLY_KEY,
@@ -356,6 +364,8 @@ def create_app(
     app.include_router(routes_vllm.aborts)
     app.include_router(routes_vllm.aborts, prefix=routes_vllm.PREFIX)
     app.include_router(routes_lora.router)
+    # A fleet's two-phase commit (hotswap/fleet/): prepare / commit / resume / abort, admin key.
+    app.include_router(routes_fleet.router)
     # The admin key there, as on every route outside /v1/: the api key opens /v1/* only.
     app.include_router(routes_openai.router, prefix=routes_vllm.PREFIX, dependencies=[Depends(require_admin)])
     app.include_router(

@@ -1,4 +1,4 @@
-"""`hotswap serve | create-model | aot | demo | bench`: one argparse entry, each command in its own module."""
+"""`hotswap serve | create-model | aot | demo | bench | fleet serve`: one argparse entry, each command in its own module."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # One module per command, each owning its parser (`add_parser(sub)`).
-COMMANDS = ("create_model", "serve", "aot", "demo", "bench")
+COMMANDS = ("create_model", "serve", "aot", "demo", "bench", "fleet")
 # Commands that run an engine: they start with 2 MB pages for its buffers (host_memory.py) and
 # on the CPU where there is no accelerator (platform.py).
 ENGINE_COMMANDS = ("serve", "bench", "demo")

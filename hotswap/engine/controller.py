@@ -90,11 +90,20 @@ class LifecycleController:
         """A source already read and checked (`plan.plan`, with its `UpdateOptions`): placed,
         then swapped under the in-flight policy. The multi-host driver and a per-process
         transfer call this with the plan they checked, so a source is checked once a process."""
-        opts = checked.options
-        row = policies.policy(opts.policy)
+        return self.commit_prepared(self.prepare_planned(checked))
+
+    def prepare_planned(self, checked: plan.Plan) -> place.Prepared:
+        """Pass 1 of a checked source, outside the lock (serving goes on): placed beside the
+        serving weights, or (in place) its values checked. Nothing serving changes; dropping
+        the result drops the update. A fleet stages this on every replica before any commits."""
+        policies.policy(checked.options.policy)
         st = self.ref.state
-        prepared = place.prepare(checked, self.staging, st.base if st.base is not None else st.params)
-        del st  # nothing here may hold the serving weights past the swap
+        return place.prepare(checked, self.staging, st.base if st.base is not None else st.params)
+
+    def commit_prepared(self, prepared: place.Prepared) -> int:
+        """Pass 2: the in-flight policy, then the swap under the lock; the new version."""
+        opts = prepared.plan.options
+        row = policies.policy(opts.policy)
         with self.lock:
             if self.ref.state.weights_on_host:
                 raise EngineAsleep(

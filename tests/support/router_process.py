@@ -18,13 +18,22 @@ from server_process import free_port
 
 
 class RouterProcess:
-    def __init__(self, worker_urls: list[str], log_path: Path, *, policy: str = "cache_aware"):
+    def __init__(
+        self,
+        worker_urls: list[str],
+        log_path: Path,
+        *,
+        policy: str = "cache_aware",
+        api_key: str | None = None,
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         args = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
         args += ["--policy", policy, "--host", "127.0.0.1", "--port", str(self.port)]
         args += ["--prometheus-port", str(free_port()), "--log-level", "warn"]
+        if api_key is not None:  # checked by the router and passed on to the workers
+            args += ["--api-key", api_key]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 
