@@ -41,6 +41,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (default 1)")
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: a local Ray)")
+    p.add_argument(
+        "--ray-num-cpus",
+        type=int,
+        default=None,
+        help="a local Ray's logical CPUs (default: the machine's); on a host without accelerators "
+        "a replica takes tensor_parallel_size of them",
+    )
     p.add_argument("--host", default="127.0.0.1", help="the router's and the controller's address")
     p.add_argument("--port", type=int, default=30000, help="the router's port")
     p.add_argument("--controller-port", type=int, default=30001)
@@ -138,6 +145,10 @@ def serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.given(args, "serve")
     tp = engine_args.pop("tensor_parallel_size", None) or 1
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="hotswap-fleet-")
+    if args.address is None and args.ray_num_cpus is not None:
+        import ray
+
+        ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False)
     router: Router | None = None
     fleet = Fleet(
         args.model,
