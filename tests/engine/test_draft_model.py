@@ -127,15 +127,25 @@ def test_tokens_equal_decoding_without_speculation(plain, spec):
 
 def test_a_draft_equal_to_the_target_accepts_nearly_everything(plain, tiny_dir):
     """The target as its own draft: at greedy, a draft token is rejected only where the draft's
-    KV differs from the target's, so a near-total acceptance shows the catch-up KV is right
-    (chunked catch-up of the 150- and 90-token prompts included)."""
-    same = LLM(tiny_dir, speculative_config=_spec(tiny_dir), **KNOBS)
-    got = _run(same, _prompts(), GREEDY)
-    _same(_run(plain, _prompts(), GREEDY), got)
+    KV differs from the target's, so a near-total acceptance shows the catch-up KV is right:
+    chunked catch-up of the 150- and 90-token prompts, and a pool of 34 pages, so sequences
+    are preempted and readmitted (on prefix hits and new pages) while they draft. n = 2
+    samples share their prompt's pages (a fork): the tokens are still decoding's."""
+    same = LLM(tiny_dir, speculative_config=_spec(tiny_dir), **{**KNOBS, "num_pages": 34})
+    prompts = _prompts() * 3
+    got = _run(same, prompts, GREEDY)
+    _same(_run(plain, prompts, GREEDY), got)
     stats = same.engine.stats
     rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
-    print(f"\ndraft = target: acceptance {rate:.3f} of {stats['spec_draft_tokens']} drafted tokens")
-    assert rate > 0.9
+    preempted = same.engine.sched.num_preemptions
+    print(
+        f"\ndraft = target: acceptance {rate:.3f} of {stats['spec_draft_tokens']} drafted, {preempted} preemptions"
+    )
+    assert rate > 0.9 and preempted > 0
+    forks = SamplingParams(n=2, max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)
+    want, got = (llm.generate(prompts[:2], forks, use_tqdm=False) for llm in (plain, same))
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert all(c.num_drafts for o in got for c in o.outputs)
     same.engine.check_invariants()
 
 
