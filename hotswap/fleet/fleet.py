@@ -226,20 +226,24 @@ class Fleet:
             return self.version
 
     def heal(self) -> list[int]:
-        """Restart (and catch up) every replica whose server process is gone; their indexes.
-        `hotswap fleet serve` calls this every few seconds."""
+        """Restart (and catch up) every replica whose server process is gone or that left
+        service (a commit it failed); their indexes. `hotswap fleet serve` calls this every few
+        seconds."""
+        gone = [r.index for r in self.replicas if not (r.in_service and self._alive(r))]
+        for index in gone:
+            self.restart(index)
+        return gone
+
+    @staticmethod
+    def _alive(r: Replica) -> bool:
+        """Its server process runs (asked of its actor: a busy server is slow to answer HTTP,
+        not lost; one that hangs is found out by the commit's own timeouts)."""
         import ray
 
-        gone = []
-        for r in self.replicas:
-            try:
-                alive = r.actor is not None and ray.get(r.actor.alive.remote())
-            except ray.exceptions.RayError:
-                alive = False  # the actor itself died (its node did)
-            if not alive:
-                gone.append(r.index)
-                self.restart(r.index)
-        return gone
+        try:
+            return r.actor is not None and ray.get(r.actor.alive.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            return False  # the actor itself died (its node did)
 
     def _client_admin(self) -> httpx.Client:
         return httpx.Client(headers=self._admin())
@@ -274,11 +278,11 @@ class Fleet:
             return done
 
     def _live_members(self) -> list[commit.Member]:
-        """The replicas in service whose server still answers; one that does not leaves service
-        (it catches up when restarted) and the update goes on without it."""
+        """The replicas in service whose server process still runs; one that does not leaves
+        service (it catches up when restarted) and the update goes on without it."""
         members = []
         for r in self.replicas:
-            if r.in_service and status.read(self.client, r.url, self._api())["healthy"]:
+            if r.in_service and self._alive(r):
                 members.append(commit.Member(r.index, r.url))
             else:
                 self._leave(r)

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+STATUS_TIMEOUT_S = 15.0  # a replica under load answers its status routes between steps
 _KV_PAGES = re.compile(r'^hotswap_kv_pages\{state="(\w+)"\} (\d+)$', re.M)
 
 
@@ -25,16 +26,16 @@ def read(client: httpx.Client, url: str, headers: dict[str, str]) -> dict[str, A
         ("weights_version", "num_reqs", "num_waiting_reqs", "kv_tokens", "kv_use")
     )
     try:
-        health = client.get(url + "/health", timeout=5)
+        health = client.get(url + "/health", timeout=STATUS_TIMEOUT_S)
         row["healthy"] = health.status_code == 200
         if not row["healthy"]:
             return row
         row["weights_version"] = health.json()["weights_version"]
-        (load,) = client.get(url + "/get_load", headers=headers, timeout=5).json()
+        (load,) = client.get(url + "/get_load", headers=headers, timeout=STATUS_TIMEOUT_S).json()
         row.update(
             num_reqs=load["num_reqs"], num_waiting_reqs=load["num_waiting_reqs"], kv_tokens=load["num_tokens"]
         )
-        row["kv_use"] = kv_use(client.get(url + "/metrics", timeout=5).text)
+        row["kv_use"] = kv_use(client.get(url + "/metrics", timeout=STATUS_TIMEOUT_S).text)
     except (httpx.TransportError, ValueError, KeyError):
         row["healthy"] = False
     return row
