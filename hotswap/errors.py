@@ -151,3 +151,25 @@ class Forbidden(HotswapError):
 
     status = 403
     code = "forbidden"
+
+
+class FleetDoesNotFit(ConfigError):
+    """A fleet's replicas x tensor_parallel_size asks for more devices (or CPUs) than the Ray
+    cluster has: refused before any replica starts (hotswap/fleet/)."""
+
+    code = "fleet_does_not_fit"
+
+
+class ReplicaLost(HotswapError):
+    """A fleet replica stopped answering (its process died, its node went away) while the fleet
+    staged an update: the update is dropped everywhere and no replica commits."""
+
+    status = 503
+    code = "replica_lost"
+
+
+class ReplicaFailed(HotswapError):
+    """A fleet replica's server did not start, or no replica is in service."""
+
+    status = 503
+    code = "replica_failed"

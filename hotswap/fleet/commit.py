@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 
-from hotswap.errors import HotswapError
-from hotswap.fleet.errors import ReplicaLost
+from hotswap.errors import HotswapError, ReplicaLost
 from hotswap.fleet.remote_errors import raise_for
 
 PREPARE_TIMEOUT_S = 600.0  # reading and placing a large checkpoint

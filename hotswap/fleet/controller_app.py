@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from hotswap.api.http_errors import Forbidden, HotswapError, RequestError, Unauthorized, exception_body
-from hotswap.fleet.fleet import Fleet
+from hotswap.fleet.driver import Fleet
 
 
 def _bearer(request: Request) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hotswap.fleet.errors import FleetDoesNotFit
+from hotswap.errors import FleetDoesNotFit
 
 ACCELERATORS = ("TPU", "GPU")  # Ray's resource names, the first the cluster has is used
 

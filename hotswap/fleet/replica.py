@@ -38,7 +38,7 @@ def _free_port(host: str) -> int:
 
 
 class ReplicaServer:
-    """The actor's body (`ray.remote(ReplicaServer)` in fleet.py, so this module imports no Ray)."""
+    """The actor's body (`ray.remote(ReplicaServer)` in driver.py, so this module imports no Ray)."""
 
     def __init__(self, flags: list[str], env: dict[str, str], log_path: str, host: str = "127.0.0.1"):
         self.flags, self.env, self.host = flags, env, host

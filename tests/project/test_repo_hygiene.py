@@ -219,6 +219,7 @@ _LAYERS = (
     ("hotswap.programs",),
     ("hotswap.engine",),
     ("hotswap.integrations", "hotswap.rl", "hotswap.api"),
+    ("hotswap.fleet",),  # replicas running `hotswap serve`, driven over its routes
     ("hotswap.cli",),
 )
 

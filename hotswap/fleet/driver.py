@@ -28,9 +28,8 @@ from typing import Any
 
 import httpx
 
-from hotswap.errors import RequestError
+from hotswap.errors import ReplicaFailed, ReplicaLost, RequestError
 from hotswap.fleet import commit, placement, status
-from hotswap.fleet.errors import ReplicaFailed, ReplicaLost
 from hotswap.fleet.flags import serve_flags
 from hotswap.fleet.replica import ReplicaServer, child_env
 
