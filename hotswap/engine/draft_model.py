@@ -131,7 +131,7 @@ class DraftModel:
         k = max((want[s.seq_id] for s in drafting), default=0)
         for j in range(1, k):
             live = [s for s in drafting if j < want[s.seq_id]]
-            with _starting([(s, s.num_computed + j, 1) for s in live]):  # d_j at last + j
+            with _starting([(s, s.num_computed + j, 1) for s in live]):  # feeds d_j at last + j
                 self.pages, tokens = self.runner.greedy_step(self.params, self.pages, live, state.pool)
             for s, t in zip(live, tokens, strict=True):
                 s.draft.append(int(t))
