@@ -34,16 +34,8 @@ def fleet_cli(fleet_root, tmp_path_factory):
     """The command's two URLs, read from its output."""
     logs = tmp_path_factory.mktemp("fleet-serve")
     knobs = {k: v for k, v in FLEET_KNOBS.items() if k != "warmup"}
-    args = [
-        sys.executable,
-        "-m",
-        "hotswap.cli",
-        "fleet",
-        "serve",
-        str(fleet_root / "seed0"),
-        "--replicas",
-        "2",
-    ]
+    args = [sys.executable, "-m", "hotswap.cli", "fleet", "serve", str(fleet_root / "seed0")]
+    args += ["--replicas", str(REPLICAS)]
     args += ["--port", str(free_port()), "--controller-port", str(free_port()), "--ray-num-cpus", "4"]
     args += ["--router-prometheus-port", str(free_port()), "--served-model-name", "tiny"]
     args += ["--weights-root", str(fleet_root), "--log-dir", str(logs), "--no-warmup", *cli_flags(**knobs)]
