@@ -148,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.address is None and args.ray_num_cpus is not None:
         import ray
 
-        ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False)
+        ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False, log_to_driver=False)
     router: Router | None = None
     fleet = Fleet(
         args.model,

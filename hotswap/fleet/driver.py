@@ -74,7 +74,9 @@ class Fleet:
 
         flags = [model, *serve_flags(engine_args)]  # bad options: a TypeError here, nothing started
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False)
+            # Each replica's server writes its own log under log_dir; Ray's copies of its workers'
+            # output (the idle workers' included) would only repeat what is there.
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
         total, nodes = placement.cluster()
         self.need = placement.check_fits(replicas, tensor_parallel_size, total, nodes)
         flags += ["--tensor-parallel-size", str(tensor_parallel_size), "--log-level", "warning"]

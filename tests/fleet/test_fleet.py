@@ -87,6 +87,29 @@ def test_fleet_routes_refuse_a_non_admin(fleet):
     assert held.json()["dropped"] is False
 
 
+def _admin_post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+
+
+def test_one_update_staged_at_a_time(fleet):
+    """The replica side: a second prepare under another id, or a commit of an id not staged, is
+    a 409 naming what is staged; an abort drops it and nothing changed."""
+    url, before = fleet.urls()[0], fleet.version
+    staged = _admin_post(url, "/fleet/prepare", {"update_id": "a", "path": "seed1", "version": before + 1})
+    assert staged.status_code == 200 and staged.json()["prepared"] == "a", staged.text
+    other = _admin_post(url, "/fleet/prepare", {"update_id": "b", "path": "seed1", "version": before + 1})
+    assert other.status_code == 409 and "'a' is staged" in other.json()["error"]["message"], other.text
+    wrong = _admin_post(url, "/fleet/commit", {"update_id": "b"})
+    assert wrong.status_code == 409, wrong.text
+    no_source = _admin_post(url, "/fleet/prepare", {"update_id": "a"})
+    assert no_source.status_code == 400 and no_source.json()["error"]["code"] == "bad_payload"
+    assert _admin_post(url, "/fleet/abort", {"update_id": "a"}).json()["dropped"] is True
+    assert (
+        _admin_post(url, "/fleet/commit", {"update_id": "a"}).status_code == 409
+    )  # dropped: nothing to commit
+    assert _versions(fleet) == [before] * 2
+
+
 def test_update_flips_every_replica(fleet):
     before = fleet.version
     old = [_complete(u)["choices"][0]["text"] for u in fleet.urls()]
