@@ -41,8 +41,6 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
 from hotswap.programs import kv_sizing
-from hotswap.programs.sampler import SamplingArrays
-from hotswap.programs.step import run_step
 from hotswap.weights import pipeline, place, readers
 
 
@@ -131,10 +129,11 @@ class DraftModel:
         k = max((want[s.seq_id] for s in drafting), default=0)
         for j in range(1, k):
             live = [s for s in drafting if j < want[s.seq_id]]
-            with _starting([(s, s.num_computed + j, 1) for s in live]):  # feeds d_j at last + j
-                self.pages, tokens = self.runner.greedy_step(self.params, self.pages, live, state.pool)
-            for s, t in zip(live, tokens, strict=True):
-                s.draft.append(int(t))
+            nth = self._greedy_chunks(
+                [(s, s.num_computed + j, 1) for s in live], state.pool
+            )  # d_j at last + j
+            for s in live:
+                s.draft.append(nth[s.seq_id])
         for s, start, n in chunks:  # what each sequence's draft KV now covers
             end = start + n + (len(s.draft) - 1 if s.draft else 0)
             self._written[s.seq_id] = (end, tuple(state.pool.table(s.seq_id)[: -(-end // self.ps)]))
@@ -168,29 +167,13 @@ class DraftModel:
         """Run each (seq, start, n): positions [start, start + n) of seq in the draft, the argmax
         at each chunk's end -> {seq_id: token}. Calls as the runner makes them: one ragged call
         (split where the buckets need), else a decode call and packed prefill calls."""
-        runner, out = self.runner, {}
+        out = {}
         with _starting(chunks):
             rows = [(s, n) for s, _, n in chunks]
-            if runner.buckets.ragged:
-                calls = [("ragged", r) for r in runner.pack(rows)]
-            else:
-                ones = [(s, n) for s, n in rows if n == 1]
-                calls = [("decode", ones)] if ones else []
-                calls += [("prefill", r) for r in runner.pack([(s, n) for s, n in rows if n > 1])]
-            for kind, call in calls:
-                if kind == "ragged":
-                    batch = runner.ragged_batch(call, pool)
-                elif kind == "decode":
-                    batch = runner.decode_batch([s for s, _ in call], pool)
-                else:
-                    batch = runner.prefill_batch(call, pool)
-                sa = SamplingArrays.from_rows([], batch.sample_idx.shape[0], self.cfg.vocab_size)  # greedy
-                step = runner.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
-                self.pages, sampled, _ = run_step(
-                    self.params, self.pages, batch, sa, cfg=self.cfg, backend=self.backend, compiled=step
-                )
-                tokens = np.asarray(jax.device_get(sampled[0].tokens))
-                for (s, _), t in zip(call, tokens, strict=False):  # one sampled row each, in order
+            ones, longer = [r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]
+            for kind, call in self.runner.calls(ones, longer):
+                self.pages, tokens = self.runner.greedy(self.params, self.pages, kind, call, pool)
+                for (s, _), t in zip(call, tokens, strict=True):
                     out[s.seq_id] = int(t)
         return out
 

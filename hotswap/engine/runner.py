@@ -204,12 +204,7 @@ class Runner:
     ):
         """One jitted call for `rows`: a decode batch, prefill chunks packed together, or (ragged)
         both in one [T, 1] block."""
-        if kind == "ragged":
-            batch = self.ragged_batch(rows, pool)
-        elif kind == "decode":
-            batch = self.decode_batch([s for s, _ in rows], pool)
-        else:
-            batch = self.prefill_batch(rows, pool)
+        batch = self._batch(kind, rows, pool)
         s = batch.sample_idx.shape[0]
         # a verification's rows sample the output positions after the last token, in turn
         sa = SamplingArrays.from_rows(
@@ -236,15 +231,32 @@ class Runner:
         starts = np.cumsum([0] + [-(-n // q) * q for _, n in rows[:-1]])  # each row from a fresh row of q
         return pages, (sampled, [host[1][b : b + n] for b, (_, n) in zip(starts, rows, strict=True)])
 
-    def greedy_step(self, params: Params, pages, seqs: list[Sequence], pool: PagePool):
-        """One decode step of `seqs` drawing each row's argmax, what a draft model's step is:
-        (new pages, the tokens [len(seqs)])."""
-        batch = self.ragged_batch([(s, 1) for s in seqs], pool) if self.buckets.ragged else None
-        batch = batch if batch is not None else self.decode_batch(seqs, pool)
+    def calls(
+        self, decode: list[tuple[Sequence, int]], prefill: list[tuple[Sequence, int]]
+    ) -> list[tuple[str, list[tuple[Sequence, int]]]]:
+        """The calls a step's rows take, (kind, rows): on a ragged backend one [T, 1] block of
+        every row (split where the buckets need); else one decode batch of the one-token rows
+        `decode` and packed prefills of the chunks `prefill`."""
+        if self.buckets.ragged:
+            return [("ragged", rows) for rows in self.pack(decode + prefill)]
+        calls = [("decode", decode)] if decode else []
+        return calls + [("prefill", rows) for rows in self.pack(prefill)]
+
+    def _batch(self, kind: str, rows: list[tuple[Sequence, int]], pool: PagePool) -> Batch:
+        if kind == "ragged":
+            return self.ragged_batch(rows, pool)
+        if kind == "decode":
+            return self.decode_batch([s for s, _ in rows], pool)
+        return self.prefill_batch(rows, pool)
+
+    def greedy(self, params: Params, pages, kind: str, rows: list[tuple[Sequence, int]], pool: PagePool):
+        """One call of `rows` (a kind from `calls`) drawing each row's argmax at its chunk's
+        end, what a draft model's step is: (new pages, the tokens [len(rows)])."""
+        batch = self._batch(kind, rows, pool)
         sa = SamplingArrays.from_rows([], batch.sample_idx.shape[0], self.mcfg.vocab_size)  # all greedy
         step = self.steps.get((*batch.tokens.shape, batch.block_tables.shape[1]))
         pages, out, _ = run_step(params, pages, batch, sa, cfg=self.mcfg, backend=self.backend, compiled=step)
-        return pages, np.asarray(jax.device_get(out[0].tokens))[: len(seqs)]
+        return pages, np.asarray(jax.device_get(out[0].tokens))[: len(rows)]
 
     @staticmethod
     def _record_prompt(rows: list[tuple[Sequence, int]], batch: Batch, prompt) -> None:
@@ -268,11 +280,7 @@ class Runner:
         order (`StepOutput`: a host `Sampled`, and each row's routed experts (a MoE model) or
         None; the kept bitmasks [rows, 0] unless a row of the plan asked for its kept set)."""
         pages = state.kv.pages
-        if self.buckets.ragged:
-            calls = [("ragged", rows) for rows in self.pack(plan.rows)]
-        else:
-            calls = [("decode", [(s, 1) for s in plan.decode])] if plan.decode else []
-            calls += [("prefill", rows) for rows in self.pack(plan.prefill)]
+        calls = self.calls([(s, 1) for s in plan.decode], plan.prefill)
         kept = any(s.params.return_kept_set for s, _ in plan.rows)
         outs = []
         for kind, rows in calls:

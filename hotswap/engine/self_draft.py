@@ -57,9 +57,10 @@ class SelfDraft:
         for j in range(max(want)):
             live = [s for s, k in zip(rows, want, strict=True) if j < k]
             with _ahead(live, j):
-                pages, tokens = self.runner.greedy_step(params, pages, live, state.pool)
-            for s, t in zip(live, tokens, strict=True):
-                s.draft.append(int(t))
+                for kind, call in self.runner.calls([(s, 1) for s in live], []):
+                    pages, tokens = self.runner.greedy(params, pages, kind, call, state.pool)
+                    for (s, _), t in zip(call, tokens, strict=True):
+                        s.draft.append(int(t))
         return (*pages, *full[self.layers :])
 
 
