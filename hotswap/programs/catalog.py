@@ -40,7 +40,7 @@ from hotswap.model.params import Params, abstract_params
 from hotswap.model.spec import is_spec, param_specs
 from hotswap.programs import kv_sizing
 from hotswap.programs.step import PREFILL_ROW, Buckets, lower_step, pick, placeholder_inputs
-from hotswap.speculative import MAX_VERIFYING_ROWS
+from hotswap.speculative import MAX_VERIFYING_ROWS, SELF
 from hotswap.weights import hf_device, place
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
@@ -237,11 +237,12 @@ def verification(ecfg: EngineConfig, backend: Backend) -> Verification | None:
 def draft_programs(
     mcfg: ModelConfig, ecfg: EngineConfig, target: Target
 ) -> list[tuple[str, Callable[[], Any]]]:
-    """A self-speculative draft's step (speculative_config draft_model "self"; none otherwise):
-    the decode step of the model cut to its first layers, at the most sequences a step drafts
-    for, on the same params and pages (its K/V are the target's of those layers)."""
+    """A self-speculative draft's step (speculative_config draft_model "self"; none otherwise,
+    a draft checkpoint's included): the decode step of the model cut to its first layers, at
+    the most sequences a step drafts for, on the same params and pages (its K/V are the
+    target's of those layers)."""
     spec = ecfg.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method != "draft_model" or spec.model != SELF:
         return []
     spec.check_model(mcfg.num_layers)
     buckets = Buckets.for_config(ecfg, target.backend)
