@@ -208,8 +208,12 @@ class Fleet:
         r = self.replicas[index]
         self._leave(r)
         if r.actor is not None:
-            ray.get(r.actor.kill.remote())
-            ray.kill(r.actor)
+            try:
+                ray.get(r.actor.kill.remote(), timeout=60)
+                ray.kill(r.actor)
+            except ray.exceptions.RayError:
+                pass  # the actor died with its node: nothing of it is left to stop
+            r.actor = None
         self._launch(r)
         started = self._wait_healthy(r)
         with self._lock:  # no fleet commit between the catch-up and the join
