@@ -209,7 +209,7 @@ _VALIDATOR_SITES = {"hotswap/weights/plan.py", "hotswap/checkpoint/hf.py"}
 # Packages and top-level modules, bottom first: a module imports only from its own rank or below.
 _LAYERS = (
     ("hotswap.errors", "hotswap.cache_dir", "hotswap.host_memory"),
-    ("hotswap.toolcalls",),
+    ("hotswap.toolcalls", "hotswap.speculative"),  # speculative: the option's value, parsed
     ("hotswap.args",),
     ("hotswap.engine_config",),
     ("hotswap.kernels",),
