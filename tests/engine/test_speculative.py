@@ -21,7 +21,7 @@ KNOBS = dict(
     max_num_seqs=64,
     max_num_batched_tokens=64,  # prompts past 64 tokens are prefilled in chunks
     num_pages=512,
-    max_waiting=20_000,  # the distribution test queues every draw at once
+    max_waiting=20_000,  # the distribution test queues every draw at once (as n samples)
     warmup=False,
 )
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -182,10 +182,16 @@ PAIR_PARAMS = dict(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
 BROKEN_DRAWS = 4_000  # a broken rule shows at once
 
 
-def _pairs(llm, prompt, seeds) -> collections.Counter:
-    params = [SamplingParams(seed=int(s), **PAIR_PARAMS) for s in seeds]
+FORKS = 50  # samples a request (n): they share its prompt's pages, one prefix lookup for 50 draws
+
+
+def _pairs(llm, prompt, start: int, draws: int) -> collections.Counter:
+    """`draws` samples' (first, second) tokens, from requests seeded start, start + 1, ... (each
+    sample of a request has its own seed, derived from the request's and its index)."""
+    seeds = range(start, start + draws // FORKS)
+    params = [SamplingParams(seed=s, n=FORKS, **PAIR_PARAMS) for s in seeds]
     outs = llm.generate([prompt] * len(seeds), params, use_tqdm=False)
-    return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
+    return collections.Counter(tuple(c.token_ids[:2]) for o in outs for c in o.outputs)
 
 
 def _p_value(a: collections.Counter, b: collections.Counter) -> float:
@@ -215,15 +221,15 @@ def test_sampling_is_exact_and_the_test_can_fail(pair, lookup_prompt, monkeypatc
     broken (a draft token accepted without checking it against the target's) the same test
     fails: it can see a wrong acceptance rule."""
     plain, spec = pair
-    want = _pairs(plain, lookup_prompt, range(DRAWS))
+    want = _pairs(plain, lookup_prompt, 0, DRAWS)
     before = spec.engine.stats["spec_drafts"]
-    got = _pairs(spec, lookup_prompt, range(DRAWS, 2 * DRAWS))
+    got = _pairs(spec, lookup_prompt, DRAWS, DRAWS)  # other seeds: an independent sample
     verified = spec.engine.stats["spec_drafts"] - before
     assert verified >= 0.8 * DRAWS, verified  # nearly every second token went through a verification
     p_ok = _p_value(want, got)
 
     monkeypatch.setattr(scheduler, "accepted", lambda draft, tokens: 1 if draft else 0)
-    broken = _pairs(spec, lookup_prompt, range(2 * DRAWS, 2 * DRAWS + BROKEN_DRAWS))
+    broken = _pairs(spec, lookup_prompt, 2 * DRAWS, BROKEN_DRAWS)
     p_broken = _p_value(want, broken)
     print(f"\nchi-square p: speculating {p_ok:.3g}, acceptance rule broken {p_broken:.3g}")
     assert p_ok > 0.01
