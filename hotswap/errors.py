@@ -112,6 +112,14 @@ class LifecycleConflict(HotswapError):
     code = "conflict"
 
 
+class BaseVersionMismatch(LifecycleConflict):
+    """A delta update (`base_version`) names a weights version other than the one serving: its
+    tensors were computed against other weights, so applying them would serve a mix. Refused
+    before anything changes; the message names both versions."""
+
+    code = "base_version_mismatch"
+
+
 class EngineAsleep(LifecycleConflict):
     """Generation or an update was asked of a sleeping engine.
 

@@ -25,7 +25,13 @@ from hotswap.engine.outputs import RequestOutput
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.state import StateRef
 from hotswap.engine_config import EngineConfig
-from hotswap.errors import EngineAsleep, LifecycleConflict, WeightsLost, WeightsMismatch
+from hotswap.errors import (
+    BaseVersionMismatch,
+    EngineAsleep,
+    LifecycleConflict,
+    WeightsLost,
+    WeightsMismatch,
+)
 from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
@@ -98,6 +104,7 @@ class LifecycleController:
         the result drops the update. A fleet stages this on every replica before any commits."""
         policies.policy(checked.options.policy)
         st = self.ref.state
+        self._check_base(checked.options)  # a delta on other weights: refused before it is staged
         return place.prepare(checked, self.staging, st.base if st.base is not None else st.params)
 
     def commit_prepared(self, prepared: place.Prepared) -> int:
@@ -109,6 +116,7 @@ class LifecycleController:
                 raise EngineAsleep(
                     "weights are asleep (level 1): call wakeup(['weights']) before update_weights"
                 )
+            self._check_base(opts)
             row = self._while_paused(row)
             if row.refuses_if_busy:
                 busy = len(self.sched.running) + len(self.sched.waiting)
@@ -122,6 +130,7 @@ class LifecycleController:
         with self._drained(row.drains, timeout_s):
             with self.lock:
                 row = self._while_paused(row)  # a pause landed during the drain: its mode decides
+                self._check_base(opts)  # an update committed during the drain: this delta is stale
                 staged = prepared.staged or self._write_in_place(prepared)
                 keep = [s.seq_id for s in self.sched.running] if row.keeps_tables else []
                 new = lifecycle.update_weights(self.ref.state, staged, version=opts.version, keep=keep)
@@ -130,6 +139,16 @@ class LifecycleController:
                 if row.keeps_tables:
                     self._recompute_stale()
                 return self.ref.state.weights_version
+
+    def _check_base(self, opts: UpdateOptions) -> None:
+        """A delta (`base_version`) applies only to the version it was computed against."""
+        serving = self.ref.state.weights_version
+        if opts.base_version is not None and opts.base_version != serving:
+            raise BaseVersionMismatch(
+                f"delta update computed against weights version {opts.base_version}, but version "
+                f"{serving} is serving; recompute the delta against version {serving} or send the "
+                "full weights"
+            )
 
     def update_weights_chunk(
         self,

@@ -31,7 +31,7 @@ from hotswap.checkpoint import hf
 from hotswap.errors import WeightsMismatch
 from hotswap.model import lora
 from hotswap.model.params import Params, path_name
-from hotswap.weights import finiteness, hf_device, lora_forms
+from hotswap.weights import delta, finiteness, hf_device, lora_forms
 from hotswap.weights.plan import Plan
 
 STAGINGS = ("auto", "copy", "in_place")
@@ -230,5 +230,9 @@ def strategy_for(plan: Plan, staging: str) -> Strategy:
 
 def prepare(plan: Plan, staging: str, current: Params | None) -> Prepared:
     """Pass 1 of `plan` by its strategy row. `current`: the serving base weights (a partial
-    update's kept leaves, an adapter's base)."""
+    update's kept leaves, an adapter's base). A delta's rows become whole tensors here, from
+    `current` (the engine checked that it is the delta's base version)."""
+    if plan.rows:
+        full = delta.expanded(plan.rows, plan.chosen, _base(plan, current))
+        plan = dataclasses.replace(plan, tensors={**plan.tensors, **full}, rows=None)
     return strategy_for(plan, staging).prepare(plan, current)

@@ -22,7 +22,8 @@ from hotswap.errors import WeightsMismatch
 from hotswap.model import validate
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
-from hotswap.model.spec import ParamSpec
+from hotswap.model.spec import ParamSpec, hf_specs
+from hotswap.weights import delta
 from hotswap.weights.options import UpdateOptions
 from hotswap.weights.readers import Opened
 
@@ -42,6 +43,7 @@ class Plan:
     tensors: Mapping[str, Any] | None = None  # hf: the tensors `chosen` names (experts stacked)
     adapter_rows: dict | None = None  # adapter: params name -> (row, A name, B name, rank, part)
     replaced: frozenset[tuple[str | int, ...]] | None = None  # leaf paths; None: every leaf
+    rows: dict[str, delta.Rows] | None = None  # hf delta: HF name -> rows (checked; `chosen` names it)
 
     @property
     def partial(self) -> bool:
@@ -72,6 +74,9 @@ def plan(
     moved. `max_lora_rank`: a named adapter's bound (its slot's buffers)."""
     options = options or UpdateOptions()
     kind = _kind(opened)
+    if options.base_version is not None and kind == "hf" and not options.partial:
+        # A delta brings only the tensors that changed: the others keep their serving values.
+        options = dataclasses.replace(options, partial=True)
     if options.partial and kind != "hf":
         raise WeightsMismatch(
             f"{opened.where}: a partial update takes HF-named tensors; this source is a whole {opened.form}"
@@ -84,19 +89,33 @@ def plan(
         raise opened.rename(e) from e
 
 
+def _names(rows) -> str:
+    return ", ".join(sorted(rows)[:3]) + (" ..." if len(rows) > 3 else "")
+
+
 def _checked(opened, kind, cfg, abstract, options, max_lora_rank) -> Plan:
     base = Plan(opened, kind, cfg, abstract, options)
     if opened.stated is not None:
         validate.same_model(*opened.stated, cfg)
     if kind == "hf":
-        tensors = experts.stack(cfg, opened.tensors, partial=options.partial)
+        whole, rows = delta.split(opened.tensors)
+        if rows and options.base_version is None:
+            raise WeightsMismatch(
+                f"{opened.where}: row entries ({_names(rows)}) replace rows of the serving weights, "
+                "so they need the base_version they apply to"
+            )
+        tensors = experts.stack(cfg, whole, partial=options.partial)
         target = np.dtype(abstract["embed"].dtype)
         chosen = validate.hf_tensors(cfg, tensors, target, partial=options.partial)
+        if rows:
+            specs = hf_specs(cfg)
+            rows = {n: delta.check_rows(n, r, specs.get(n)) for n, r in rows.items()}
+            chosen = {n: s for n, s in specs.items() if n in chosen or n in rows}  # checkpoint order
         replaced = None
         if options.partial:
             tied = cfg.tie_word_embeddings and any(s.path == ("embed",) for s in chosen.values())
             replaced = frozenset({s.path for s in chosen.values()} | ({("lm_head",)} if tied else set()))
-        return dataclasses.replace(base, chosen=chosen, tensors=tensors, replaced=replaced)
+        return dataclasses.replace(base, chosen=chosen, tensors=tensors, replaced=replaced, rows=rows or None)
     if kind == "tree":
         validate.tree(opened.tree, abstract)
     elif kind == "nnx":
