@@ -378,12 +378,13 @@ class EngineArgs:
         '"prompt_lookup_min": a, "prompt_lookup_max": b}` (prompt lookup) or `{"method": '
         '"draft_model", "model": "self", "draft_layers": n, "num_speculative_tokens": k}` (the '
         "model's first n layers and its head draft), or `\"model\"`: a draft checkpoint's path (the target's "
-        "vocabulary). Exact: every token is the one decoding without it "
-        "gives (greedy and seeded sampling alike); rows with structured outputs do not speculate",
+        "vocabulary); `disable_by_batch_size`: no drafts while that many sequences run. Exact: every token "
+        "is the model's own draw, the one decoding without it draws given the same logits (bitwise in "
+        "deterministic mode); rows with structured outputs do not speculate",
         '推测解码，vLLM 的对象：`{"method": "ngram", "num_speculative_tokens": k, '
         '"prompt_lookup_min": a, "prompt_lookup_max": b}`（提示词查找）或 `{"method": '
         '"draft_model", "model": "self", "draft_layers": n, "num_speculative_tokens": k}`'
-        '（由模型的前 n 层和输出头起草），或 `"model"` 为草稿检查点的路径（与目标模型同一词表）。结果精确：每个词元都与不用推测解码时相同（贪心与带种子的采样皆然）；'
+        '（由模型的前 n 层和输出头起草），或 `"model"` 为草稿检查点的路径（与目标模型同一词表）。`disable_by_batch_size`：运行的序列达到该数时不起草。结果精确：每个词元都是模型自己的抽样，在 logits 相同时与不用推测解码时的抽样相同（确定性模式下逐位相同）；'
         "带结构化输出的请求不做推测",
         type=str,
         parse=SpeculativeConfig.parse,

@@ -43,6 +43,7 @@ _KEYS = {
     "prompt_lookup_max",
     "model",
     "draft_layers",
+    "disable_by_batch_size",
 }
 
 
@@ -54,6 +55,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     model: str | None = None  # draft_model only: "self" or a draft checkpoint's path
     draft_layers: int = 0  # draft_model "self": how many of the target's first layers draft
+    # vLLM's: no sequence drafts in a step while at least this many run (None: always draft).
+    # A large batch is compute-bound: verifying drafts there costs more than it yields.
+    disable_by_batch_size: int | None = None
 
     @staticmethod
     def parse(value: Any) -> SpeculativeConfig | None:
@@ -81,9 +85,15 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
             )
-        if method == "ngram":
-            return _ngram(value, k)
-        return _draft(value, k)
+        off = _int(value, "disable_by_batch_size")
+        if off is not None and off < 1:
+            raise ConfigError(f"speculative_config.disable_by_batch_size must be >= 1, got {off}")
+        config = _ngram(value, k) if method == "ngram" else _draft(value, k)
+        return dataclasses.replace(config, disable_by_batch_size=off)
+
+    def drafts_with(self, running: int) -> bool:
+        """Whether sequences draft in a step of `running` sequences (`disable_by_batch_size`)."""
+        return self.disable_by_batch_size is None or running < self.disable_by_batch_size
 
     def check_model(self, num_layers: int) -> None:
         """What can only be checked against the target: a self-draft shorter than the model."""

@@ -221,7 +221,8 @@ class Scheduler:
     def schedule(self, state: EngineState) -> tuple[Plan, EngineState]:
         w = _Work.of(state)
         budget = self.cfg.max_num_batched_tokens
-        drafts = self.drafts_per_step
+        spec = self.cfg.speculative_config
+        drafts = self.drafts_per_step if spec is not None and spec.drafts_with(len(self.running)) else 0
         plan = Plan(decode=[], prefill=[])
 
         # 1. Running sequences, oldest first; preempt the youngest when pages run out. A decoding
@@ -421,9 +422,9 @@ class Scheduler:
 
 def accepted(draft: list[int], tokens) -> int:
     """How many leading draft tokens the target sampled too. Row i's token is what decoding
-    without speculation samples at that output position (the same logits, the same uniform:
-    programs/sampler.py), so the longest agreeing prefix, plus the target's token after it, is
-    exactly the run decoding would have produced. For a draft that is one proposal, not a
+    without speculation samples at that output position given the same logits (the same
+    uniform: programs/sampler.py), so the longest agreeing prefix, plus the target's token after
+    it, is the run decoding would have produced. For a draft that is one proposal, not a
     distribution (prompt lookup, a greedy draft model), this is the modified rejection sampling
     of Leviathan et al. with q a point mass: the draft token x is kept with probability p(x),
     and otherwise the target's token is a draw from p without x."""

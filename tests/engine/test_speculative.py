@@ -66,6 +66,7 @@ def test_config_is_checked_once_with_clear_errors():
             "<=",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_tokens": 2}, "unknown key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "must be >= 1"),
         ("{not json", "not a JSON object"),
     ]
     for value, match in bad:
@@ -172,6 +173,18 @@ def test_deterministic_mode_covers_speculation(tiny_dir):
         got = _run(LLM(tiny_dir, speculative_config=config, **knobs), _prompts(), params)
         for w, g in zip(want, got, strict=True):
             assert g.token_ids == w.token_ids and g.logprobs == w.logprobs
+
+
+def test_disable_by_batch_size_drafts_only_in_small_batches(tiny_dir):
+    """vLLM's `disable_by_batch_size`: no drafts while that many sequences run (a large batch is
+    compute-bound), drafts again in the tail."""
+    llm = LLM(tiny_dir, speculative_config={**NGRAM, "disable_by_batch_size": 2}, **KNOBS)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    loop = [17, 40, 99, 5, 230] * 4
+    _run(llm, [loop, loop[1:], loop[2:]], params)
+    assert llm.engine.stats["spec_drafts"] == 0
+    _run(llm, [loop], params)
+    assert llm.engine.stats["spec_drafts"] > 0
 
 
 # ---- the distribution ---------------------------------------------------------------------
