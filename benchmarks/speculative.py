@@ -44,6 +44,8 @@ from benchmarks.speculative_prompts import FREE, GROUNDED
 # k:min-max of each n-gram engine
 CONFIGS = "2:1-3,4:1-3,6:1-3,2:2-4,4:2-4,6:2-4"
 ROLLOUT_CONFIG = "4:1-3"
+# A rollout of 64 samples decodes compute-bound until its tail: drafts from 7 running sequences down.
+ROLLOUT_DISABLE = 8
 PARTS = "batch1,rollout"
 ENGINE = {"max_model_len": 1536, "max_num_seqs": 1}
 BATCH1_GROUNDED = 6  # the first six grounded prompts at batch 1 (the rollout takes eight)
@@ -75,8 +77,15 @@ def parse_configs(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def ngram(k: int, lo: int, hi: int) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+def ngram(k: int, lo: int, hi: int, off: int | None = None) -> dict:
+    """The n-gram config; `off`: its disable_by_batch_size (None: drafts at every batch size)."""
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": lo,
+        "prompt_lookup_max": hi,
+    }
+    return config if off is None else {**config, "disable_by_batch_size": off}
 
 
 def label(config: tuple[int, int, int]) -> str:
@@ -192,6 +201,7 @@ def run(
     rollout_config: str = ROLLOUT_CONFIG,
     rollout_tokens: int = ROLLOUT_TOKENS,
     rollout_repeats: int = 1,
+    rollout_disable_by_batch_size: int | None = ROLLOUT_DISABLE,
 ) -> dict:
     """The benchmark's `parts` ("batch1": grounded and free prompts; "rollout"); `engine`: extra
     `LLM` options for every engine (e.g. a dtype)."""
@@ -233,13 +243,25 @@ def run(
     if "rollout" in parts.split(","):
         config = parse_configs(rollout_config)[0]
         result["rollout"] = _rollout(
-            model, engine, list(grounded.values())[:ROLLOUT_PROMPTS], config, rollout_tokens, rollout_repeats
+            model,
+            engine,
+            list(grounded.values())[:ROLLOUT_PROMPTS],
+            config,
+            rollout_tokens,
+            rollout_repeats,
+            rollout_disable_by_batch_size,
         )
     return result
 
 
 def _rollout(
-    model, engine: dict, prompts: list[list[int]], config: tuple[int, int, int], new_tokens: int, repeats: int
+    model,
+    engine: dict,
+    prompts: list[list[int]],
+    config: tuple[int, int, int],
+    new_tokens: int,
+    repeats: int,
+    off: int | None,
 ) -> dict:
     """The same seeded rollout on a plain and a speculating engine, alternated (A-B, B-A, ...)."""
     from hotswap import LLM, SamplingParams
@@ -251,7 +273,7 @@ def _rollout(
     engine = {**engine, "max_num_seqs": len(prompts) * ROLLOUT_N, "num_pages": pages}
     llms = {
         "plain": LLM(model, **engine),
-        label(config): LLM(model, **engine, speculative_config=ngram(*config)),
+        label(config): LLM(model, **engine, speculative_config=ngram(*config, off)),
     }
     sp = SamplingParams(n=ROLLOUT_N, temperature=1.0, seed=SEED, max_tokens=new_tokens)
     for llm in llms.values():  # warm: sampled steps at a few batch sizes
@@ -268,6 +290,7 @@ def _rollout(
             "temperature": 1.0,
             "seed": SEED,
             "repeats": repeats,
+            "disable_by_batch_size": off,
         }
     }
     reference = runs["plain"][0]["outputs"]
@@ -331,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         rollout_config=a.rollout_config,
         rollout_tokens=a.rollout_tokens,
         rollout_repeats=a.rollout_repeats,
+        rollout_disable_by_batch_size=a.rollout_disable_by_batch_size or None,
     )
     print(json.dumps({"cpu": host().describe(), **_rounded(result)}))
     check(result)
@@ -353,6 +377,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-config", default=ROLLOUT_CONFIG, help="the rollout's n-gram engine, k:min-max")
     p.add_argument("--rollout-tokens", type=int, default=ROLLOUT_TOKENS)
     p.add_argument("--rollout-repeats", type=int, default=1, help="plain and speculative runs, alternated")
+    p.add_argument(
+        "--rollout-disable-by-batch-size",
+        type=int,
+        default=ROLLOUT_DISABLE,
+        help="the rollout engine's disable_by_batch_size (0: drafts at every batch size)",
+    )
 
 
 if __name__ == "__main__":
