@@ -92,7 +92,10 @@ class Fleet:
         self.client = httpx.Client()
         self.replicas = [Replica(i) for i in range(replicas)]
         self.version: int | None = None  # the fleet's: every replica in service serves it
-        self.source: str | None = None  # the last committed path: what a rejoining replica loads
+        self.source: str | None = None  # the last committed path
+        # What a rejoining replica replays, in order: the last full update (path, version), then
+        # each delta committed since (path, version, base_version); deltas only: since the start.
+        self.catch_up: list[dict[str, Any]] = []
         self.last_commit: commit.Committed | None = None
         self._lock = threading.Lock()  # one update or rejoin at a time
         try:
@@ -218,15 +221,16 @@ class Fleet:
         started = self._wait_healthy(r)
         with self._lock:  # no fleet commit between the catch-up and the join
             if self.version is not None and started != self.version:
-                if self.source is None:
+                first = self.catch_up[0] if self.catch_up else {}
+                if not first or first.get("base_version", started) != started:
                     raise ReplicaFailed(
                         f"replica {index} started at version {started}, the fleet is at {self.version}, "
-                        "and the fleet has no committed source to load"
+                        "and the fleet has no committed source that leads there from it"
                     )
                 member = commit.Member(index, r.url)
-                body = {"update_id": f"catch-up-{uuid.uuid4().hex}", "path": self.source}
-                body.update(policy="abort", version=self.version)
-                commit.commit(self._client_admin(), [member], body)
+                for step in self.catch_up:  # a full update, then the deltas on it, each checked
+                    body = {"update_id": f"catch-up-{uuid.uuid4().hex}", "policy": "abort", **step}
+                    commit.commit(self._client_admin(), [member], body)
             self._join(r)
             return self.version
 
@@ -258,7 +262,9 @@ class Fleet:
     def update_weights(self, path: str, policy: str = "drain", **options) -> commit.Committed:
         """Every replica in service to the weights at `path` (under `weights_root`) as version
         v+1, or none (commit.py). `policy`: drain / keep / recompute / abort, as on one engine;
-        `options`: the rest of UpdateOptions (e.g. `drain_timeout_s`). A replica's refusal is
+        `options`: the rest of UpdateOptions (e.g. `drain_timeout_s`; `base_version`: `path`
+        holds a delta, `hotswap.weights.delta`, which every replica refuses unless it serves
+        that version, so none commits). A replica's refusal is
         raised as its typed error (WeightsMismatch for a shape error ...), a replica lost while
         staging as ReplicaLost; either way nothing commits and all keep serving v."""
         if not isinstance(path, str):
@@ -280,6 +286,11 @@ class Fleet:
             for index in done.lost:
                 self._leave(self.replicas[index])
             self.version, self.source, self.last_commit = done.version, path, done
+            step = {"path": path, "version": done.version}
+            if options.get("base_version") is not None:  # a delta: replayed on the chain it applies to
+                self.catch_up.append({**step, "base_version": options["base_version"]})
+            else:
+                self.catch_up = [step]
             return done
 
     def _live_members(self) -> list[commit.Member]:

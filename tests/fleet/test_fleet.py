@@ -15,12 +15,16 @@ replica stages: the moment a real crash would have to hit, made deterministic.
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 import ray
 from fleet_load import FLEET_KNOBS
 
-from hotswap.errors import RequestError, WeightsMismatch
+from hotswap.checkpoint import hf
+from hotswap.checkpoint.payload import encode_safetensors
+from hotswap.errors import BaseVersionMismatch, RequestError, WeightsMismatch
 from hotswap.fleet import Fleet, FleetDoesNotFit, ReplicaLost, commit
+from hotswap.weights import delta
 
 ADMIN, API = "fleet-admin", "fleet-api"
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -186,6 +190,55 @@ def test_restarted_replica_rejoins_at_fleet_version(fleet):
     a, b = (_complete(u) for u in fleet.urls())
     assert a["weights_version"] == b["weights_version"] == fleet.version
     assert a["choices"][0]["text"] == b["choices"][0]["text"]  # the fleet's weights, not its start's
+
+
+def _stepped_dirs(root) -> tuple[str, str]:
+    """An 'RL step' from seed0 (one tensor from seed1, 3 embedding rows changed): written whole
+    (with seed0's config) and as a delta (changed tensors and rows only); their names under root."""
+    import shutil
+
+    a, b = hf.read_hf_tensors(root / "seed0"), hf.read_hf_tensors(root / "seed1")
+    new = dict(a)
+    new["model.layers.0.self_attn.o_proj.weight"] = b["model.layers.0.self_attn.o_proj.weight"]
+    embed = np.array(a["model.embed_tokens.weight"], copy=True)
+    embed[[1, 4, 9]] = b["model.embed_tokens.weight"][[1, 4, 9]]
+    new["model.embed_tokens.weight"] = embed
+    for name, tensors in (("stepped", new), ("stepped-delta", delta.wire(delta.changed(a, new, rows=True)))):
+        (root / name).mkdir(exist_ok=True)
+        (root / name / "model.safetensors").write_bytes(encode_safetensors(tensors))
+    shutil.copy(root / "seed0" / "config.json", root / "stepped" / "config.json")
+    return "stepped", "stepped-delta"
+
+
+def _answer(url: str) -> tuple[str, list]:
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": "The fleet", "logprobs": 1, **GREEDY},
+        headers={"Authorization": f"Bearer {API}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def test_a_delta_update_commits_on_every_replica_and_equals_the_full_one(fleet, fleet_root):
+    """A delta is refused on every replica against the wrong base (none commits); on the right
+    one every replica flips; a replica restarted after it replays the full update and the
+    delta; and the answers (text, log-probs) equal those of the full stepped weights."""
+    full, part = _stepped_dirs(fleet_root)
+    v = fleet.update_weights("seed0").version  # the delta's base
+    with pytest.raises(BaseVersionMismatch, match=rf"replica \d.*version {v - 1}, but version {v}"):
+        fleet.update_weights(part, base_version=v - 1)
+    assert fleet.version == v and _versions(fleet) == [v] * 2
+    done = fleet.update_weights(part, base_version=v)
+    assert done.version == v + 1 and done.committed == [0, 1] and _versions(fleet) == [v + 1] * 2
+    by_delta = [_answer(u) for u in fleet.urls()]
+    assert by_delta[0] == by_delta[1]
+    assert fleet.restart(1) == v + 1  # rejoins by replaying seed0, then the delta on it
+    assert _answer(fleet.urls()[1]) == by_delta[0]
+    fleet.update_weights(full)
+    assert [_answer(u) for u in fleet.urls()] == by_delta  # bitwise the same weights: the same log-probs
 
 
 def test_fleet_that_does_not_fit_starts_nothing(ray_local, fleet, fleet_root):
