@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hotswap.errors import (
+    BaseVersionMismatch,
     CheckpointError,
     ConfigError,
     EngineAsleep,
@@ -77,6 +78,7 @@ ERROR_TABLE: dict[type[BaseException], tuple[int, str]] = {
     ModelNotFound: (404, "not_found_error"),
     RequestNotFound: (404, "not_found_error"),
     EngineAsleep: (503, "service_unavailable_error"),  # before its parent LifecycleConflict (409)
+    BaseVersionMismatch: (409, "conflict_error"),
     LifecycleConflict: (409, "conflict_error"),
     UnsupportedMediaType: (415, "invalid_request_error"),
     QueueFull: (429, "rate_limit_error"),
@@ -136,6 +138,7 @@ def exception_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, s
 __all__ = [
     "ERROR_TABLE",
     "RETRY_AFTER_S",
+    "BaseVersionMismatch",
     "CheckpointError",
     "ConfigError",
     "EngineAsleep",
