@@ -209,9 +209,10 @@ class Driver:
         read and checked here (the plan: a bad source is refused before any follower hears of
         it) and its tensors are sent over a device broadcast."""
         opts = UpdateOptions.of(options, **fields)
-        if opts.partial:
+        if opts.partial or opts.base_version is not None:
             raise ConfigError(
-                "partial updates are not supported across processes; send the full weights (or a checkpoint path)"
+                "partial and delta (base_version) updates are not supported across processes; send the "
+                "full weights (or a checkpoint path)"
             )
         # No deadline: a timeout would let processes stop draining at different steps.
         opts = dataclasses.replace(opts, drain_timeout_s=math.inf)

@@ -30,6 +30,8 @@ def test_an_unknown_field_names_the_known_ones():
         ({"policy": 3}, "policy must be a name"),
         ({"version": True}, "version must be an int"),
         ({"version": 1.5}, "version must be an int"),
+        ({"base_version": True}, "base_version must be an int"),
+        ({"base_version": "3"}, "base_version must be an int"),
         ({"drain_timeout_s": -1.0}, "drain_timeout_s must be >= 0"),
         ({"lora_alpha": 0.0}, "lora_alpha must be a positive number"),
         ({"lora_alpha": math.nan}, "lora_alpha must be a positive number"),
