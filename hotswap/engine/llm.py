@@ -295,7 +295,11 @@ class LLM:
         source does not state it (a PEFT directory's adapter_config.json does).
 
         `options` (`hotswap.UpdateOptions`), or its fields as keywords: `policy`, `version`,
-        `partial`, `drain_timeout_s`, `check_finite`, `lora_alpha`.
+        `partial`, `base_version`, `drain_timeout_s`, `check_finite`, `lora_alpha`.
+
+        A delta (`base_version=v`): only the HF-named tensors that changed, or their changed
+        rows (`hotswap.weights.delta.Rows`; `delta.changed(old, new)` computes it), applied only
+        while version v serves (else `BaseVersionMismatch`, 409, nothing changed).
 
         Returns the new weights version. The prefix cache is emptied; a rejected
         update raises a typed error and the old weights keep serving.
