@@ -40,6 +40,7 @@ from hotswap.api.http_errors import (
 )
 from hotswap.checkpoint.payload import sniff_refuse_pickle
 from hotswap.engine import lifecycle
+from hotswap.weights import plan, readers
 from hotswap.weights.options import UpdateOptions
 
 JSON = "application/json"
@@ -199,6 +200,29 @@ async def update(ctx: ServerContext, source: Any, options: UpdateOptions, *, lab
     ctx.check_admitting()
     version = await ctx.run_sync(ctx.engine.update_weights, source, options)
     return _committed(ctx, version, label)
+
+
+async def prepare(ctx: ServerContext, source: Any, options: UpdateOptions) -> Any:
+    """Pass 1 of a fleet-wide update (api/routes_fleet.py): `source` read, checked and placed
+    while serving goes on; nothing swapped. Returns the engine's `place.Prepared`."""
+    ctx.check_admitting()
+    controller = ctx.engine.controller
+
+    def stage():
+        opened = readers.read(
+            source, controller.mcfg, weights_root=controller.weights_root, abstract=controller.abstract
+        )
+        return controller.prepare_planned(
+            plan.plan(opened, controller.mcfg, controller.abstract, options=options)
+        )
+
+    return await ctx.run_sync(stage)
+
+
+async def commit_prepared(ctx: ServerContext, prepared: Any) -> int:
+    """Pass 2: swap in what `prepare` placed (the caller paused the engine); the new version."""
+    version = await ctx.run_sync(ctx.engine.controller.commit_prepared, prepared)
+    return _committed(ctx, version, None)
 
 
 @dataclasses.dataclass(frozen=True)

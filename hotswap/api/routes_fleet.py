@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request
 from hotswap.api import actions
 from hotswap.api.engine_loop import ServerContext, ctx_of, require_admin
 from hotswap.api.http_errors import LifecycleConflict, PayloadError, RequestError
-from hotswap.weights import place, plan, readers
+from hotswap.weights import place
 
 router = APIRouter(prefix="/fleet", dependencies=[Depends(require_admin)])
 
@@ -59,7 +59,6 @@ def _update_id(data: dict[str, Any]) -> str:
 @router.post("/prepare")
 async def prepare(request: Request) -> dict[str, Any]:
     ctx = ctx_of(request)
-    ctx.check_admitting()
     data = await actions.read_fields(request)
     uid = _update_id(data)
     held = _slot(request)
@@ -84,16 +83,7 @@ async def prepare(request: Request) -> dict[str, Any]:
         source = actions.path_source(ctx, data["path"])
     else:
         source = actions.transfer_source(data["transfer"])
-    controller = ctx.engine.controller
-
-    def stage() -> place.Prepared:
-        opened = readers.read(
-            source, controller.mcfg, weights_root=controller.weights_root, abstract=controller.abstract
-        )
-        checked = plan.plan(opened, controller.mcfg, controller.abstract, options=fields.options())
-        return controller.prepare_planned(checked)
-
-    prepared = await ctx.run_sync(stage)
+    prepared = await actions.prepare(ctx, source, fields.options())
     _set_slot(request, _Slot(uid, prepared))
     return {"prepared": uid, "weights_version": ctx.engine.weights_version}
 
@@ -114,8 +104,7 @@ async def commit(request: Request) -> dict[str, Any]:
     await ctx.run_sync(ctx.engine.pause, mode)
     request.app.state.fleet_paused = True  # resumed by /fleet/resume or /fleet/abort, not here
     _set_slot(request, None)  # committed or not (a device failure), it is not staged any more
-    version = await ctx.run_sync(ctx.engine.controller.commit_prepared, held.prepared)
-    ctx.weight_updates += 1
+    version = await actions.commit_prepared(ctx, held.prepared)
     return {"weights_version": version, "paused": mode}
 
 
