@@ -207,17 +207,31 @@ def _pairs(llm, prompt, start: int, draws: int) -> collections.Counter:
     return collections.Counter(tuple(c.token_ids[:2]) for o in outs for c in o.outputs)
 
 
-def _p_value(a: collections.Counter, b: collections.Counter) -> float:
-    """Chi-square test of homogeneity of two samples of (first, second) token pairs; pairs seen
-    fewer than 10 times in both together are pooled into one cell."""
-    keys = sorted(set(a) | set(b))
-    common = [k for k in keys if a[k] + b[k] >= 10]
-    rare = [k for k in keys if a[k] + b[k] < 10]
-    table = [[a[k] for k in common], [b[k] for k in common]]
-    if rare:
-        table[0].append(sum(a[k] for k in rare))
-        table[1].append(sum(b[k] for k in rare))
-    return float(stats.chi2_contingency(np.array(table))[1])
+def _top4(llm, ids: list[int]) -> dict[int, float]:
+    """The distribution a top-k 4, T = 1 draw after `ids` is from: the 4 most likely next
+    tokens' probabilities, renormalised."""
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, logprobs=4), use_tqdm=False)
+    top = out[0].outputs[0].top_logprobs[0]
+    p = {t: float(np.exp(lp)) for t, lp in top.items()}
+    return {t: v / sum(p.values()) for t, v in p.items()}
+
+
+def _expected_pairs(llm, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """The exact distribution of the first two sampled tokens, from the model's own log-probs."""
+    return {
+        (t1, t2): p1 * p2
+        for t1, p1 in _top4(llm, prompt).items()
+        for t2, p2 in _top4(llm, [*prompt, t1]).items()
+    }
+
+
+def _p_value(seen: collections.Counter, expected: dict[tuple[int, int], float]) -> float:
+    """Chi-square goodness of fit of the drawn (first, second) pairs to `expected`; a pair the
+    distribution cannot produce refutes it outright (p = 0)."""
+    if set(seen) - set(expected):
+        return 0.0
+    n = sum(seen.values())
+    return float(stats.chisquare([seen[k] for k in expected], [p * n for p in expected.values()]).pvalue)
 
 
 @pytest.fixture(scope="module")
@@ -229,23 +243,24 @@ def lookup_prompt():
 
 
 def test_sampling_is_exact_and_the_test_can_fail(pair, lookup_prompt, monkeypatch):
-    """>= 20k seeded draws of the first two tokens: with speculation (other seeds than the
-    plain run's) the pairs are distributed as without (chi-square, p > 0.01). With the rule
-    broken (a draft token accepted without checking it against the target's) the same test
-    fails: it can see a wrong acceptance rule."""
+    """>= 20k seeded draws of the first two tokens, with and without speculation: each fits the
+    model's own distribution of the pair (top-k 4 at T = 1, from its log-probs; chi-square,
+    p > 0.01). With the rule broken (a draft token accepted without checking it against the
+    target's) the same test fails: it can see a wrong acceptance rule."""
     plain, spec = pair
-    want = _pairs(plain, lookup_prompt, 0, DRAWS)
+    expected = _expected_pairs(plain, lookup_prompt)
+    p_plain = _p_value(_pairs(plain, lookup_prompt, 0, DRAWS), expected)
     before = spec.engine.stats["spec_drafts"]
-    got = _pairs(spec, lookup_prompt, DRAWS, DRAWS)  # other seeds: an independent sample
+    p_spec = _p_value(_pairs(spec, lookup_prompt, DRAWS, DRAWS), expected)
     verified = spec.engine.stats["spec_drafts"] - before
     assert verified >= 0.8 * DRAWS, verified  # nearly every second token went through a verification
-    p_ok = _p_value(want, got)
 
     monkeypatch.setattr(scheduler, "accepted", lambda draft, tokens: 1 if draft else 0)
-    broken = _pairs(spec, lookup_prompt, 2 * DRAWS, BROKEN_DRAWS)
-    p_broken = _p_value(want, broken)
-    print(f"\nchi-square p: speculating {p_ok:.3g}, acceptance rule broken {p_broken:.3g}")
-    assert p_ok > 0.01
+    p_broken = _p_value(_pairs(spec, lookup_prompt, 2 * DRAWS, BROKEN_DRAWS), expected)
+    print(
+        f"\nchi-square p: plain {p_plain:.3g}, speculating {p_spec:.3g}, acceptance rule broken {p_broken:.3g}"
+    )
+    assert p_plain > 0.01 and p_spec > 0.01
     assert p_broken < 1e-6
 
 
