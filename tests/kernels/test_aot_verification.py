@@ -19,6 +19,8 @@ from hotswap.engine_config import EngineConfig
 from hotswap.programs import catalog, tpu_slice
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# One compile covers both drafts' programs: the verification, and a self-draft's decode step.
+SELF_DRAFT = {"method": "draft_model", "model": "self", "draft_layers": 1, "num_speculative_tokens": 4}
 # 8 query heads of 128 over 4 kv heads, a 1,024-token vocabulary, 2 layers
 SMALL = {
     "hidden_size": 1024,
@@ -48,7 +50,9 @@ def small(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_verification_step_compiles_for_v5e_with_pallas_and_the_kv_in_place(small):
-    acfg = tpu_slice.AotConfig(topology="v5e:1x1", buckets="decode", speculative_config=NGRAM, **ENGINE)
+    """The verification step, and a self-draft's decode step (the model cut to its first layer)
+    beside it: Pallas attention on the model's own pages, no copy."""
+    acfg = tpu_slice.AotConfig(topology="v5e:1x1", buckets="decode", speculative_config=SELF_DRAFT, **ENGINE)
     report = tpu_slice.compile_for(small, acfg)
     assert report["attention"] == "pallas" and report["speculative_config"]["num_speculative_tokens"] == 4
     v = report["verification"]
@@ -73,10 +77,15 @@ def test_the_verification_step_compiles_for_v5e_with_pallas_and_the_kv_in_place(
     assert v["bytes_read_per_call"] == report["params_bytes_per_chip"] + 32 * 2 * 1024 * 2 * 4 * 128 * 2
     text = tpu_slice.table(report)
     assert (
-        "verification (ngram, 4 draft tokens): prefill rows=32 P=64, 32 sequences x 5 tokens a call" in text
+        "verification (draft_model, 4 draft tokens): prefill rows=32 P=64, 32 sequences x 5 tokens a call"
+        in text
     )
     assert "2 Pallas calls; KV pages donated and updated in place" in text
     assert f"{v['step']} (verify)" in text
+    d = report["draft"]
+    assert d["step"] == "draft decode B=32 P=64" and d["layers"] == 1, d
+    assert d["pallas_calls"] == 1 and d["kv_copies"] == 0, d  # one layer's attention, in place
+    assert "draft (1 of the model's layers and its head): draft decode B=32 P=64" in text
 
 
 def test_the_compiled_verification_samples_every_draft_position(small):
@@ -121,17 +130,3 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys):
             cli.main([*argv, bad])
         assert exit.value.code == 2
         assert f"argument --speculative-config: {said}" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_a_self_draft_compiles_its_decode_step_on_the_models_pages(small):
-    """draft_model "self": the draft's decode step (the model cut to its first layer) compiled
-    for v5e beside the verification, Pallas attention on the model's own pages, no copy."""
-    self_draft = {"method": "draft_model", "model": "self", "draft_layers": 1, "num_speculative_tokens": 3}
-    acfg = tpu_slice.AotConfig(topology="v5e:1x1", buckets="decode", speculative_config=self_draft, **ENGINE)
-    report = tpu_slice.compile_for(small, acfg)
-    d = report["draft"]
-    assert d["step"] == "draft decode B=32 P=64" and d["layers"] == 1, d
-    assert d["pallas_calls"] == 1 and d["kv_copies"] == 0, d  # one layer's attention, in place
-    assert report["verification"]["tokens_per_sequence"] == 4
-    assert "draft (1 of the model's layers and its head): draft decode B=32 P=64" in tpu_slice.table(report)
