@@ -187,6 +187,16 @@ def transfer_source(ref: Any):
     return TransferRef.from_json(ref)
 
 
+def named_source(ctx: ServerContext, data: dict, kind: str) -> Any:
+    """The one weights source a JSON body names: `kind` "path" (a directory under
+    --weights-root) or "transfer" (a reference)."""
+    if kind == "path":
+        if not isinstance(data["path"], str):
+            raise RequestError('"path" must be a string: a directory under --weights-root')
+        return path_source(ctx, data["path"])
+    return transfer_source(data["transfer"])
+
+
 def _committed(ctx: ServerContext, version: int, label: str | None) -> int:
     ctx.weight_updates += 1
     if label is not None:
@@ -200,6 +210,13 @@ async def update(ctx: ServerContext, source: Any, options: UpdateOptions, *, lab
     ctx.check_admitting()
     version = await ctx.run_sync(ctx.engine.update_weights, source, options)
     return _committed(ctx, version, label)
+
+
+async def update_draft(ctx: ServerContext, source: Any) -> int:
+    """The speculative draft checkpoint's weights replaced (`Engine.update_draft_weights`): the
+    draft's new version; the serving weights, their version and the cache untouched."""
+    ctx.check_admitting()
+    return await ctx.run_sync(ctx.engine.update_draft_weights, source)
 
 
 async def prepare(ctx: ServerContext, source: Any, options: UpdateOptions) -> Any:

@@ -121,12 +121,7 @@ async def update_weights(request: Request) -> dict[str, Any]:
         )
         return _answer(result, chunk.policy)
     fields = actions.UpdateFields.model_validate(rest)
-    if kind == "path":
-        if not isinstance(data["path"], str):
-            raise RequestError('"path" must be a string: a directory under --weights-root')
-        source = actions.path_source(ctx, data["path"])
-    else:
-        source = actions.transfer_source(data["transfer"])
+    source = actions.named_source(ctx, data, kind)
     return _answer(await actions.update(ctx, source, fields.options()), fields.policy)
 
 
@@ -144,13 +139,7 @@ async def _update_draft(ctx: ServerContext, data: dict, query: dict) -> dict[str
             'a draft update takes exactly one of "path" (a directory) or "transfer" beside "draft", '
             f"and no update options; got {sorted(fields)}"
         )
-    if "path" in fields:
-        if not isinstance(fields["path"], str):
-            raise RequestError('"path" must be a string: a directory under --weights-root')
-        source = actions.path_source(ctx, fields["path"])
-    else:
-        source = actions.transfer_source(fields["transfer"])
-    version = await ctx.run_sync(ctx.engine.update_draft_weights, source)
+    version = await actions.update_draft(ctx, actions.named_source(ctx, fields, named[0]))
     return {"draft_version": version, "weights_version": ctx.engine.weights_version}
 
 

@@ -77,12 +77,7 @@ async def prepare(request: Request) -> dict[str, Any]:
         raise RequestError(
             f"policy {fields.policy!r} cannot be committed fleet-wide; use one of {', '.join(PAUSE_FOR_POLICY)}"
         )
-    if kind == "path":
-        if not isinstance(data["path"], str):
-            raise RequestError('"path" must be a string: a directory under --weights-root')
-        source = actions.path_source(ctx, data["path"])
-    else:
-        source = actions.transfer_source(data["transfer"])
+    source = actions.named_source(ctx, data, kind)
     prepared = await actions.prepare(ctx, source, fields.options())
     _set_slot(request, _Slot(uid, prepared))
     return {"prepared": uid, "weights_version": ctx.engine.weights_version}

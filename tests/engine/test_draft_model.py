@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from safetensors.numpy import load_file, save_file
+from thread_server import serving
 
 from hotswap import LLM, SamplingParams
 from hotswap.api.server import create_app
@@ -251,18 +249,8 @@ def served(spec, weights_root):
     """The speculating engine behind a real server on 127.0.0.1 (uvicorn), paths under the
     suite's weights root."""
     app = create_app(spec.engine, api_key=API_KEY, admin_key=ADMIN_KEY, weights_root=str(weights_root))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as http:
         yield http
-    server.should_exit = True
-    thread.join(30)
 
 
 def test_the_draft_route_takes_the_admin_key(served, spec):

@@ -15,14 +15,13 @@ import dataclasses
 import gc
 import inspect
 import json
-import threading
 import time
 import weakref
 
 import httpx
 import pytest
-import uvicorn
 from api_helpers import ADMIN_KEY, API_KEY, MODEL, admin
+from thread_server import serving
 
 from hotswap.api.server import create_app
 
@@ -51,17 +50,8 @@ def served(tiny_dir):
 
     engine = LLM(tiny_dir, **KNOBS, warmup=False).engine
     app = create_app(engine, api_key=API_KEY, admin_key=ADMIN_KEY, model_name=MODEL)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", engine, app.state.ctx
-    server.should_exit = True
-    thread.join(30)
+    with serving(app) as base:
+        yield base, engine, app.state.ctx
 
 
 @dataclasses.dataclass
