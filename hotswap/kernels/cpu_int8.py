@@ -1,0 +1,70 @@
+"""Matmuls of f32 activations by int8 weights on XLA:CPU (`cpu/int8_matmul.cc`).
+
+An int8 weight is `data` int8 [K, N] (the dense weight's `[in, out]` layout) and `scales` f32
+[G, N]: W[k, n] = data[k, n] * scales[k // (K // G), n] (G == 1: one scale per output column).
+The kernel reads `data` in place and widens it to f32 in registers, so a decode step reads a
+quarter of an f32 weight's bytes and half of a bf16 one's. Weights that share x (a layer's
+q/k/v, or gate/up) go in one call and one parallel region.
+
+`exact=False` lets the kernel quantize x to int8 per row and group and multiply on AVX512_VNNI
+(vpdpbusd) where it has it and x has at least 16 rows: ~4x the multiply rate of the f32 path for
+prefill, at x's 8-bit rounding (see benchmarks/int8_matmul.py for the error on bench-100m's
+shapes). The default never changes x.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hotswap.kernels import cpu_build, cpu_isa
+
+# The kernel's paths (cpu/int8_matmul.cc's kOffered, and scalar), best first.
+PATHS = ("avx512_vnni", "avx512", "avx2", "scalar")
+
+
+def runnable() -> list[str]:
+    """The kernel's paths this CPU can run, best first."""
+    return [path for path in cpu_isa.runnable() if path in PATHS]
+
+
+def matmuls(x: jax.Array, weights, isa: str = "auto", exact: bool = True) -> list[jax.Array]:
+    """x [..., K] @ W for each (data int8 [K, N], scales f32 [G, N]) of `weights`: f32 [..., N]
+    each, in one C++ call. `isa` names a path of `cpu_isa.PATHS` ("auto": the best this CPU has;
+    a path this CPU cannot run fails the call). `exact=False` allows the VNNI path, which
+    quantizes x. Raises ValueError/TypeError for operands of the wrong shape or dtype."""
+    attr = cpu_isa.attribute(isa)
+    weights = [(data, scales) for data, scales in weights]
+    if not weights:
+        raise ValueError("int8 matmuls need at least one (data, scales) weight")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"int8 matmuls take floating activations, got {x.dtype}")
+    k = x.shape[-1]
+    for i, (data, scales) in enumerate(weights):
+        if data.dtype != jnp.int8 or scales.dtype != jnp.float32:
+            raise TypeError(f"weight {i}: need int8 data and f32 scales, got {data.dtype} and {scales.dtype}")
+        if data.ndim != 2 or scales.ndim != 2 or data.shape[0] != k or scales.shape[1] != data.shape[1]:
+            raise ValueError(
+                f"weight {i}: need data [K={k}, N] and scales [G, N], got {data.shape} and {scales.shape}"
+            )
+        if scales.shape[0] < 1 or k % scales.shape[0]:
+            raise ValueError(f"weight {i}: {scales.shape[0]} scale groups do not divide K={k}")
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    target = cpu_build.register("int8_matmul", "HotswapInt8Matmuls")
+    outs = [jax.ShapeDtypeStruct((rows, data.shape[1]), jnp.float32) for data, _ in weights]
+    operands = [part for pair in weights for part in pair]
+    ys = jax.ffi.ffi_call(target, outs)(
+        x.astype(jnp.float32).reshape(rows, k), *operands, isa=attr, exact=np.int32(bool(exact))
+    )
+    return [y.reshape(*lead, data.shape[1]) for y, (data, _) in zip(ys, weights, strict=True)]
+
+
+def matmul(
+    x: jax.Array, data: jax.Array, scales: jax.Array, isa: str = "auto", exact: bool = True
+) -> jax.Array:
+    """x [..., K] @ one int8 weight: `matmuls` with one (data, scales)."""
+    return matmuls(x, [(data, scales)], isa, exact)[0]
