@@ -23,9 +23,11 @@ enum class Isa : int32_t {
   kAuto = -1,       // the best this CPU supports (`Best`)
 };
 
-#define HOTSWAP_TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-#define HOTSWAP_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-#define HOTSWAP_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+// Each AVX-512 target includes AVX2's (avx512f implies avx2; every AVX-512 CPU has fma and f16c),
+// so an AVX2 helper inlines into an AVX-512 path.
+#define HOTSWAP_TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define HOTSWAP_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+#define HOTSWAP_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define HOTSWAP_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 inline bool Supported(Isa isa) {
