@@ -204,6 +204,33 @@ class EngineArgs:
         doc_default='`"bfloat16"` on TPU, else the checkpoint\'s',
         doc_default_zh='TPU 上为 `"bfloat16"`，其他平台为检查点自身的',
     )
+    quantization: str | None = option(
+        None,
+        '`"int8"` (weight-only, f32 scales per output column or per `quantization_group_size` inputs), '
+        '`"gguf"` (a GGUF file\'s Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks served as they are; its other tensors '
+        'in `dtype`, bfloat16 unless given) or `"fp8"` (chips with fp8 matmuls only): how the matmul '
+        "weights are served; every update is checked at full precision and re-quantized on the way in "
+        "(the quantization page of the docs)",
+        '`"int8"`（仅权重，每个输出列或每 `quantization_group_size` 个输入一个 f32 缩放）、`"gguf"`（按原样服务 '
+        'GGUF 文件的 Q8_0/Q4_0/Q4_1/Q4_K/Q6_K 块；其余张量为 `dtype`，未指定时为 bfloat16）或 `"fp8"`'
+        "（仅限有 fp8 矩阵乘的芯片）：矩阵乘权重的服务方式；每次更新先以全精度检查，再在写入时重新量化"
+        "（见文档的量化一页）",
+        type=str,
+        engine=False,
+        choices=("int8", "gguf", "fp8"),
+        doc_default="none (weights in `dtype`)",
+        doc_default_zh="无（权重为 `dtype`）",
+    )
+    quantization_group_size: int | None = option(
+        None,
+        'with `quantization="int8"`: one scale per this many inputs of each output column (must divide '
+        "every quantized weight's input size); none: one scale per column",
+        '配合 `quantization="int8"`：每个输出列每这么多个输入一个缩放（须整除每个量化权重的输入维度）；'
+        "不设：每列一个缩放",
+        type=int,
+        engine=False,
+        bound=POSITIVE,
+    )
     attention: str = option(
         "auto",
         '`"auto"`: the Pallas kernel on TPU (head_dim a multiple of 64; under tensor parallelism each '

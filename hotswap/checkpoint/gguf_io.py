@@ -43,8 +43,9 @@ from hotswap.checkpoint import converted, gguf_gemma, gguf_header, hf
 from hotswap.checkpoint.gguf_tokenizer import tokenizer_from_metadata
 from hotswap.checkpoint.tokenizer import Tokenizer
 from hotswap.errors import CheckpointError, ConfigError, WeightsMismatch
+from hotswap.kernels.qtensor import BY_GGML_TYPE, QTensor
 from hotswap.model.config import ModelConfig
-from hotswap.model.spec import EMBED, LM_HEAD, Params
+from hotswap.model.spec import EMBED, LM_HEAD, Params, hf_specs
 
 Q = gguf.GGMLQuantizationType
 
@@ -317,27 +318,45 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensors(f: GGUFFile, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.ndarray]:
+def hf_tensors(f: GGUFFile, cfg: ModelConfig, dtype: np.dtype, *, blocks: bool = False) -> dict[str, Any]:
     """Every weight of the file under its HF name, `[out, in]`, q/k unpermuted, Gemma's
     norms unshifted.
 
     Quantized tensors are dequantized one at a time and cast to `dtype` at once, so
-    the float32 copy of one tensor is the largest extra memory held.
+    the float32 copy of one tensor is the largest extra memory held. With `blocks`
+    (`quantization="gguf"`), a matmul weight or the embedding stored in a block format the
+    engine serves (`qtensor.BY_GGML_TYPE`) is kept as its bytes instead: a host QTensor whose
+    `data` is the file's `[out, bytes]` rows (memory-mapped; q/k rows unpermuted), the other
+    tensors dequantized as above.
     """
     arch = _ARCHS[f.arch]
-    out: dict[str, np.ndarray] = {}
+    specs = hf_specs(cfg) if blocks else {}
+    out: dict[str, Any] = {}
     for name, t in f.tensors.items():
         if name == "rope_freqs.weight":  # folded into the config's rope scaling
             continue
-        a = _dequantize(t)
-        if arch.norm_shift and name.endswith("norm.weight"):
-            a = np.asarray(a, np.float32) - np.float32(arch.norm_shift)  # in float32, as transformers
-        if a.dtype == np.float32 and dtype != np.float32:
-            a = a.astype(dtype)
+        spec, fmt = specs.get(hf_name(name, f.arch)), BY_GGML_TYPE.get(int(t.tensor_type))
+        if fmt is not None and spec is not None and (spec.quantizable or spec.path == ("embed",)):
+            a = np.asarray(t.data).reshape(t.data.shape[0], -1)
+        else:
+            a = _dequantize(t)
+            if arch.norm_shift and name.endswith("norm.weight"):
+                a = np.asarray(a, np.float32) - np.float32(arch.norm_shift)  # in float32, as transformers
+            if a.dtype == np.float32 and dtype != np.float32:
+                a = a.astype(dtype)
+            fmt = None
         if arch.permuted and name.endswith((".attn_q.weight", ".attn_k.weight")):
             a = _unpermute(a, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-        out[hf_name(name, f.arch)] = a
+        out[hf_name(name, f.arch)] = a if fmt is None else blocks_of(a, fmt, spec)
     return out
+
+
+def blocks_of(data: np.ndarray, fmt: str, spec) -> QTensor:
+    """A GGUF tensor's `[out, bytes]` block rows as the QTensor serving `spec`'s row. The
+    embedding is held as the `[D, V]` head it ties to: its rows are the head's outputs
+    (`qtensor.take_rows`)."""
+    shape = (spec.shape[1], spec.shape[0]) if spec.path == ("embed",) else tuple(spec.shape)
+    return QTensor(data, None, fmt, shape, 1 if spec.path == ("embed",) else spec.n_in)
 
 
 def in_gguf_terms(f: GGUFFile, e: WeightsMismatch) -> WeightsMismatch:

@@ -28,6 +28,7 @@ from hotswap.model.forward import token_logprobs_jit
 from hotswap.programs import catalog, kv_sizing
 from hotswap.toolcalls import formats
 from hotswap.toolcalls.choice import ToolChoice
+from hotswap.weights import quantize
 from hotswap.weights.options import UpdateOptions
 
 
@@ -55,7 +56,10 @@ class LLM:
         self.model_dir = hub.locate(model, eargs.revision)  # a local path as is; "org/name" via the HF cache
         self.model_id = hub.display_name(model, self.model_dir)
         dtype = eargs.dtype or default_dtype(jax.default_backend())
-        if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
+        if eargs.quantization == "gguf" and dtype is None:
+            dtype = "bfloat16"  # what is not served as blocks: never widened to f32 unless asked
+        gguf = gguf_io.is_gguf(self.model_dir)
+        if gguf:  # a llama.cpp file: config and tokenizer from its metadata
             f = gguf_io.GGUFFile(self.model_dir)
             mcfg = gguf_io.model_config(f, dtype=dtype)
             tokenizer = gguf_io.tokenizer_from_metadata(f.metadata, where=str(f.path))
@@ -63,6 +67,9 @@ class LLM:
             mcfg = ModelConfig.from_hf(hf.read_hf_config(self.model_dir), dtype=dtype)
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
+        mcfg = quantize.configured(
+            mcfg, eargs.quantization, eargs.quantization_group_size, gguf=gguf, device=jax.devices()[0]
+        )
         # The weights are read, checked and placed by the engine, as an update is (`weights/`).
         self.engine = _start_engine(mcfg, self.model_dir, tokenizer, eargs, mesh)
         self.tool_parser = formats.choose(
@@ -102,6 +109,9 @@ class LLM:
             eos_token_ids=(tokenizer.eos_token_id,)
             if tokenizer and tokenizer.eos_token_id is not None
             else (),
+        )
+        mcfg = quantize.configured(
+            mcfg, eargs.quantization, eargs.quantization_group_size, gguf=False, device=jax.devices()[0]
         )
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__

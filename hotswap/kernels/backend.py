@@ -65,6 +65,7 @@ from hotswap.kernels import (
     cpu_matmul,
     cpu_sampling,
     grouped_matmul,
+    quant_matmul,
     reference,
     routed_experts,
 )
@@ -460,8 +461,12 @@ class Backend:
     def matmuls(self):
         """`(x, [w, ...]) -> [x @ w, ...]`: on the C++ backend, hotswap's C++ matmul for
         decode-sized row counts, one call for the weights that share x (`cpu_matmul.matmuls`
-        falls back to XLA's dot otherwise); in deterministic mode the fixed-order kernel for all."""
-        return self.kernels.matmuls
+        falls back to XLA's dot otherwise); in deterministic mode the fixed-order kernel for all.
+        Quantized weights (QTensors) go to `quant_matmul`, the one place that decides their kernel."""
+        return self._quantized(self.kernels.matmuls)
+
+    def _quantized(self, dense):
+        return quant_matmul.with_quantized(dense, self.platform, cpu_kernels=self.kernels.name == "cpu")
 
     @property
     def grouped_matmul(self):
@@ -482,8 +487,9 @@ class Backend:
 
     @property
     def dense_matmuls(self):
-        """The cache-free forward's matmuls: XLA's dot, or in deterministic mode the step's."""
-        return self.kernels.dense_matmuls
+        """The cache-free forward's matmuls: XLA's dot, or in deterministic mode the step's
+        (quantized weights as in `matmuls`)."""
+        return self._quantized(self.kernels.dense_matmuls)
 
     def causal_attention(self, q, k, v, lengths, scale: float, *, window: int | None = None, softcap=None):
         """Causal self-attention of [B, L] sequences of `lengths` (q [B, L, Hq, hd], k/v [B, L,

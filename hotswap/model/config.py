@@ -41,6 +41,7 @@ _MODEL_TYPES = {
 GEMMA = ("gemma2", "gemma3")
 _ACTS = {"silu", "gelu_pytorch_tanh"}
 _DTYPES = {"float32", "bfloat16", "float16"}
+QUANTIZATIONS = ("int8", "fp8", "gguf")  # `weights/quantize.py`
 
 
 def hf_names(arch: str) -> tuple[str, str]:
@@ -80,6 +81,11 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 4096
     dtype: str = "float32"
+    # How matmul weights are served (`weights/quantize.py`): None (in `dtype`), "int8", "fp8",
+    # or "gguf" (a GGUF file's blocks as they are); int8's scales per output column, or per
+    # group of `quantization_group_size` inputs.
+    quantization: str | None = None
+    quantization_group_size: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Sliding windows: `layer_types[i]` is SLIDING or FULL; a SLIDING layer attends to the
@@ -122,6 +128,14 @@ class ModelConfig:
             )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"torch_dtype {self.dtype!r} unsupported; use one of {sorted(_DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={self.quantization!r}; use one of {', '.join(QUANTIZATIONS)} (or none)"
+            )
+        if self.quantization_group_size is not None and self.quantization != "int8":
+            raise ConfigError(
+                f"quantization_group_size applies to quantization='int8', not {self.quantization!r}"
+            )
         if self.hidden_act not in _ACTS:
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported; supported: {sorted(_ACTS)}")
         if self.layer_types is not None:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
+from hotswap.kernels.qtensor import take_rows
 from hotswap.model import gemma, lora, moe
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
@@ -80,7 +81,7 @@ def forward_paged(
     if cfg.is_gemma:  # dense: no routing record
         return (*gemma.forward_paged(params, pages, batch, cfg=cfg, backend=backend), None)
     rope = rope_tables(batch.positions, rope_inv_freq(cfg))
-    x = params["embed"][batch.tokens]  # [B, C, D]
+    x = take_rows(params["embed"], batch.tokens, cfg.dtype)  # [B, C, D]: a dense table, or a GGUF's blocks
     new_kv, new_pages, routed = [], [], []
     adapters = params.get("lora")  # adapters served by name: each row's own (model/lora.py)
     mask = None if adapters is None else lora.row_mask(batch.adapters, adapters["col_slot"], x.dtype)
@@ -160,7 +161,7 @@ def forward_dense(
     scale = 1.0 / math.sqrt(cfg.head_dim)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     rope = rope_tables(positions, rope_inv_freq(cfg))
-    x = params["embed"][tokens]
+    x = take_rows(params["embed"], tokens, cfg.dtype)
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, ms)
         q, k, v = _qkv(lp, cfg, h, rope, mms, ms)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from hotswap.kernels import reference
 from hotswap.kernels.backend import Backend, jnp_matmuls, jnp_mean_square
+from hotswap.kernels.qtensor import take_rows
 from hotswap.model import lora
 from hotswap.model.batch import Batch
 from hotswap.model.config import ModelConfig
@@ -40,7 +41,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, mean_square=jnp_mean_square
 
 def scaled_embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """[..., D] embeddings times sqrt(hidden), the factor in the embeddings' dtype as HF casts it."""
-    x = params["embed"][tokens]
+    x = take_rows(params["embed"], tokens, cfg.dtype)
     return x * jnp.asarray(cfg.hidden_size**0.5, dtype=x.dtype)
 
 

@@ -50,6 +50,7 @@ EMBED = "model.embed_tokens.weight"
 # The layer rows a LoRA adapter may target (PEFT's q/k/v/o_proj, gate/up/down_proj).
 ADAPTABLE = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LM_HEAD = "lm_head.weight"
+QUANTIZABLE = (*ADAPTABLE, "lm_head")  # the rows `ParamSpec.quantizable` names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,22 @@ class ParamSpec:
     def hf_shape(self) -> tuple[int, ...]:
         m = self.matrix or self.shape
         return (*m[:-2], m[-1], m[-2]) if self.transpose else m
+
+    @property
+    def n_in(self) -> int:
+        """How many leading dims of `shape` are the matmul's inputs (wo [Hq, hd, D]: 2)."""
+        rows, dims, prod = (self.matrix or self.shape)[0], 0, 1
+        while prod < rows:
+            prod *= self.shape[dims]
+            dims += 1
+        return max(dims, 1)
+
+    @property
+    def quantizable(self) -> bool:
+        """Served quantized under a `quantization` scheme (`weights/quantize.py`): the layer
+        matmuls and the LM head, as vLLM's and llama.cpp's weight-only schemes quantize; the
+        embedding, norms, biases, router and the stacked experts stay dense."""
+        return self.path[-1] in QUANTIZABLE and "expert" not in self.axes
 
     @property
     def layout(self) -> ParamSpec:

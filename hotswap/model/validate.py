@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from hotswap.errors import WeightsMismatch
+from hotswap.kernels.qtensor import FORMATS, QTensor, block_bytes, is_qtensor
 from hotswap.model.config import ModelConfig
 from hotswap.model.spec import (
     EMBED,
@@ -174,11 +175,32 @@ def _is_float(dt: np.dtype) -> bool:
 
 
 def _hf_meta(name: str, array: Any, spec: ParamSpec, target: np.dtype) -> None:
+    if is_qtensor(array):  # a GGUF's blocks, served as they are (`quantization="gguf"`)
+        _blocks_meta(name, array, spec)
+        return
     shape, dtype = meta(array)
     if dtype not in FLOAT_DTYPES:
         raise WeightsMismatch(f"{name}: dtype {dtype} is not a float type; expected {target}")
     if shape != spec.hf_shape:
         raise WeightsMismatch(f"{name}: expected {spec.hf_shape}, got {shape}")
+
+
+def _blocks_meta(name: str, q: QTensor, spec: ParamSpec) -> None:
+    """Block rows must hold the row's HF `[out, in]` matrix: one row per output, whole blocks
+    of the format along the input."""
+    if not (spec.quantizable or spec.path == ("embed",)):
+        raise WeightsMismatch(f"{name}: {q.fmt} blocks; this tensor is served dense, not quantized")
+    if len(spec.hf_shape) != 2:
+        raise WeightsMismatch(f"{name}: {q.fmt} blocks for a {len(spec.hf_shape)}-D tensor")
+    out, k = spec.hf_shape
+    f = FORMATS[q.fmt]
+    if k % f.block:
+        raise WeightsMismatch(f"{name}: {k} inputs are not whole {q.fmt} blocks of {f.block}")
+    want = (out, block_bytes(q.fmt, k))
+    if tuple(q.data.shape) != want or np.dtype(q.data.dtype) != np.uint8:
+        raise WeightsMismatch(
+            f"{name}: {q.fmt} blocks of {spec.hf_shape} must be uint8 {want}, got {q.data.dtype} {tuple(q.data.shape)}"
+        )
 
 
 def hf_tensors(

@@ -34,6 +34,7 @@ file or a caller's array, either of which can change after the update returns.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hotswap.checkpoint import hf
 from hotswap.kernels import cpu_convert
+from hotswap.kernels.qtensor import QTensor, decode_blocks, is_qtensor
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.model.spec import EMBED, ParamSpec, param_specs
@@ -117,6 +119,25 @@ def _put(array: Any, sharding) -> jax.Array:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow shows up as a non-finite flag
             array = np.asarray(array).astype(canonical)
     return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+
+
+def _blocks(q: QTensor, sharding) -> tuple[QTensor, jax.Array]:
+    """A host QTensor of GGUF blocks on the device (whole on each of the target's devices:
+    block rows are not split), and its finiteness flag (the decoded values, f16 scales
+    included, all finite)."""
+    where = sharding
+    if isinstance(sharding, NamedSharding):
+        where = NamedSharding(sharding.mesh, PartitionSpec())
+    data = _put(
+        np.ascontiguousarray(q.data),
+        where if isinstance(where, (NamedSharding, SingleDeviceSharding)) else None,
+    )
+    return dataclasses.replace(q, data=data), _blocks_finite(data, q.fmt, q.k)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _blocks_finite(data: jax.Array, fmt: str, k: int) -> jax.Array:
+    return jnp.isfinite(decode_blocks(data, fmt, k)).all()
 
 
 def _chip_bytes(x: jax.Array) -> int:
@@ -200,6 +221,15 @@ def _convert(
     for name in sorted(chosen, key=lambda n: -hf.get_leaf(abstract, chosen[n].path).size):  # big first
         spec, want = chosen[name], hf.get_leaf(abstract, chosen[name].path)
         src, dtype = tensors[name], np.dtype(want.dtype)
+        if is_qtensor(src):  # a GGUF's blocks: moved as they are, checked as they decode
+            out, flag = _blocks(src, want.sharding)
+            check.add_flag(name, flag)
+            if keep:
+                new[name] = out
+                if name == EMBED and cfg.tie_word_embeddings:
+                    head = out  # the embedding's blocks are the [D, V] head (`gguf_io.blocks_of`)
+            dtypes[name] = np.dtype(np.uint8)
+            continue
         x = _put(src, _source_sharding(want.sharding, spec))
         if _fused(x, dtype, want.sharding):
             out, flag = _fused_converter(spec.layout, dtype, want.sharding)(x)

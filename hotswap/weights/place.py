@@ -29,9 +29,10 @@ import jax.numpy as jnp
 
 from hotswap.checkpoint import hf
 from hotswap.errors import WeightsMismatch
+from hotswap.kernels.qtensor import is_qtensor
 from hotswap.model import lora
 from hotswap.model.params import Params, path_name
-from hotswap.weights import delta, finiteness, hf_device, lora_forms
+from hotswap.weights import delta, finiteness, hf_device, lora_forms, quantize
 from hotswap.weights.plan import Plan
 
 STAGINGS = ("auto", "copy", "in_place")
@@ -92,7 +93,30 @@ def place_params(params: Params, abstract: Params) -> Params:
             return x
         return jax.device_put(x, sharding) if sharding is not None else jnp.asarray(x)
 
-    return jax.tree.map(put, params, abstract)
+    def put_quantized(q, spec):
+        # A QTensor's arrays keep the shardings they were quantized or read with (`quantize.py`);
+        # from host memory (sleep level 1) they come back to them, or from numpy to the dense
+        # weight's sharding (same-shaped int8/fp8 data) or whole on each device (scales, blocks).
+        def one(a):
+            if isinstance(a, jax.Array):
+                if a.sharding.memory_kind != "pinned_host":
+                    return a
+                return jax.device_put(a, a.sharding.with_memory_kind("device"))
+            whole = spec.sharding
+            if isinstance(whole, jax.sharding.NamedSharding):
+                whole = jax.sharding.NamedSharding(whole.mesh, jax.sharding.PartitionSpec())
+            return put(
+                a, spec if a.shape == spec.shape else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
+            )
+
+        return jax.tree.map(one, q)
+
+    return jax.tree.map(
+        lambda x, spec: put_quantized(x, spec) if is_qtensor(x) else put(x, spec),
+        params,
+        abstract,
+        is_leaf=is_qtensor,
+    )
 
 
 def _checked_tree(params: Params, check_finite: bool) -> Params:
@@ -151,7 +175,9 @@ def _copy(plan: Plan, current: Params | None) -> Prepared:
         )
     else:
         params = _checked_tree(tree_of(plan), check)
-    return Prepared(plan, "copy", StagedParams(place_params(params, plan.abstract), plan.abstract))
+    return Prepared(
+        plan, "copy", StagedParams(served(plan, place_params(params, plan.abstract)), plan.abstract)
+    )
 
 
 def factors(plan: Plan) -> lora.Factors:
@@ -169,6 +195,11 @@ def _merge(plan: Plan, current: Params | None) -> Prepared:
     """The staged params serve W + (alpha / r)·A·B and keep `current`, the base, as their base."""
     if current is None:
         raise WeightsMismatch("a LoRA adapter needs base weights loaded (not after sleep level 2)")
+    if plan.cfg.quantization is not None:
+        raise WeightsMismatch(
+            f"a LoRA adapter cannot be merged into {plan.cfg.quantization}-quantized weights: send the "
+            "merged full-precision weights (they are re-quantized on the way in)"
+        )
     staged = StagedParams(lora.merge(current, factors(plan)), plan.abstract, base=current)
     return Prepared(plan, "merge", staged)
 
@@ -198,7 +229,13 @@ def write(prepared: Prepared, kept: Params | None) -> StagedParams:
     params = hf_device.hf_to_device(
         plan.cfg, plan.tensors, plan.chosen, plan.abstract, base=kept, check_finite=False
     )
-    return StagedParams(place_params(params, plan.abstract), plan.abstract)
+    return StagedParams(served(plan, place_params(params, plan.abstract)), plan.abstract)
+
+
+def served(plan: Plan, params: Params) -> Params:
+    """The `quantize` step every strategy ends with: checked full-precision params become what
+    the engine serves under `cfg.quantization` (`quantize.py`); without one, `params` as they are."""
+    return quantize.serve(plan.cfg, params)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ fetched by `place.py` once `plan.py` has passed them. Adapters are rows like any
 | nnx           | Flax NNX state/module of the served family                  | nnx            |
 | transfer_offers | a `TransferRef` of one offer per engine process           | layout + fetch |
 | transfer      | `TransferRef` another JAX process published                 | layout + fetch |
-| gguf          | a `.gguf` file (llama.cpp), dequantized (cached, `converted.py`) | hf        |
+| gguf          | a `.gguf` file (llama.cpp), dequantized (cached, `converted.py`), or its blocks kept (`quantization="gguf"`) | hf        |
 | peft_dir      | a directory with `adapter_config.json` (PEFT)               | adapter (peft) |
 | hf_dir        | a directory with `config.json` / `*.safetensors`            | hf             |
 | orbax_dir     | an orbax checkpoint directory of the params tree            | layout + fetch |
@@ -142,7 +142,10 @@ def _open_gguf(source, path: Path, cfg, abstract) -> Opened:
     return Opened(
         "gguf",
         str(path),
-        tensors=gguf_io.cached_hf_tensors(f, theirs),
+        # Served as its blocks (`quantization="gguf"`), else dequantized once and cached.
+        tensors=gguf_io.hf_tensors(f, theirs, hf.np_dtype(cfg.dtype), blocks=True)
+        if cfg.quantization == "gguf"
+        else gguf_io.cached_hf_tensors(f, theirs),
         stated=(str(path), theirs),
         rename=lambda e: gguf_io.in_gguf_terms(f, e),
     )
