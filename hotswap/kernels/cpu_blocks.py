@@ -58,6 +58,8 @@ def matmuls(x: jax.Array, weights, isa: str = "auto", exact: bool = True) -> lis
     x @ dequantize(blocks_i).T, in one FFI call. `isa`: a path of `PATHS` or "auto" (the best
     this CPU runs); a path this CPU cannot run fails the call naming it."""
     weights = list(weights)
+    if isa != "auto" and isa not in PATHS:
+        raise ValueError(f"the block kernel has no path {isa!r}; it has: {', '.join(PATHS)}, auto")
     if x.ndim != 2 or x.dtype != jnp.float32:
         raise ValueError(f"x must be f32 [M, K], got {x.dtype} {tuple(x.shape)}")
     if not weights:
