@@ -203,7 +203,7 @@ class Admission:
         """Deliver to the request's sink; forget finished requests."""
         if not (req.finished or req.stream):
             return None
-        out = request_output(req, self.ref.state.weights_version, self.tokenizer)
+        out = request_output(req, self.ref.state.weights_version, self.tokenizer, self.ref.quantization)
         if req.finished:
             self.requests.pop(req.request_id, None)
             self.counts["cached_tokens"] += out.num_cached_tokens

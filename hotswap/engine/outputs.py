@@ -12,6 +12,7 @@ caller or a stream receives.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -66,6 +67,9 @@ class CompletionOutput:
     # A draft checkpoint's versions whose drafts this sample verified, in order (a draft update
     # mid-request shows as two); empty without one.
     draft_versions: list[int] = dataclasses.field(default_factory=list)
+    # How each weights version in `weights_versions` was served: None unquantized, else
+    # `weights/quantize.label` ("int8", "int8-g128", "fp8", "gguf:q4_1+q8_0").
+    quantization: dict[int, str | None] = dataclasses.field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -230,7 +234,7 @@ def finish_reason(seq: Sequence, max_model_len: int) -> tuple[str | None, int | 
     return reason, stop
 
 
-def _completion(seq: Sequence) -> CompletionOutput:
+def _completion(seq: Sequence, quantization) -> CompletionOutput:
     p = seq.params
     text, delta = "", ""
     if seq.output_text is not None:
@@ -257,6 +261,7 @@ def _completion(seq: Sequence) -> CompletionOutput:
         num_draft_tokens=seq.spec_proposed,
         num_accepted_tokens=seq.spec_accepted,
         draft_versions=list(seq.draft_versions),
+        quantization={v: quantization(v) for v in dict.fromkeys(seq.output_versions)},
         **_kept(seq),
     )
 
@@ -301,14 +306,20 @@ def _prompt_logprobs(req: Request, tokenizer: Tokenizer | None) -> list | None:
     return req.prompt_logprobs
 
 
-def request_output(req: Request, weights_version: int, tokenizer: Tokenizer | None = None) -> RequestOutput:
+def request_output(
+    req: Request,
+    weights_version: int,
+    tokenizer: Tokenizer | None = None,
+    quantization: Callable[[int], str | None] = lambda version: None,
+) -> RequestOutput:
     """The request's outputs now (each sample's text delta since the previous call); `tokenizer`
-    spells the prompt log-probs' tokens."""
+    spells the prompt log-probs' tokens; `quantization` names how each version was served
+    (`StateRef.quantization`)."""
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
         prompt_token_ids=req.prompt_ids,
-        outputs=[_completion(s) for s in req.seqs],
+        outputs=[_completion(s, quantization) for s in req.seqs],
         num_cached_tokens=req.seqs[0].num_cached_tokens,
         finished=req.finished,
         weights_version=weights_version,

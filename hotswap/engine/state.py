@@ -25,6 +25,7 @@ from hotswap.kernels.backend import Backend
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.programs import kv_sizing
+from hotswap.weights import quantize
 
 
 @jax.tree_util.register_dataclass
@@ -151,9 +152,26 @@ def empty_state(mcfg: ModelConfig, ecfg: EngineConfig, kv_sharding=None, backend
     )
 
 
-@dataclasses.dataclass
 class StateRef:
     """The one EngineState a running engine serves: the step, admission and the lifecycle
-    controller read it and replace it here, under the engine's lock."""
+    controller read it and replace it here, under the engine's lock. Each weights version
+    served is recorded with the quantization its params were served in (`quantize.label`:
+    None unquantized), so a token's version names the numerics that produced it."""
 
-    state: EngineState
+    def __init__(self, state: EngineState):
+        self._quantization: dict[int, str | None] = {}
+        self.state = state
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @state.setter
+    def state(self, state: EngineState) -> None:
+        if state.params is not None:
+            self._quantization.setdefault(state.weights_version, quantize.label(state.params))
+        self._state = state
+
+    def quantization(self, version: int) -> str | None:
+        """How `version`'s weights were served (None: unquantized, or a version never served)."""
+        return self._quantization.get(version)

@@ -210,3 +210,18 @@ def served_bytes(params: Params) -> int:
             for leaf in jax.tree.leaves(params, is_leaf=is_qtensor)
         )
     )
+
+
+def label(params: Params) -> str | None:
+    """How a served tree is quantized, as outputs report it: None (no QTensor), "int8" (a scale
+    per column), "int8-g128" (per 128 inputs), "fp8", or "gguf:q4_1+q8_0" (the block formats
+    it holds)."""
+    qs = [leaf for leaf in jax.tree.leaves(params, is_leaf=is_qtensor) if is_qtensor(leaf)]
+    if not qs:
+        return None
+    blocks = sorted({q.fmt for q in qs if q.format.blocks})
+    if blocks:
+        return "gguf:" + "+".join(blocks)
+    q = qs[0]
+    groups = q.scales.shape[0]
+    return q.fmt if groups == 1 else f"{q.fmt}-g{q.k // groups}"
