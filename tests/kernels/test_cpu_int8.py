@@ -18,15 +18,17 @@ K = 256
 WIDTHS = (100, 36, 272)
 
 
-def _weight(rng, n, group):
-    g = 1 if group is None else K // group
-    data = rng.integers(-128, 128, (K, n), dtype=np.int8)
+def _weight(rng, n, group, k=K):
+    g = 1 if group is None else k // group
+    data = rng.integers(-128, 128, (k, n), dtype=np.int8)
     scales = (rng.random((g, n)) * 0.02 + 1e-3).astype(np.float32)
     return data, scales
 
 
 def _dense(data, scales):
-    return data.astype(np.float64) * np.repeat(scales.astype(np.float64), K // scales.shape[0], axis=0)
+    return data.astype(np.float64) * np.repeat(
+        scales.astype(np.float64), len(data) // scales.shape[0], axis=0
+    )
 
 
 def _check(x, weights, ys, quantized_x):
@@ -34,6 +36,7 @@ def _check(x, weights, ys, quantized_x):
     quantized, within the bound of that rounding: half of x's step, amax / 127 per row and
     group, times sum |w| of the group)."""
     x64 = x.astype(np.float64)
+    K = x.shape[1]  # noqa: N806 (the module's K unless a test passes another)
     for (data, scales), y in zip(weights, ys, strict=True):
         w = _dense(data, scales)
         bound = 1e-5 * (np.abs(x64) @ np.abs(w)) + 1e-30
@@ -60,6 +63,22 @@ def test_every_path_matches_the_float64_product(path):
             x = rng.standard_normal((m, K)).astype(np.float32)
             ys = cpu_int8.matmuls(jnp.asarray(x), weights, isa=path, exact=not vnni)
             _check(x, weights, ys, quantized_x=vnni)
+
+
+@pytest.mark.parametrize("path", cpu_int8.runnable())
+def test_k_off_the_4_row_steps(path):
+    """K = 250 in groups of 50 (and per-channel): the GEMV's 4-row steps and the K split end
+    mid-step. VNNI takes 4 k a step and refuses such groups, naming the problem."""
+    rng = np.random.default_rng(4)
+    for group in (None, 50):
+        weights = [_weight(rng, n, group, k=250) for n in (40, 96)]
+        for m in (1, 2, 5, 33):
+            x = rng.standard_normal((m, 250)).astype(np.float32)
+            if path == "avx512_vnni":
+                with pytest.raises(jax.errors.JaxRuntimeError, match="multiple of 4"):
+                    cpu_int8.matmuls(jnp.asarray(x), weights, isa=path, exact=False)
+                continue
+            _check(x, weights, cpu_int8.matmuls(jnp.asarray(x), weights, isa=path), quantized_x=False)
 
 
 def test_jit_leading_dims_and_one_custom_call():

@@ -113,19 +113,20 @@ HOTSWAP_TARGET_AVX512 void GemvAvx512(const float* x, int64_t K, const int8_t* w
   for (int64_t k = k0; k < k1;) {
     const int64_t g = k / gl, end = std::min(k1, (g + 1) * gl);
     std::fill(part, part + R * cols, 0.0f);
-    for (; k < end; k += 4) {
-      const int64_t rows = std::min<int64_t>(4, end - k);  // 1-3 at a group's or range's end
+    for (int64_t rows; k < end; k += rows) {
+      rows = std::min<int64_t>(4, end - k);  // 1-3 at a group's or range's end
       __m512 b[R][4];
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 4; ++i) b[r][i] = _mm512_set1_ps(i < rows ? x[r * K + k + i] : 0.0f);
       const int8_t* wk = w + k * N;
-      const int64_t stride = rows == 4 ? N : 0;  // fewer rows: re-read row k, times a zero x
+      int64_t at[4];  // each row's offset; past `rows`, row k again, times a zero x
+      for (int i = 0; i < 4; ++i) at[i] = i < rows ? i * N : 0;
       for (int64_t n = 0; n < cols; n += 16) {
         _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 4 * n), _MM_HINT_T1);
         __m512 wv[4];
         for (int i = 0; i < 4; ++i)
           wv[i] = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + i * stride + n))));
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + at[i] + n))));
         for (int r = 0; r < R; ++r) {
           __m512 p = _mm512_loadu_ps(part + r * cols + n);
           for (int i = 0; i < 4; ++i) p = _mm512_fmadd_ps(b[r][i], wv[i], p);
@@ -150,19 +151,20 @@ HOTSWAP_TARGET_AVX2 void GemvAvx2(const float* x, int64_t K, const int8_t* w, in
   for (int64_t k = k0; k < k1;) {
     const int64_t g = k / gl, end = std::min(k1, (g + 1) * gl);
     std::fill(part, part + R * cols, 0.0f);
-    for (; k < end; k += 4) {
-      const int64_t rows = std::min<int64_t>(4, end - k);
+    for (int64_t rows; k < end; k += rows) {
+      rows = std::min<int64_t>(4, end - k);
       __m256 b[R][4];
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 4; ++i) b[r][i] = _mm256_set1_ps(i < rows ? x[r * K + k + i] : 0.0f);
       const int8_t* wk = w + k * N;
-      const int64_t stride = rows == 4 ? N : 0;
+      int64_t at[4];  // each row's offset; past `rows`, row k again, times a zero x
+      for (int i = 0; i < 4; ++i) at[i] = i < rows ? i * N : 0;
       for (int64_t n = 0; n < cols; n += 8) {
         _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 4 * n), _MM_HINT_T1);
         __m256 wv[4];
         for (int i = 0; i < 4; ++i)
           wv[i] = _mm256_cvtepi32_ps(
-              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + i * stride + n))));
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + at[i] + n))));
         for (int r = 0; r < R; ++r) {
           __m256 p = _mm256_loadu_ps(part + r * cols + n);
           for (int i = 0; i < 4; ++i) p = _mm256_fmadd_ps(b[r][i], wv[i], p);
