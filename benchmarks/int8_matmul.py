@@ -15,7 +15,7 @@ anything.
 
 Batch 1 is bound by reading the weights: its GB/s (weight bytes of the chain / time) is set
 against this run's DRAM bandwidth, measured as the best of 1- and 2-thread copies of a 256 MB
-array (read + written bytes / time). The issue's bar: int8 at batch 1 >= 1.8x bf16, and >= 80% of
+array (read + written bytes / time) and a read of it (numpy's dot of the array with itself). The issue's bar: int8 at batch 1 >= 1.8x bf16, and >= 80% of
 that bandwidth. The VNNI path's error (x quantized per row to int8) is measured on the chain's
 first gate/up call at 64 rows against the exact int8 path.
 
@@ -95,7 +95,8 @@ def variants(layers8, paths):
 
 
 def copy_bandwidth(mb: int = 256, reps: int = 5) -> dict[str, float]:
-    """GB/s of read + written bytes copying a `mb` MB array, on 1 and on 2 threads (halves)."""
+    """GB/s of read + written bytes copying a `mb` MB array, on 1 and on 2 threads (halves), and
+    of bytes read by numpy's dot of the array with itself."""
     src = np.ones(mb << 18, np.float32)
     dst = np.empty_like(src)
     out = {}
@@ -112,6 +113,13 @@ def copy_bandwidth(mb: int = 256, reps: int = 5) -> dict[str, float]:
                 w.join()
             best = min(best, time.perf_counter() - t)
         out[f"copy_{threads}t_GBps"] = 2 * src.nbytes / best / 1e9
+    # Read only, as a matmul reads its weights: BLAS's dot of the array with itself.
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.dot(src, src)
+        best = min(best, time.perf_counter() - t)
+    out["dot_read_GBps"] = src.nbytes / best / 1e9
     return out
 
 
