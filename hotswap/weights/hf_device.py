@@ -51,7 +51,7 @@ from hotswap.kernels.qtensor import QTensor, decode_blocks, is_qtensor
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.model.spec import EMBED, ParamSpec, param_specs
-from hotswap.weights import finiteness
+from hotswap.weights import finiteness, quantize
 
 # Host->device copies in flight before waiting for their conversions, in bytes a chip: bounds
 # the extra device memory (inputs not yet converted) on backends where device_put copies, and
@@ -172,7 +172,8 @@ def hf_to_device(
     base: Params | None = None,
     check_finite: bool = True,
 ) -> Params:
-    """HF-named `[out, in]` tensors -> params on `abstract`'s shardings and dtypes.
+    """HF-named `[out, in]` tensors -> params on `abstract`'s shardings and dtypes, a quantized
+    row quantized as soon as it is converted (`quantize.serve_leaf`).
 
     `chosen`: each tensor's spec row, as the plan checked them (`weights/plan.py`; experts
     stacked in `tensors`). With `check_finite`, a NaN/Inf raises NonFiniteWeights naming the
@@ -213,7 +214,8 @@ def _convert(
     Returns (converted arrays by HF name, the tied head or None); with `keep=False` no array
     is kept."""
     head_want, head = abstract["lm_head"], None
-    head_layout = param_specs(cfg)["lm_head"].layout  # [V, D] -> [D, V]: the embedding's transpose
+    head_spec = param_specs(cfg)["lm_head"]
+    head_layout = head_spec.layout  # [V, D] -> [D, V]: the embedding's transpose
     new: dict[str, jax.Array] = {}
     dtypes: dict[str, np.dtype] = {}
     check = finiteness.Check(check_finite)
@@ -248,8 +250,9 @@ def _convert(
                 head, _ = _fused_converter(head_layout, head_dtype, head_want.sharding)(out)
             else:
                 head = _converter(head_layout, head_dtype, head_want.sharding)(out)
-        if keep:
-            new[name] = out
+            head = quantize.serve_leaf(cfg, head_spec, head)
+        if keep:  # quantized now (a quantized row): its dense form lives only while in flight
+            new[name] = quantize.serve_leaf(cfg, spec, out)
         pending.append(out)  # unkept, held until the wait below: bounds what is in flight
         pending_bytes += _chip_bytes(x)
         if pending_bytes > IN_FLIGHT_BYTES:

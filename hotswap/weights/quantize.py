@@ -135,13 +135,21 @@ def serve(cfg: ModelConfig, params: Params) -> Params:
     blocks arrive, pass as they are). None: `params` unchanged."""
     if cfg.quantization is None:
         return params
+    return jax.tree.map(
+        functools.partial(serve_leaf, cfg),
+        param_specs(cfg),
+        params,
+        is_leaf=lambda x: is_spec(x) or is_qtensor(x),
+    )
 
-    def one(spec: ParamSpec, leaf):
-        if leaf is None or is_qtensor(leaf) or not spec.quantizable:
-            return leaf
-        return quantize_leaf(cfg, spec, leaf)
 
-    return jax.tree.map(one, param_specs(cfg), params, is_leaf=lambda x: is_spec(x) or is_qtensor(x))
+def serve_leaf(cfg: ModelConfig, spec: ParamSpec, leaf):
+    """One checked leaf as `serve` serves it: quantized on a quantized row (`quantize_leaf`),
+    else as it is. The HF conversion (`hf_device`) calls it on each tensor as it converts it,
+    so an update holds the dense form of only the tensors in flight."""
+    if cfg.quantization is None or leaf is None or is_qtensor(leaf) or not spec.quantizable:
+        return leaf
+    return quantize_leaf(cfg, spec, leaf)
 
 
 def quantize_leaf(cfg: ModelConfig, spec: ParamSpec, leaf: jax.Array) -> QTensor:
