@@ -134,6 +134,15 @@ HOTSWAP_TARGET_AVX512 inline __m512i BytesZ(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 16 q6_K codes (0..63) as bytes: 4 bits of ql (shifted by ls) and 2 of qh (shifted by hs).
+HOTSWAP_TARGET_AVX2 inline __m128i Q6Codes(const uint8_t* ql, const uint8_t* qh, __m128i ls, __m128i hs) {
+  const __m128i lo = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)), ls),
+                                   _mm_set1_epi8(0xF));
+  const __m128i hi = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh)), hs),
+                                   _mm_set1_epi8(3));
+  return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+}
+
 template <int F>
 HOTSWAP_TARGET_AVX512 inline Z2 DecodeZ(const uint8_t* row, int64_t g) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -162,22 +171,20 @@ HOTSWAP_TARGET_AVX512 inline Z2 DecodeZ(const uint8_t* row, int64_t g) {
     const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
     return {{_mm512_permutexvar_ps(_mm512_srl_epi32(BytesZ(qs), shift), table),
              _mm512_permutexvar_ps(_mm512_srl_epi32(BytesZ(qs + 16), shift), table)}};
-  } else {  // kQ6K
+  } else {  // kQ6K: a 6-bit code is assembled per byte (128-bit ops), then widened once
     const uint8_t* p = row + (g / 8) * 210;
     const int j = static_cast<int>(g % 8), h = j / 4;
     const uint8_t* ql = p + 64 * h + 32 * (j % 2);
     const uint8_t* qh = p + 128 + 32 * h;
     const __m128i ls = _mm_cvtsi32_si128(4 * ((j % 4) / 2)), hs = _mm_cvtsi32_si128(2 * (j % 4));
-    const __m512i low = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
     const __m512 d = HalfZ(p + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
     Z2 out;
     for (int s = 0; s < 2; ++s) {
-      const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(BytesZ(ql + 16 * s), ls), low);
-      const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(BytesZ(qh + 16 * s), hs), two);
-      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), off);
+      out.v[s] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q6Codes(ql + 16 * s, qh + 16 * s, ls, hs)));
+      // a * q - 32 a: both products exact in f32, so the one rounding gives a * (q - 32) exactly.
       const __m512 a = _mm512_mul_ps(d, _mm512_set1_ps(static_cast<float>(scales[2 * j + s])));
-      out.v[s] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), a);
+      out.v[s] = _mm512_fmadd_ps(out.v[s], a, _mm512_mul_ps(a, _mm512_set1_ps(-32.0f)));
     }
     return out;
   }
@@ -288,8 +295,17 @@ HOTSWAP_TARGET_AVX512 void PanelZ(const Input& in, const Product& p, int64_t n0,
   }
 }
 
+template <int F, int MR>
+HOTSWAP_TARGET_AVX2 void DirectY(const Input& in, const Product& p, int64_t n0, int64_t n1);
+
 template <int F>
 HOTSWAP_TARGET_AVX512 void ItemZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
+  // q8_0 widens 16 bytes to a zmm of int32 per 16 weights (vpmovsxbd across 512 bits); the
+  // ymm form decoded 1.4-2x the weights a second on Zen 4, so 1-2 rows take the AVX2 code.
+  if constexpr (F == kQ8_0) {
+    if (in.M == 1) return DirectY<F, 1>(in, p, n0, n1);
+    if (in.M == 2) return DirectY<F, 2>(in, p, n0, n1);
+  }
   switch (in.M) {
     case 1: return DirectZ<F, 1>(in, p, n0, n1);
     case 2: return DirectZ<F, 2>(in, p, n0, n1);
@@ -351,21 +367,20 @@ HOTSWAP_TARGET_AVX2 inline Y4 DecodeY(const uint8_t* row, int64_t g) {
       const __m256i q = _mm256_and_si256(_mm256_srl_epi32(Bytes8(qs + 8 * s), shift), low);
       out.v[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), a, b);
     }
-  } else {  // kQ6K
+  } else {  // kQ6K (see DecodeZ)
     const uint8_t* p = row + (g / 8) * 210;
     const int j = static_cast<int>(g % 8), h = j / 4;
     const uint8_t* ql = p + 64 * h + 32 * (j % 2);
     const uint8_t* qh = p + 128 + 32 * h;
     const __m128i ls = _mm_cvtsi32_si128(4 * ((j % 4) / 2)), hs = _mm_cvtsi32_si128(2 * (j % 4));
-    const __m256i low = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(3), off = _mm256_set1_epi32(32);
     const __m256 d = HalfY(p + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
-    for (int s = 0; s < 4; ++s) {
-      const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(Bytes8(ql + 8 * s), ls), low);
-      const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(Bytes8(qh + 8 * s), hs), two);
-      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), off);
-      const __m256 a = _mm256_mul_ps(d, _mm256_set1_ps(static_cast<float>(scales[2 * j + s / 2])));
-      out.v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), a);
+    for (int s = 0; s < 2; ++s) {
+      const __m128i q = Q6Codes(ql + 16 * s, qh + 16 * s, ls, hs);
+      const __m256 a = _mm256_mul_ps(d, _mm256_set1_ps(static_cast<float>(scales[2 * j + s])));
+      const __m256 b = _mm256_mul_ps(a, _mm256_set1_ps(-32.0f));
+      out.v[2 * s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), a, b);
+      out.v[2 * s + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), a, b);
     }
   }
   return out;
