@@ -34,6 +34,7 @@ from hotswap.engine_config import EngineConfig
 from hotswap.errors import ProgramError
 from hotswap.kernels import finite
 from hotswap.kernels.backend import Backend
+from hotswap.kernels.qtensor import QTensor, is_qtensor
 from hotswap.model import lora, sharding
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params, abstract_params
@@ -41,7 +42,7 @@ from hotswap.model.spec import is_spec, param_specs
 from hotswap.programs import kv_sizing
 from hotswap.programs.step import PREFILL_ROW, Buckets, lower_step, pick, placeholder_inputs
 from hotswap.speculative import MAX_VERIFYING_ROWS, SELF
-from hotswap.weights import hf_device, place
+from hotswap.weights import hf_device, place, quantize
 
 # A Pallas kernel compiled for TPU is one Mosaic custom call in the optimized HLO.
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
@@ -61,6 +62,9 @@ class StepStats:
     # Copies of a whole page buffer (a relayout around a kernel, say). XLA may place them in
     # another memory space, where temp_bytes does not count them: counted from the HLO.
     kv_copies: int = 0
+    # The program's matmuls (XLA's dots and convolutions: XLA:TPU writes a matmul as one) by
+    # operand and result dtypes, e.g. {"s8 x s8 -> s32": 15}: int8 weights multiplied as int8.
+    matmuls: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -81,7 +85,29 @@ class StepStats:
             alias_bytes=int(m.alias_size_in_bytes),
             pallas_calls=text.count(MOSAIC_CALL),
             kv_copies=sum(_page_copies(text, page) for page in pages),
+            matmuls=matmul_dtypes(text),
         )
+
+
+# An HLO instruction's name and result type; a dot or convolution's result type and operands
+# (printed with or without their types).
+_DEFINED = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = \(?([a-z0-9]+)\[", re.M)
+_OPERAND = r"(?:[a-z0-9]+\[[^\]]*\]\S* )?(%[\w.\-]+)"
+_MATMUL = re.compile(
+    rf"^\s*(?:ROOT )?%[\w.\-]+ = ([a-z0-9]+)\[[^\]]*\]\S* (?:convolution|dot)\({_OPERAND}, {_OPERAND}[,)]",
+    re.M,
+)
+
+
+def matmul_dtypes(hlo: str) -> dict[str, int]:
+    """How many dots and convolutions of an optimized HLO module multiply which dtypes, keyed
+    "lhs x rhs -> result" in HLO's names (bf16, s8, f8e4m3fn, s32, f32)."""
+    defined = dict(_DEFINED.findall(hlo))
+    counts: dict[str, int] = {}
+    for out, lhs, rhs in _MATMUL.findall(hlo):
+        key = f"{defined.get(lhs, '?')} x {defined.get(rhs, '?')} -> {out}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _page_copies(hlo: str, page: jax.ShapeDtypeStruct) -> int:
@@ -131,14 +157,23 @@ class Target:
         )
 
 
-def abstract_inputs(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
-    """(params, KV pages) as ShapeDtypeStructs on the target's shardings, in the model's dtype
-    and the backend's page layout."""
+def served_params(mcfg: ModelConfig, target: Target, *, dense: bool = False) -> Params:
+    """The params the engine serves, as ShapeDtypeStructs on the target's shardings: in the
+    model's dtype, and on the rows `mcfg.quantization` serves quantized QTensors of int8/fp8
+    data and f32 scales (`weights/quantize.py` `served_abstract`). `dense`: every row in the
+    model's dtype, as an update's tensors arrive before they are quantized."""
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         abstract_params(mcfg),
         target.params,
     )
+    return params if dense else quantize.served_abstract(mcfg, params)
+
+
+def abstract_inputs(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
+    """(params, KV pages) as ShapeDtypeStructs on the target's shardings: the served params
+    (`served_params`), the pages in the model's dtype and the backend's page layout."""
+    params = served_params(mcfg, target)
     if ecfg.enable_lora:  # the adapters' buffers ride in the step's params (EngineState.step_params)
         params = {**params, "lora": lora_buffers(mcfg, ecfg.max_loras, ecfg.max_lora_rank, target)}
     dtype = jnp.dtype(mcfg.dtype)
@@ -173,11 +208,7 @@ def lora_buffers(mcfg: ModelConfig, max_loras: int, max_rank: int, target: Targe
 
 def lora_bytes_per_chip(mcfg: ModelConfig, max_loras: int, max_rank: int, target: Target) -> int:
     """Bytes of one chip's shards of the buffers of adapters served by name."""
-    per: dict = {}
-    for x in jax.tree.leaves(lora_buffers(mcfg, max_loras, max_rank, target)):
-        for d in x.sharding.device_set:
-            per[d] = per.get(d, 0) + int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-    return max(per.values())
+    return max(_shard_bytes(jax.tree.leaves(lora_buffers(mcfg, max_loras, max_rank, target))).values())
 
 
 def _page_shapes(mcfg: ModelConfig, ecfg: EngineConfig, backend: Backend) -> list[tuple[int, ...]]:
@@ -339,36 +370,55 @@ def compile_stats(
 
 
 def params_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> int:
-    """Bytes of one chip's shards of the params (the largest over the chips); `experts_only`:
-    of the sparse layers' stacked expert weights alone."""
+    """Bytes of one chip's shards of the served params (the largest over the chips; a quantized
+    row counts its int8/fp8 data and f32 scales); `experts_only`: of the sparse layers' stacked
+    expert weights alone."""
     per = _leaf_bytes_per_chip(mcfg, target, experts_only=experts_only)
     return max((sum(leaves) for leaves in per.values()), default=0)
 
 
 def weights_per_chip(mcfg: ModelConfig, target: Target, staging: str) -> kv_sizing.Weights:
-    """One chip's params and what a hot update needs beside them under `staging`
+    """One chip's served params and what a hot update needs beside them under `staging`
     (`weight_update_staging`; `weights/place.py` `update_reserve`): what the KV sizing
-    takes off each chip before the cache."""
+    takes off each chip before the cache. The params are counted as served (int8/fp8 data and
+    f32 scales on the quantized rows); an update's tensors arrive at full precision, so those in
+    flight are counted dense. Each is quantized as soon as it is converted (`hf_device`,
+    `quantize.serve_leaf`): no dense copy of the whole tree is ever held."""
     per = _leaf_bytes_per_chip(mcfg, target)
+    dense = _leaf_bytes_per_chip(mcfg, target, dense=True)
     params = max((sum(leaves) for leaves in per.values()), default=0)
-    largest = max((max(leaves) for leaves in per.values()), default=0)
+    largest = max((max(leaves) for leaves in dense.values()), default=0)
     resolved = place.resolve(staging, next(iter(target.kv.device_set)).platform)
     return kv_sizing.Weights(params, place.update_reserve(resolved, params, largest), resolved)
 
 
-def _leaf_bytes_per_chip(mcfg: ModelConfig, target: Target, *, experts_only: bool = False) -> dict:
-    """Each chip's bytes of each leaf's shard: {device: [bytes, ...]}."""
-    itemsize = jnp.dtype(mcfg.dtype).itemsize
+def _leaf_bytes_per_chip(
+    mcfg: ModelConfig, target: Target, *, experts_only: bool = False, dense: bool = False
+) -> dict:
+    """Each chip's bytes of each leaf's shard, {device: [bytes, ...]}: of the served params (a
+    QTensor's data and scales together), or with `dense` of the params in the model's dtype."""
+    leaves = jax.tree.leaves(served_params(mcfg, target, dense=dense), is_leaf=is_qtensor)
+    specs = jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec)
     per: dict[Any, list[int]] = {}
-    for spec, sh in zip(
-        jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec), jax.tree.leaves(target.params), strict=True
-    ):
+    for spec, leaf in zip(specs, leaves, strict=True):
         if experts_only and "expert" not in spec.axes:
             continue
-        shard = sh.shard_shape(spec.shape)
-        for d in sh.device_set:
-            per.setdefault(d, []).append(int(np.prod(shard)) * itemsize)
+        parts = (leaf.data, leaf.scales) if isinstance(leaf, QTensor) else (leaf,)
+        for d, n in _shard_bytes(parts).items():
+            per.setdefault(d, []).append(n)
     return per
+
+
+def _shard_bytes(arrays: Iterable[jax.ShapeDtypeStruct]) -> dict[Any, int]:
+    """{device: bytes of its shards of `arrays`} (ShapeDtypeStructs with shardings)."""
+    out: dict[Any, int] = {}
+    for x in arrays:
+        if x is None:
+            continue
+        n = int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+        for d in x.sharding.device_set:
+            out[d] = out.get(d, 0) + n
+    return out
 
 
 def active_expert_fraction(mcfg: ModelConfig, rows: int) -> float:

@@ -32,6 +32,7 @@ from hotswap.model import sharding
 from hotswap.model.config import ModelConfig
 from hotswap.programs import catalog, kv_sizing
 from hotswap.programs.step import Buckets
+from hotswap.weights import quantize
 
 GIB = 2**30
 
@@ -140,6 +141,11 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     if not 1 <= tp <= len(devices):
         raise ConfigError(f"tensor_parallel_size={tp}, but {acfg.topology} has {len(devices)} chips")
     mcfg = load_model_config(model, acfg.dtype or default_dtype("tpu"))
+    # int8 / fp8 matmul weights as the engine serves them, checked against the slice's chips
+    # (fp8 needs a chip with fp8 matmuls) and the model (a group size must divide each row)
+    mcfg = quantize.configured(
+        mcfg, acfg.quantization, acfg.quantization_group_size, gguf=False, device=devices[0]
+    )
     target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = catalog.params_bytes_per_chip(mcfg, target)
@@ -235,6 +241,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         # chips holding each kv head's pages: tp / num_kv_heads when tp exceeds it (model/sharding.py)
         "kv_replicas": sharding.kv_replicas(mcfg, tp),
         "dtype": mcfg.dtype,
+        "quantization": mcfg.quantization,
+        "quantization_group_size": mcfg.quantization_group_size,
         "attention": target.backend.attention,
         "max_model_len": max_len,
         "max_num_seqs": acfg.max_num_seqs,
@@ -254,6 +262,8 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
         "largest_step": worst.name,
         "fits": serving <= chip.hbm_bytes,
         "weight_update_staging": weights.staging,
+        # what an update holds beside the serving params (catalog.weights_per_chip)
+        "update_reserve_bytes_per_chip": weights.reserve,
         "update_bytes_per_chip": update,
         "update_fits": update <= chip.hbm_bytes,
         "decode_bytes_read_per_chip": read,
@@ -333,7 +343,9 @@ def table(report: dict) -> str:
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     lines = [
         f"{report['model']} on {report['topology']} ({report['chips']} chips), TP {report['tensor_parallel_size']}, "
-        f"{report['dtype']}, attention {report['attention']}"
+        f"{report['dtype']}"
+        + (f", {report['quantization']} weights" if report.get("quantization") else "")
+        + f", attention {report['attention']}"
         + (f", each kv head on {report['kv_replicas']} chips" if report.get("kv_replicas", 1) > 1 else ""),
         f"per chip: params {g(report['params_bytes_per_chip'])}, KV cache {g(report['kv_cache_bytes_per_chip'])} "
         f"({report['num_pages']} pages of {report['page_size']} at {report['gpu_memory_utilization']}), "
