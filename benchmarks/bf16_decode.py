@@ -1,14 +1,16 @@
 """bf16 against f32 decode, same model, one process: what a bf16 checkpoint costs on CPU.
 
     python -m benchmarks.bf16_decode [MODEL_DIR] [--batches 1,16] [--prompt-len 64]
-                                     [--new-tokens 32] [--rounds 3]
+                                     [--new-tokens 32] [--rounds 3] [--prefill 512]
 
 Two engines on the same checkpoint, `dtype="float32"` and `dtype="bfloat16"`, decode the same
 random prompts at each batch size, taking turns within each round (this machine's speed drifts
 over minutes, so each is timed beside the other). A round's time runs from every row's first
 token to the last (`workloads.decode_seconds`, prefill excluded); each engine's figure is its
-best round. `bf16_vs_f32` is the figure to read. The model defaults to the bench-100m preset,
-built once in the temporary directory.
+best round. `bf16_vs_f32` is the figure to read. `--prefill N` (0: none) also times one prompt
+of N tokens, `max_tokens=1`, in one step (`max_num_batched_tokens` is N), taking turns the same
+way: the prompt-sized matmuls. The model defaults to the bench-100m preset, built once in the
+temporary directory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from benchmarks.workloads import decode_seconds, random_prompts
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefill", type=int, default=512, help="tokens of the timed prompt (0: none)")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batches.split(",")]
 
@@ -43,9 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
         d: LLM(
             model,
             dtype=d,
-            max_model_len=a.prompt_len + a.new_tokens + 64,
+            max_model_len=max(a.prompt_len + a.new_tokens, a.prefill) + 64,
             max_num_seqs=max(batches),
-            max_num_batched_tokens=256,
+            max_num_batched_tokens=max(256, a.prefill),
         )
         for d in DTYPES
     }
@@ -66,10 +70,32 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for b in batches
     }
+    if a.prefill:
+        prompt = random_prompts(1, a.prefill, llms["float32"].config.vocab_size, seed=1)
+        times = {d: [] for d in DTYPES}
+        for r in range(a.rounds + 1):  # the first round compiles and warms up, untimed
+            for d, llm in llms.items():
+                t = prefill_seconds(llm, prompt)
+                if r:
+                    times[d].append(t)
+        result[f"prefill_{a.prefill}"] = {
+            "ms": {d: round(min(ts) * 1e3, 1) for d, ts in times.items()},
+            "bf16_vs_f32": round(min(times["float32"]) / min(times["bfloat16"]), 2),
+        }
     from hotswap.kernels.cpu_target import host
 
     print(json.dumps({"cpu": host().describe(), **result}))  # the CPU each figure is from
     return result
+
+
+def prefill_seconds(llm, prompt: list[list[int]]) -> float:
+    """Seconds to one token for the prompt, prefix cache emptied first (every token computed)."""
+    from hotswap import SamplingParams
+
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return time.perf_counter() - t
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ def available() -> bool:
         register("paged_attention", "HotswapPagedAttentionWrite")
         register("small_matmul", "HotswapSmallMatmul")
         register("small_matmul", "HotswapFixedMatmul")
+        register("bf16_matmul", "HotswapBf16Matmul")
         register("routed_experts", "HotswapRoutedExperts")
         register("row_stats", "HotswapRowStats")
         register("keep_threshold", "HotswapKeepThreshold")

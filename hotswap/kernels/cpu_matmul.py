@@ -15,6 +15,12 @@ XLA's dot, as do CPUs with neither from 3 rows on (`max_rows()`).
 bf16 weights take the same path, widened to f32 in registers (x is multiplied in f32): a decode
 step reads every weight once, so half the bytes is up to half the time, where XLA:CPU's bf16 dot
 ran a bench-100m decode step at a sixth of its f32 speed.
+
+On a CPU with AVX512_BF16 (`bf16_dots()`), a bf16 x times bf16 weights (a bf16 model's
+activations) multiplies in bf16 with f32 sums, twice the multiply rate of an f32 FMA: up to
+BF16_MAX_ROWS rows in `cpu/bf16_matmul.cc` (`vdpbf16ps` tiles), more on XLA's own bf16 dot with
+f32 accumulation (XLA:CPU hands it to a library that uses the same instructions). An f32 x is
+not bf16-exact and keeps the widening paths, as does every CPU without AVX512_BF16.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hotswap.kernels import cpu_build
+from hotswap.kernels import cpu_build, cpu_isa
 
 
 @functools.cache
@@ -38,6 +44,20 @@ def max_rows() -> int:
 
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # of x and of the weights (one per call)
+# The rows of a bf16 x bf16 call that go to `cpu/bf16_matmul.cc`: one row stays on the widening
+# GEMV (bound by reading the weights, which it streams faster), more than BF16_MAX_ROWS on XLA's
+# bf16 dot (as fast as the kernel there).
+BF16_MIN_ROWS, BF16_MAX_ROWS = 2, 64
+
+
+@functools.cache
+def bf16_dots() -> bool:
+    """True on a CPU with AVX512_BF16: bf16 x bf16 matmuls multiply in bf16 (module doc)."""
+    return "avx512_bf16" in cpu_isa.runnable()
+
+
+def _both_bf16(x: jax.Array, ws) -> bool:
+    return x.dtype == jnp.bfloat16 and all(w.dtype == jnp.bfloat16 for w in ws) and bf16_dots()
 
 
 def matmuls(x: jax.Array, ws, contract: int = 1, out_dtype=None) -> list[jax.Array]:
@@ -55,6 +75,8 @@ def matmuls(x: jax.Array, ws, contract: int = 1, out_dtype=None) -> list[jax.Arr
     kernel = (
         x.dtype in KERNEL_DTYPES and ws[0].dtype in KERNEL_DTYPES and all(w.dtype == ws[0].dtype for w in ws)
     )
+    if _both_bf16(x, ws) and BF16_MIN_ROWS <= rows <= BF16_MAX_ROWS:
+        return [y.astype(out) for y in bf16_matmuls(x, ws, contract)]
     if not kernel or rows > max_rows():
         return [prompt_dot(x, w, contract, out_dtype) for w in ws]
     # The kernel multiplies and sums in f32: a bf16 x widens exactly, and its f32 result is
@@ -69,7 +91,11 @@ def prompt_dot(x: jax.Array, w: jax.Array, contract: int = 1, out_dtype=None) ->
     already, but one into an f32 result (`out_dtype`: the LM head's logits) ran 1.3-1.5x slower
     than the widened dot ([512, 768] x [768, 4096]: 33.7-37.9 ms against 25.1-27.4). The
     products are the same (a product of two bf16 is exact in f32); only the order of the f32
-    sums may differ."""
+    sums may differ. With `bf16_dots()` a bf16 x stays bf16: XLA's bf16 dot with f32 sums
+    ([512, 768] x [768, 2048]: 2x the widened dot on Zen 4), rounded once to the dtype asked for."""
+    if _both_bf16(x, [w]):
+        y = jnp.tensordot(x, w, axes=contract, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype or x.dtype)
     if w.dtype != jnp.bfloat16 or x.dtype not in KERNEL_DTYPES:
         return jnp.tensordot(x, w, axes=contract, preferred_element_type=out_dtype)
     out = out_dtype or jnp.result_type(x, w)
@@ -86,6 +112,19 @@ def fixed_matmuls(x: jax.Array, ws, contract: int = 1, out_dtype=None) -> list[j
         raise TypeError(f"the fixed-order matmul takes f32 operands, got {x.dtype} x {[w.dtype for w in ws]}")
     ys = _call("HotswapFixedMatmul", x, ws, contract)
     return ys if out_dtype is None else [y.astype(out_dtype) for y in ys]
+
+
+def bf16_matmuls(x: jax.Array, ws, contract: int = 1, path: str = "auto") -> list[jax.Array]:
+    """x [..., K...] (bf16) @ each w [K..., N...] (bf16) in `cpu/bf16_matmul.cc`, f32 results,
+    all the weights in one call; `path` one of `cpu_isa.runnable()` ("auto": the best)."""
+    ws = list(ws)
+    lead = x.shape[: x.ndim - contract]
+    rows, k = math.prod(lead), math.prod(x.shape[x.ndim - contract :])
+    target = cpu_build.register("bf16_matmul", "HotswapBf16Matmul")
+    flat = [w.reshape(k, math.prod(w.shape[contract:])) for w in ws]  # [K, N]
+    out = [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32) for w in flat]
+    ys = jax.ffi.ffi_call(target, out)(x.reshape(rows, k), *flat, isa=cpu_isa.attribute(path))
+    return [y.reshape(*lead, *w.shape[contract:]) for y, w in zip(ys, ws, strict=True)]
 
 
 def _call(symbol: str, x: jax.Array, ws: list[jax.Array], contract: int) -> list[jax.Array]:

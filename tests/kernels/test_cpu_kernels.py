@@ -214,7 +214,8 @@ def test_bf16_weights_at_every_row_count(rows):
     ws = [jnp.asarray(rng.standard_normal((300, n)), jnp.bfloat16) for n in (2085, 80, 35)]
     want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in ws]
     fn = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))
-    calls = fn.lower(x, *ws).as_text().count("stablehlo.custom_call @hotswap_HotswapSmallMatmul")
+    text = fn.lower(x, *ws).as_text()  # with AVX512_BF16 a bf16 x takes the bf16 kernel (test_cpu_bf16)
+    calls = sum(text.count(f"custom_call @hotswap_{s}") for s in ("HotswapSmallMatmul", "HotswapBf16Matmul"))
     assert calls == (1 if rows <= cpu_matmul.max_rows() else 0)  # 2 without register tiles
     for y, ref in zip(fn(x, *ws), want, strict=True):
         assert y.dtype == jnp.bfloat16
@@ -229,18 +230,21 @@ def test_bf16_weights_at_every_row_count(rows):
 def test_bf16_weights_above_the_kernels_rows_take_a_widened_f32_dot(out_dtype):
     """Above max_rows() a bf16 weight and its x are widened to f32 before XLA's dot (its bf16 dot
     into f32 logits was the slow one): the program holds an f32 dot and no bf16 one, and the
-    result is the f32 sums rounded once, to bf16 or (logits) kept in f32."""
+    result is the f32 sums rounded once, to bf16 or (logits) kept in f32. With AVX512_BF16 a bf16
+    x keeps its bf16 dot (test_cpu_bf16), so there the x is f32, which is widened the same way."""
     rows = cpu_matmul.max_rows() + 32
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((rows, 300)), jnp.bfloat16)
+    if cpu_matmul.bf16_dots():
+        x = x.astype(jnp.float32)
     w = jnp.asarray(rng.standard_normal((300, 70)), jnp.bfloat16)
     fn = jax.jit(lambda x, w: cpu_matmul.matmuls(x, [w], out_dtype=out_dtype)[0])
     dots = [line for line in fn.lower(x, w).as_text().splitlines() if "dot_general" in line]
     assert len(dots) == 1 and "300xf32>" in dots[0] and "bf16>" not in dots[0], dots
     y = fn(x, w)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    assert y.dtype == (out_dtype or jnp.bfloat16)
-    rtol = 1e-5 if out_dtype is not None else 2**-8
+    assert y.dtype == (out_dtype or x.dtype)
+    rtol = 1e-5 if y.dtype == jnp.float32 else 2**-8
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=rtol, atol=rtol * np.sqrt(300))
 
 
