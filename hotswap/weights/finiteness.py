@@ -26,6 +26,7 @@ import numpy as np
 
 from hotswap.errors import NonFiniteWeights
 from hotswap.kernels import finite
+from hotswap.kernels.qtensor import is_qtensor
 
 
 class Check:
@@ -68,7 +69,10 @@ class Check:
             return
         name, more = bad[0], len(bad) - 1
         why = ""
-        if sources is not None and not finite.non_finite({name: sources[name]}):  # failure path only
+        source = None if sources is None else sources[name]
+        if is_qtensor(source):  # GGUF blocks: their scales decode to NaN/Inf, nothing was cast
+            why = f" ({source.fmt} blocks: a scale or value decodes to NaN/Inf)"
+        elif source is not None and not finite.non_finite({name: source}):  # failure path only
             why = f" after conversion to {np.dtype(dtypes[name])} (overflow)"
         also = f" (and {more} more)" if more else ""
         raise NonFiniteWeights(f"{name}: contains NaN or Inf{why}{also}")
