@@ -32,11 +32,11 @@ def test_four_chats_greedy_equal_the_dequantized_model(served):
         if g == w:
             continue
         # Where they part, the dequantized model's two candidates must be a tie within 1e-3.
-        at = next(i for i, (a, b) in enumerate(zip(g, w)) if a != b)
-        prompt = dense.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        at = next(i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b)
+        prompt = dense.tokenizer.apply_chat_template(chat, tokenize=True)
         lp = [float(dense.score(prompt + w[:at], [t])[0]) for t in (g[at], w[at])]
         assert abs(lp[0] - lp[1]) < 1e-3, (chat, at, lp)
-    assert sum(g == w for g, w in zip(got, want)) >= 3
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 3
 
 
 def test_blocks_are_held_once_and_smaller_than_the_file(served, smollm2_gguf):
