@@ -7,9 +7,13 @@ quarter of an f32 weight's bytes and half of a bf16 one's. Weights that share x 
 q/k/v, or gate/up) go in one call and one parallel region.
 
 `exact=False` lets the kernel quantize x to int8 per row and group and multiply on AVX512_VNNI
-(vpdpbusd) where it has it and x has at least 16 rows: ~4x the multiply rate of the f32 path for
-prefill, at x's 8-bit rounding (see benchmarks/int8_matmul.py for the error on bench-100m's
-shapes). The default never changes x.
+(vpdpbusd) where it has it and x has at least 16 rows: ~3x the multiply rate of the f32 path
+(one Zen 4 core, a [768, 1024] weight in cache: 290-300 GFLOP/s against 92 at 64 rows), at x's
+8-bit rounding (0.8% on bench-100m's gate/up: benchmarks/int8_matmul.py). The default never
+changes x.
+
+`cpu_build.available()` does not register this kernel's target: `matmuls` registers it when first
+traced, which a program loaded without tracing (programs/step_cache.py) would not do.
 """
 
 from __future__ import annotations
