@@ -7,15 +7,20 @@ The engine runs these compiled programs and nothing else on its devices:
   the bucket that verifies the most drafts in one call (`verification`);
 - `kv init`: the empty page buffers a new or woken cache starts from (`state.new_kv_cache`);
 - the update path (`hf_device`, `kernels/finite`): per distinct parameter shape and sharding,
-  the on-device HF-layout conversion and the finiteness reduction.
+  the on-device HF-layout conversion and the finiteness reduction, and on a row served int8 /
+  fp8 its quantization (`weights/quantize.py`).
 
 Here each is lowered from `jax.ShapeDtypeStruct`s carrying the real shardings (no weight is
 ever materialised) and compiled for the devices those shardings name: the engine's own
 devices (`kv_sizing` measures the steps' temporaries this way before allocating the cache),
 or a TPU slice described by a topology on a CPU host (`hotswap/programs/tpu_slice.py`). The `Backend` is
 chosen from those devices (`sharding.engine_backend`, as the Engine chooses it), so "auto"
-compiles the Pallas kernel for a TPU slice. `StepStats` is XLA's per-chip memory analysis
-of one program plus its Pallas (Mosaic) calls and any copy of a whole page buffer.
+compiles the Pallas kernel for a TPU slice. The params are the tree the engine serves
+(`served_params`): under `quantization` int8 / fp8 the matmul weights are QTensors of int8 /
+fp8 data and f32 scales, so the steps compile with the int8 dots (`kernels/quant_matmul.py`)
+and every per-chip byte count is the served one. `StepStats` is XLA's per-chip memory
+analysis of one program plus its Pallas (Mosaic) calls, any copy of a whole page buffer and
+its matmuls' operand dtypes.
 """
 
 from __future__ import annotations
@@ -342,7 +347,8 @@ def kv_init_programs(
 
 def update_programs(mcfg: ModelConfig, target: Target) -> Iterator[tuple[str, Callable[[], Any]]]:
     """(name, lower) of an HF-named update's programs, once per distinct shape and sharding:
-    the on-device conversion from the file's layout (`hf_device`) and the finiteness check."""
+    the on-device conversion from the file's layout (`hf_device`), the finiteness check and,
+    on a row served int8 / fp8, the quantization (`weights/quantize.py`)."""
     dtype = np.dtype(jnp.dtype(mcfg.dtype))
     specs = jax.tree.leaves(param_specs(mcfg), is_leaf=is_spec)
     shardings = jax.tree.leaves(target.params)
@@ -356,6 +362,11 @@ def update_programs(mcfg: ModelConfig, target: Target) -> Iterator[tuple[str, Ca
         out = jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
         yield f"update convert {dims}", lambda spec=spec, sh=sh: hf_device.lower_conversion(spec, dtype, sh)
         yield f"update finite {dims}", lambda out=out: finite.lower_xla_check(out)
+        if spec.quantizable and mcfg.quantization in ("int8", "fp8"):  # each tensor as converted
+            yield (
+                f"update quantize {dims}",
+                lambda spec=spec, out=out: quantize.lower_quantize(mcfg, spec, out),
+            )
 
 
 def compile_stats(

@@ -159,11 +159,24 @@ def quantize_leaf(cfg: ModelConfig, spec: ParamSpec, leaf: jax.Array) -> QTensor
     if cfg.quantization == "gguf":
         data = _q8_0_jit(leaf, k)
         return QTensor(data, None, "q8_0", tuple(spec.shape), k)
+    fn, static = _program(cfg, spec, sh)
+    data, scales = fn(leaf, *static)
+    return QTensor(data, scales, cfg.quantization, tuple(spec.shape), k)
+
+
+def lower_quantize(cfg: ModelConfig, spec: ParamSpec, dense: jax.ShapeDtypeStruct):
+    """`quantize_leaf`'s program (int8 / fp8) for a dense leaf on `dense.sharding`, lowered and
+    not run: what `hotswap aot` compiles for an update (`programs/catalog.py`)."""
+    fn, static = _program(cfg, spec, dense.sharding)
+    return fn.lower(dense, *static)
+
+
+def _program(cfg: ModelConfig, spec: ParamSpec, sh):
+    """The jitted int8 / fp8 quantizer and its static arguments (n_in, groups, out shardings)."""
     g = groups(cfg, spec) if cfg.quantization == "int8" else 1
     fn = _int8_jit if cfg.quantization == "int8" else _fp8_jit
     out = None if not isinstance(sh, NamedSharding) else (sh, _scales_sharding(sh, spec))
-    data, scales = fn(leaf, k, g, out)
-    return QTensor(data, scales, cfg.quantization, tuple(spec.shape), k)
+    return fn, (spec.n_in, g, out)
 
 
 def _absmax_scales(w: jax.Array, n_in: int, g: int, top: float):

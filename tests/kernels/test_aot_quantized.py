@@ -63,6 +63,9 @@ def test_int8_compiles_for_v5e_8_with_int8_matmuls_and_more_kv(small):
     assert step["pallas_calls"] == 2 and step["kv_copies"] == 0, step
     assert step["alias_bytes"] >= report["kv_cache_bytes_per_chip"], step
     assert step["matmuls"] == {"s8 x s8 -> s32": 15}, step
+    # An update quantizes each tensor as it converts it: that program too, per shape and sharding.
+    quantizers = {s["name"] for s in report["steps"] if s["name"].startswith("update quantize")}
+    assert quantizers == {f"update quantize {d}" for d in ("1024x1024", "1024x8x128", "8x128x1024")}
     assert "int8 weights" in tpu_slice.table(report)
 
     # The same model in bf16 on the same chips, by the same accounting.
