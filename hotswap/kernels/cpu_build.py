@@ -131,6 +131,9 @@ def available() -> bool:
         register("all_finite", "HotswapAllFinite")
         register("convert_finite", "HotswapConvertFinite")
         register("lora_merge", "HotswapLoraMerge")
+        register("int8_matmul", "HotswapInt8Matmuls")
+        register("block_matmul", "HotswapBlockMatmul")
+        register("block_matmul", "HotswapBlockRows")
     except (ConfigError, OSError):
         return False
     return True

@@ -128,10 +128,9 @@ def _blocks(q: QTensor, sharding) -> tuple[QTensor, jax.Array]:
     where = sharding
     if isinstance(sharding, NamedSharding):
         where = NamedSharding(sharding.mesh, PartitionSpec())
-    data = _put(
-        np.ascontiguousarray(q.data),
-        where if isinstance(where, (NamedSharding, SingleDeviceSharding)) else None,
-    )
+    # A copy of the file's bytes, never a view: XLA:CPU may alias the host array it is given,
+    # and a view would keep the whole memory-mapped file (every tensor's pages) resident.
+    data = _put(np.array(q.data, copy=True), where if isinstance(where, (NamedSharding, SingleDeviceSharding)) else None)
     return dataclasses.replace(q, data=data), _blocks_finite(data, q.fmt, q.k)
 
 
