@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks import bench_peers, rollout, speculative
+from benchmarks import bench_peers, gguf_serving, quant_mismatch, rollout, speculative
 from benchmarks.limits import GemvProbe, probe_matmul_flops
 from benchmarks.sampled_decode import MODES
 from benchmarks.workloads import (
@@ -42,6 +42,7 @@ HELP = "start-up / decode / serving / prefix / update benchmarks vs HF transform
 WORKLOAD_ENGINE = {"max_model_len": 1088, "max_num_batched_tokens": 512}
 # Sampled decode timed beside greedy at each batch size (`benchmarks/sampled_decode.py` has them all).
 SAMPLED = ("temperature_1", "top_k_50", "top_p_0.95")
+MISMATCH = True  # `--quantization` with no value (add_arguments)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,9 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench")
     p.add_argument(
         "--only",
-        choices=("startup", "rollout"),
+        choices=("startup", "rollout", "gguf"),
         help="run only this part (startup: cold and warm LLM start; rollout: a GRPO rollout and an RL "
-        "step, bf16, hotswap and vLLM A-B-A, benchmarks/rollout.py)",
+        "step, bf16, hotswap and vLLM A-B-A, benchmarks/rollout.py; gguf: SmolLM2's Q4_1 file served as "
+        "its blocks vs llama.cpp on it, peak RSS and decode A-B-A, and Gemma 3 270M's Q4_K_M, "
+        "benchmarks/gguf_serving.py)",
     )
     p.add_argument(
         "--speculative",
@@ -80,6 +83,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The engine options, as `hotswap serve` has them; one given here replaces the workload's own
     # setting (`WORKLOAD_ENGINE`), e.g. `--dtype bfloat16` or `--attention reference`.
     EngineArgs.add_cli_args(p, "llm", defaults=False)
+    # `--quantization` is that engine option (`--quantization int8`: the workloads served in int8);
+    # given with no value it runs the RL mismatch benchmark instead. The constant is not a string,
+    # so argparse does not check it against the option's choices.
+    (q,) = (a for a in p._actions if a.dest == "quantization")
+    q.nargs, q.const = "?", MISMATCH
+    q.help += (
+        "; with no value: run only the RL mismatch benchmark (an 8 x n=8 T=1 SmolLM2 rollout sampled "
+        "in int8 and in Q4 blocks, scored under the bf16 policy; benchmarks/quant_mismatch.py)"
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.bench") -> int:
@@ -119,6 +131,15 @@ def run(args) -> int:
         result = speculative.run(engine=EngineArgs.given(args, "llm"))
         _write(out, {"speculative": result})
         speculative.check(result)  # after the figures: a changed token fails the run, visibly
+        return 0
+    if getattr(args, "quantization", None) is MISMATCH:  # SmolLM2's GGUF too: its Q4 blocks are the point
+        engine = {k: v for k, v in EngineArgs.given(args, "llm").items() if k != "quantization"}
+        _write(
+            out, {"quantization_mismatch": quant_mismatch.run(list(quant_mismatch.SCHEMES), engine=engine)}
+        )
+        return 0
+    if args.only == "gguf":  # the GGUF files themselves, not the bench model: their blocks are the point
+        _write(out, {"gguf_serving": gguf_serving.run(repeats=args.repeats, peers_dir=Path(args.peers_dir))})
         return 0
     if not (model_dir / "config.json").exists():
         create_checkpoint(model_dir, preset="bench-100m", arch="llama", seed=0)
