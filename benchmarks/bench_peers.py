@@ -66,12 +66,21 @@ class PeerRequest:
     # a GRPO rollout (benchmarks/rollout.py `spec`, plus "prompts"): the peer runs only that
     rollout: dict | None = None
     dtype: str = "float32"  # the weights and KV cache of the decode rows and serving, as hotswap's
+    # A GGUF file served as it is (llama.cpp only): `model_dir` is then unused, the weights are the
+    # file's blocks, and the KV cache is `kv_dtype` (None: `dtype`).
+    gguf: str | None = None
+    kv_dtype: str | None = None  # float32, bfloat16 or float16 (llama.cpp's default)
+    context_tokens: int = 0  # each sequence's context (0: its prompt plus new_tokens)
 
     def __post_init__(self) -> None:
         if len(self.serving_prompts) != len(self.serving_outputs):
             raise PeerError(
                 f"serving_prompts has {len(self.serving_prompts)} prompts but serving_outputs "
                 f"{len(self.serving_outputs)} lengths; give one output length per prompt"
+            )
+        if self.kv_dtype not in (None, *PEER_DTYPES, "float16"):
+            raise PeerError(
+                f"kv_dtype {self.kv_dtype!r}: the peers keep KV in one of {PEER_DTYPES} or float16"
             )
         if self.dtype not in PEER_DTYPES:
             raise PeerError(f"dtype {self.dtype!r}: the peers run one of {PEER_DTYPES}")
@@ -218,8 +227,23 @@ def emit_result(result: dict) -> None:
 
 def median_of_repeats(once: Callable[[], float], repeats: int) -> float:
     """The median of `repeats` calls of once() (each returns seconds), after one warm-up call."""
+    return statistics.median(timed_repeats(once, repeats))
+
+
+def timed_repeats(once: Callable[[], float], repeats: int) -> list[float]:
+    """The seconds of `repeats` calls of once(), after one warm-up call."""
     once()
-    return statistics.median(once() for _ in range(repeats))
+    return [once() for _ in range(repeats)]
+
+
+def peak_rss() -> dict:
+    """This process's peak resident memory in bytes: getrusage's ru_maxrss and /proc's VmHWM."""
+    import resource
+
+    hwm = next(
+        (int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:")), None
+    )
+    return {"ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "vmhwm": hwm}
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -11,13 +11,17 @@ high-level `Llama` object decodes one sequence at a time:
   call (hotswap's max_num_batched_tokens in `hotswap bench`), decode tokens first, then
   prompt chunks; a finished sequence's KV cells are freed for the next request.
 
-Weights and KV cache are in the request's dtype, as hotswap's are. Greedy sampling is an argmax over each
-step's logits rows, copied to host once per step.
+Weights and KV cache are in the request's dtype, as hotswap's are. A request naming a GGUF file
+(`gguf`) serves that file's blocks as they are, with the KV cache in `kv_dtype` (f16 is llama.cpp's
+default), each sequence's context `context_tokens` long when given; the result then carries this
+process's peak RSS (`peak_rss`), so one request per context size measures that context's memory.
+Greedy sampling is an argmax over each step's logits rows, copied to host once per step.
 """
 
 from __future__ import annotations
 
 import ctypes
+import statistics
 import sys
 import time
 from collections import deque
@@ -28,7 +32,14 @@ import numpy as np
 from hf_to_gguf import convert  # this script's directory is on sys.path
 from llama_cpp import llama_cpp as lib
 
-from benchmarks.bench_peers import PeerRequest, emit_result, median_of_repeats, read_request, serving_summary
+from benchmarks.bench_peers import (
+    PeerRequest,
+    emit_result,
+    peak_rss,
+    read_request,
+    serving_summary,
+    timed_repeats,
+)
 
 STEP_TOKENS = 512
 # One KV buffer shared by all sequences. With f32 KV it was faster here than a stream per sequence: decode at batch 16/32 by ~15%, the
@@ -170,11 +181,14 @@ def serve(c: Context, prompts: list[list[int]], outputs: list[int], n_seq: int) 
 
 
 GGML_TYPE_BF16 = 30  # ggml.h's enum; llama-cpp-python 0.3.36 exports no constant for it
-KV_TYPES = {"float32": lib.GGML_TYPE_F32, "bfloat16": GGML_TYPE_BF16}
+KV_TYPES = {"float32": lib.GGML_TYPE_F32, "bfloat16": GGML_TYPE_BF16, "float16": lib.GGML_TYPE_F16}
 
 
 def gguf_for(req: PeerRequest) -> Path:
-    """The request's checkpoint as a GGUF of its dtype, converted once and reused while it is newer."""
+    """The request's GGUF file, or its checkpoint as a GGUF of its dtype, converted once and reused
+    while it is newer."""
+    if req.gguf:
+        return Path(req.gguf)
     model_dir = Path(req.model_dir)
     tag = {"float32": "f32", "bfloat16": "bf16"}[req.dtype]
     out = Path(req.work_dir) / f"{model_dir.resolve().name}-{tag}.gguf"
@@ -188,30 +202,34 @@ def gguf_for(req: PeerRequest) -> Path:
 def main() -> None:
     req = read_request()
     gguf = gguf_for(req)
+    kv_type = KV_TYPES[req.kv_dtype or req.dtype]
     result: dict = {"peer": "llama_cpp", "version": llama_cpp.__version__, "threads": req.threads}
     result["decode"] = []
     for prompts in req.decode:
         prefill = sum(map(len, prompts))  # a decode row prefills all its prompts in one call
-        seq_len = max(map(len, prompts)) + req.new_tokens
-        c = Context(gguf, len(prompts), seq_len, prefill, req.threads, KV_TYPES[req.dtype])
+        seq_len = req.context_tokens or max(map(len, prompts)) + req.new_tokens
+        c = Context(gguf, len(prompts), seq_len, prefill, req.threads, kv_type)
         tokens: list[list[int]] = []  # each sequence's greedy tokens, for the check against HF
 
         def once(c=c, prompts=prompts, tokens=tokens) -> float:
             dt, tokens[:] = decode_once(c, prompts, req.new_tokens)
             return dt
 
-        dt = median_of_repeats(once, req.repeats)
+        seconds = timed_repeats(once, req.repeats)
         c.close()
-        tok_s = len(prompts) * (req.new_tokens - 1) / dt
-        result["decode"].append({"batch": len(prompts), "tok_s": tok_s, "tokens": tokens})
+        tok_s = len(prompts) * (req.new_tokens - 1) / statistics.median(seconds)
+        row = {"batch": len(prompts), "tok_s": tok_s, "tokens": tokens, "seconds": seconds}
+        result["decode"].append(row)
         print(f"llama_cpp batch {len(prompts)}: {tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     if req.serving_prompts:
         n_seq = min(len(req.serving_prompts), req.max_num_seqs)
         seq_len = max(len(p) + o for p, o in zip(req.serving_prompts, req.serving_outputs, strict=True))
-        c = Context(gguf, n_seq, seq_len, STEP_TOKENS, req.threads, KV_TYPES[req.dtype])
+        c = Context(gguf, n_seq, seq_len, STEP_TOKENS, req.threads, kv_type)
         serve(c, req.serving_prompts[:1], [2], n_seq)  # warm-up: first-call setup stays out of the timing
         result["serving"] = serve(c, req.serving_prompts, req.serving_outputs, n_seq)
         c.close()
+    if req.gguf:
+        result["peak_rss"] = peak_rss()
     emit_result(result)
 
 

