@@ -70,7 +70,12 @@ def _products(kind: str, x2: jax.Array, ws: list[QTensor], platform: str, cpu_ke
         from hotswap.kernels import cpu_int8
 
         xf = x2.astype(jnp.float32)
-        return cpu_int8.matmuls(xf, [(w.data.reshape(w.k, w.n), w.scales.reshape(-1, w.n)) for w in ws])
+        pairs = [(w.data.reshape(w.k, w.n), w.scales.reshape(-1, w.n)) for w in ws]
+        # Where the FMAs, not the weight bytes, bound the product (16 rows and more: the kernel's
+        # kVnniRows), x is quantized per row and group to int8 and multiplied on vpdpbusd if the
+        # CPU has it, at x's 8-bit rounding (benchmarks/int8_matmul.py: 0.8%); fewer rows, or a
+        # CPU without VNNI, take the exact path.
+        return cpu_int8.matmuls(xf, pairs, exact=False)
     if cpu_kernels and kind == "blocks":
         from hotswap.kernels import cpu_blocks
 
