@@ -68,7 +68,12 @@ class LLM:
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
         mcfg = quantize.configured(
-            mcfg, eargs.quantization, eargs.quantization_group_size, gguf=gguf, device=jax.devices()[0]
+            mcfg,
+            eargs.quantization,
+            eargs.quantization_group_size,
+            gguf=gguf,
+            device=jax.devices()[0],
+            deterministic=eargs.deterministic,
         )
         # The weights are read, checked and placed by the engine, as an update is (`weights/`).
         self.engine = _start_engine(mcfg, self.model_dir, tokenizer, eargs, mesh)
@@ -111,7 +116,12 @@ class LLM:
             else (),
         )
         mcfg = quantize.configured(
-            mcfg, eargs.quantization, eargs.quantization_group_size, gguf=False, device=jax.devices()[0]
+            mcfg,
+            eargs.quantization,
+            eargs.quantization_group_size,
+            gguf=False,
+            device=jax.devices()[0],
+            deterministic=eargs.deterministic,
         )
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__

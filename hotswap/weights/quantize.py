@@ -42,7 +42,13 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
 def configured(
-    cfg: ModelConfig, quantization: str | None, group_size: int | None, *, gguf: bool, device
+    cfg: ModelConfig,
+    quantization: str | None,
+    group_size: int | None,
+    *,
+    gguf: bool,
+    device,
+    deterministic: bool = False,
 ) -> ModelConfig:
     """`cfg` serving `quantization`, checked against the model and `device` (the first of the
     engine's): refused before anything loads, with a ConfigError naming why."""
@@ -50,6 +56,10 @@ def configured(
         if group_size is not None:
             raise ConfigError("quantization_group_size needs quantization='int8'")
         return cfg
+    if deterministic:  # the quantized kernels have no fixed-order form (int8 rows quantize x on VNNI)
+        raise ConfigError(
+            "deterministic mode serves unquantized f32 weights; drop quantization or deterministic"
+        )
     if quantization == "gguf" and not gguf:
         raise ConfigError(
             "quantization='gguf' serves a GGUF file's blocks as they are; this model is not a .gguf "

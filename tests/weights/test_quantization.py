@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from hotswap import LLM, SamplingParams
+from hotswap.api.protocol import version_fields
 from hotswap.checkpoint import hf
+from hotswap.engine.outputs import CompletionOutput
 from hotswap.errors import ConfigError, NonFiniteWeights
 from hotswap.kernels import qtensor
 from hotswap.kernels.qtensor import QTensor
@@ -79,6 +81,7 @@ def test_int8_group_scales_follow_the_group_size(tiny_dir):
         (dict(quantization="fp8"), "fp8 matmuls"),
         (dict(quantization="gguf"), "not a .gguf file"),
         (dict(quantization_group_size=32), "quantization='int8'"),
+        (dict(quantization="int8", deterministic=True), "deterministic"),
     ],
 )
 def test_a_scheme_that_cannot_serve_is_refused_before_loading(tiny_dir, options, names):
@@ -143,3 +146,15 @@ def test_gguf_updates_keep_their_blocks_and_a_nan_scale_is_refused(tiny_gguf, ti
     llm.update_weights(str(tiny_dir_b))
     assert llm.state.weights_version == 3 and llm.params["layers"][0]["wq"].fmt == "q8_0"
     assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].quantization == {3: "gguf:q8_0"}
+
+
+def test_the_wire_names_each_versions_quantization():
+    comp = CompletionOutput(
+        0, "ab", [5, 6, 7], [0.0] * 3, [1, 1, 2], quantization={1: "gguf:q4_1+q8_0", 2: "gguf:q8_0"}
+    )
+    fields = version_fields(comp)
+    assert fields["quantization"] == "gguf:q8_0"  # the last token's version
+    assert [s["quantization"] for s in fields["weights_version_spans"]] == ["gguf:q4_1+q8_0", "gguf:q8_0"]
+    assert "quantization" not in version_fields(
+        CompletionOutput(0, "a", [5], [0.0], [1], quantization={1: None})
+    )
