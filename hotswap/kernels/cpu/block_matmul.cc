@@ -14,8 +14,9 @@
 //     threads in contiguous runs, so each thread streams its own part of the blocks.
 //   - more rows (prefill, large batches): a work item decodes a panel of kPanel output rows x up
 //     to kChunk of K into a per-thread f32 buffer (kPanel * kChunk * 4 = 128 KB, in L2) and runs
-//     register tiles of dot products over all x rows: decoding is paid once per weight, not once
-//     per x row.
+//     register tiles over all x rows: decoding is paid once per weight, not once per x row. The
+//     tiles are 4 x 4 dot products, or on AVX-512 from 64 rows small_matmul's broadcast form
+//     over a [k][16 outputs] panel.
 // Not exact (llama.cpp's way): x is quantized per 32 values to int8 with one f32 scale (q8_0),
 // and each group's weight codes are multiplied with them in int8 x int8 -> int32 dots
 // (vpdpbusd on AVX512_VNNI, vpmaddubsw + vpmaddwd on AVX2), scaled per group in f32.
@@ -298,6 +299,60 @@ HOTSWAP_TARGET_AVX512 void PanelZ(const Input& in, const Product& p, int64_t n0,
 template <int F, int MR>
 HOTSWAP_TARGET_AVX2 void DirectY(const Input& in, const Product& p, int64_t n0, int64_t n1);
 
+// y[r0:r0+MR, 16 outputs] (+)= x[r0:r0+MR, 0:kn] @ buf[kn][16]: one zmm of 16 outputs per x row,
+// each k a broadcast of x times one buffer row (small_matmul.cc's tile form: no horizontal sums).
+template <int MR>
+HOTSWAP_TARGET_AVX512 void BroadcastTileZ(const float* x, int64_t ldx, const float* buf, int64_t kn, float* y,
+                                          int64_t ldy, __mmask16 cols, bool first) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(cols, y + r * ldy);
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m512 w = _mm512_loadu_ps(buf + 16 * k);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, cols, acc[r]);
+}
+
+// Panel of output rows [n0, n1) (at most kPanel = 16) for all x rows: kChunk of K at a time is
+// decoded into buf[kn][16] (output row i of the panel in lane i, scattered as decoded), then
+// tiles of up to 8 x rows run over it.
+template <int F>
+HOTSWAP_TARGET_AVX512 void PanelBroadcastZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
+  static_assert(kPanel == 16, "one zmm of outputs per panel");
+  float* buf = PanelBuffer();
+  const int64_t K = in.K, rows = n1 - n0;
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(16));
+  const __mmask16 cols = static_cast<__mmask16>((1u << rows) - 1);
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t kn = std::min(kChunk, K - k0), g0 = k0 / kGroup;
+    if (rows < kPanel) std::fill(buf, buf + kn * kPanel, 0.0f);
+    for (int64_t i = 0; i < rows; ++i) {
+      const uint8_t* row = p.w + (n0 + i) * p.row_bytes;
+      for (int64_t g = 0; g < kn / kGroup; ++g) {
+        const Z2 w = DecodeZ<F>(row, g0 + g);
+        float* at = buf + g * kGroup * kPanel + i;
+        _mm512_i32scatter_ps(at, lanes, w.v[0], 4);
+        _mm512_i32scatter_ps(at + 16 * kPanel, lanes, w.v[1], 4);
+      }
+    }
+    for (int64_t r0 = 0; r0 < in.M; r0 += 8) {
+      const float* xr = in.x + r0 * K + k0;
+      float* y = p.y + r0 * p.N + n0;
+      switch (std::min<int64_t>(8, in.M - r0)) {
+        case 8: BroadcastTileZ<8>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        case 7: BroadcastTileZ<7>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        case 6: BroadcastTileZ<6>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        case 5: BroadcastTileZ<5>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        case 4: BroadcastTileZ<4>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        case 3: BroadcastTileZ<3>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        case 2: BroadcastTileZ<2>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+        default: BroadcastTileZ<1>(xr, K, buf, kn, y, p.N, cols, k0 == 0); break;
+      }
+    }
+  }
+}
+
 template <int F>
 HOTSWAP_TARGET_AVX512 void ItemZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
   // q8_0 widens 16 bytes to a zmm of int32 per 16 weights (vpmovsxbd across 512 bits); the
@@ -311,7 +366,10 @@ HOTSWAP_TARGET_AVX512 void ItemZ(const Input& in, const Product& p, int64_t n0, 
     case 2: return DirectZ<F, 2>(in, p, n0, n1);
     case 3: return DirectZ<F, 3>(in, p, n0, n1);
     case 4: return DirectZ<F, 4>(in, p, n0, n1);
-    default: return PanelZ<F>(in, p, n0, n1);
+    // The broadcast tiles scatter each decoded weight into the panel (about a cycle a weight):
+    // from 64 rows that is paid back (q4_1 [49,152, 576] on Zen 4: even at 64 rows, 1.6x the
+    // dot tiles at 256), below it the dot tiles' horizontal sums cost less.
+    default: return in.M >= 64 ? PanelBroadcastZ<F>(in, p, n0, n1) : PanelZ<F>(in, p, n0, n1);
   }
 }
 
