@@ -2,9 +2,11 @@
 sampled by a quantized engine and the policy it trains is the full-precision model.
 
 On SmolLM2-135M-Instruct (the registry-shipped GGUF, Q4_1), a GRPO-style rollout: 8 chat prompts
-x n=8 samples at temperature 1 (seeded, `NEW_TOKENS` each, stopping at EOS), sampled by the
-quantized engine, once per scheme:
+x n=8 samples at temperature 1 (seeded, `NEW_TOKENS` each, stopping at EOS), sampled once per
+scheme by its engine:
 
+- `none`: the policy's own engine (the baseline: what the sampler-side figures are without
+  quantization);
 - `int8`: `LLM(path, quantization="int8", dtype="bfloat16")`, the file's weights dequantized and
   re-quantized to int8 with one scale per output column;
 - `q4`: `LLM(path, quantization="gguf", dtype="bfloat16")`, the file's Q4_1 blocks as they are;
@@ -19,15 +21,17 @@ the policy:
   sampling cap (`CAPS`), and below 1 / cap (the tokens a cap on the inverse would clip);
 - `KL(r || p)` at each sampled position from the full distributions: mean and max per token;
   beside it the sampled-token estimators k1 = mean(log r - log p) and k3 = mean(ratio - 1 - log
-  ratio), which a trainer that keeps only the sampled log-probs would use.
+  ratio), which a trainer that keeps only the sampled log-probs would use;
+- `sampler_*`: the same per-token figures with the sampler's own log-probs as log r (`logprobs=0`,
+  `logprobs_mode="processed_logprobs"`: at T=1 with no top-k/top-p, the raw distribution's), what
+  a trainer holds. They differ from the scored ones by `sampler_vs_rollout_abs_*`: a decode step
+  (KV cache, one row per sequence) and the cache-free forward round their bf16 activations at
+  other points, so the same engine's two log-probs of a token are not equal in bf16.
 
-Sanity checks, reported: the sampler's own log-probs (`logprobs=0`, `logprobs_mode=
-"processed_logprobs"`: at T=1 with no top-k/top-p, the raw distribution's) against the rollout
-engine's scoring forward (`sampler_vs_rollout_abs_max`; a decode step and the cache-free forward
-sum their matmuls in different orders, so they agree to float rounding, not bitwise), and
-`LLM.score` of the first sequences on both engines against that forward (`score_vs_forward_abs_max`).
+Checked too: `LLM.score` of the first sequences on both engines against the forward the figures
+come from (`score_vs_forward_abs_max`).
 
-    python -m benchmarks.quant_mismatch [--schemes int8,q4] [--new-tokens 96]
+    python -m benchmarks.quant_mismatch [--schemes none,int8,q4] [--new-tokens 96]
 
 Prints a table and one JSON line (the CPU first).
 """
@@ -57,8 +61,9 @@ PROMPTS = (
 )
 N, NEW_TOKENS, SEED = 8, 96, 0
 CAPS = (2.0, 5.0)  # truncated importance sampling caps on p / r
-# The quantized rollout engines, each `LLM(path, **SCHEMES[name], **ENGINE)`; the policy: `**ENGINE`.
-SCHEMES = {"int8": {"quantization": "int8"}, "q4": {"quantization": "gguf"}}
+# The rollout engines, each `LLM(path, **SCHEMES[name], **ENGINE)`; the policy: `**ENGINE`.
+# "none": the policy's own engine samples, the baseline of the sampler-side figures.
+SCHEMES = {"none": {}, "int8": {"quantization": "int8"}, "q4": {"quantization": "gguf"}}
 ENGINE = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 64, "warmup": False}  # not timed
 KL_BATCH = 8  # sequences per full-vocabulary forward: [8, L, V] f32 logits per engine
 
@@ -172,27 +177,37 @@ def mismatch(
         key: np.concatenate(e.score([(s.prompt, s.tokens) for s in first]))
         for key, e in (("r", rollout_llm), ("p", policy_llm))
     }
-    diff = lp - lr  # log importance ratio p / r, per sampled token
-    ratio = np.exp(diff)
     out = {
         "samples": len(samples),
-        "tokens": int(diff.size),
+        "tokens": int(kl.size),
+        **_figures(lp - lr),
+        "kl_full_mean": float(kl.mean()),
+        "kl_full_max": float(kl.max()),
+        # what a trainer holds: the sampler's log-probs as log r
+        **_figures(lp - sampler, "sampler_"),
+        "sampler_vs_rollout_abs_mean": float(np.abs(sampler - lr).mean()),
+        "sampler_vs_rollout_abs_max": float(np.abs(sampler - lr).max()),
+        "score_vs_forward_abs_max": float(
+            max(np.abs(scored["r"] - lr[:k]).max(), np.abs(scored["p"] - lp[:k]).max())
+        ),
+    }
+    return out
+
+
+def _figures(diff: np.ndarray, prefix: str = "") -> dict:
+    """Per-token figures of diff = log p - log r, the log importance ratio p / r."""
+    ratio = np.exp(diff)
+    out = {
         "logp_diff_mean": float(diff.mean()),
         "logp_diff_abs_mean": float(np.abs(diff).mean()),
         "logp_diff_abs_max": float(np.abs(diff).max()),
-        "kl_full_mean": float(kl.mean()),
-        "kl_full_max": float(kl.max()),
         "kl_k1": float(-diff.mean()),
         "kl_k3": float(np.mean(ratio - 1.0 - diff)),
     }
     for cap in CAPS:
         out[f"ratio_above_{cap:g}"] = float(np.mean(ratio > cap))
         out[f"ratio_below_1/{cap:g}"] = float(np.mean(ratio < 1.0 / cap))
-    out["sampler_vs_rollout_abs_max"] = float(np.abs(sampler - lr).max())
-    out["score_vs_forward_abs_max"] = float(
-        max(np.abs(scored["r"] - lr[:k]).max(), np.abs(scored["p"] - lp[:k]).max())
-    )
-    return out
+    return {prefix + key: v for key, v in out.items()}
 
 
 def run(schemes: list[str], new_tokens: int = NEW_TOKENS, engine: dict | None = None) -> dict:
@@ -208,10 +223,10 @@ def run(schemes: list[str], new_tokens: int = NEW_TOKENS, engine: dict | None = 
     prompts = chat_prompts(policy)
     rows = {}
     for name in schemes:
-        quantized = LLM(path, **{**engine, **SCHEMES[name]})
-        rows[name] = mismatch(quantized, policy, prompts, N, new_tokens, SEED)
+        sampler = LLM(path, **{**engine, **SCHEMES[name]}) if SCHEMES[name] else policy
+        rows[name] = mismatch(sampler, policy, prompts, N, new_tokens, SEED)
         print(_line(name, rows[name]), flush=True)
-        del quantized
+        del sampler
         gc.collect()
     return {
         "model": path.name,

@@ -34,8 +34,10 @@ def test_an_int8_rollout_differs_from_its_policy_by_finite_figures(engines):
     assert 0 <= got["kl_full_mean"] <= got["kl_full_max"]
     assert 0 < got["logp_diff_abs_mean"] <= got["logp_diff_abs_max"]  # int8 rounding moves every logit
     assert got["kl_k3"] >= 0  # ratio - 1 - log ratio >= 0 token by token
-    # the rollout's log-probs as its sampler returned them, and as `LLM.score` gives them
-    assert got["sampler_vs_rollout_abs_max"] < 1e-4
+    # The sampler's log-probs are of the same distribution up to int8 rounding of x: the scoring
+    # forward's 16+ rows take the kernel's VNNI path (x quantized per row), a 2-row decode step
+    # the exact one. A token scored at the wrong position would be off by nats.
+    assert got["sampler_vs_rollout_abs_max"] < 0.05
     assert got["score_vs_forward_abs_max"] < 1e-5
 
 
@@ -45,6 +47,8 @@ def test_a_policy_against_itself_has_no_mismatch(engines):
     for key in ("logp_diff_mean", "logp_diff_abs_mean", "logp_diff_abs_max", "kl_full_mean", "kl_full_max"):
         assert got[key] == 0.0, key
     assert got["kl_k1"] == got["kl_k3"] == 0.0
+    # f32: a decode step's log-probs are the cache-free forward's up to the order of f32 sums
+    assert got["sampler_vs_rollout_abs_max"] < 1e-5 and got["sampler_logp_diff_abs_max"] < 1e-5
     assert all(got[f"ratio_above_{c:g}"] == got[f"ratio_below_1/{c:g}"] == 0.0 for c in quant_mismatch.CAPS)
 
 
