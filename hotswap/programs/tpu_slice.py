@@ -8,7 +8,9 @@ for them (docs/en/tpu_pods.md). Nothing here allocates a weight: the model is it
 The report, per chip: the params' bytes, the KV pages that fit at `gpu_memory_utilization`
 (sized by `programs/kv_sizing.py`, from the chip's HBM size), every program's memory
 analysis (`programs/catalog.py`), whether serving fits the chip's HBM, and a decode
-throughput estimate from HBM bandwidth. A compile error names its program.
+throughput estimate from HBM bandwidth. A compile error names its program. Under
+`quantization` (int8; fp8 only on a chip with fp8 matmuls) every program takes the matmul
+weights as the engine serves them and every byte count is theirs (`catalog.served_params`).
 """
 
 from __future__ import annotations
