@@ -17,10 +17,17 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from hotswap.errors import CheckpointError, WeightsPathNotAllowed
 from hotswap.model.spec import Params, path_name
+
+
+def _checkpointer():
+    """orbax's StandardCheckpointer, imported on first use: orbax and tensorstore add ~28 MB to
+    every process that never reads or writes an orbax checkpoint (most serving ones)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def resolve_weights_path(path: str | os.PathLike, allowed_root: str | os.PathLike | None) -> Path:
@@ -49,7 +56,7 @@ def save_params(params: Params, path: str | os.PathLike, *, overwrite: bool = Fa
     if path.exists() and not overwrite:
         raise CheckpointError(f"orbax checkpoint path {str(path)!r} already exists; pass overwrite=True")
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with _checkpointer() as ckptr:
             ckptr.save(path, params, force=overwrite)
             # StandardCheckpointer is async: without the wait a caller could read a half-written dir.
             ckptr.wait_until_finished()
@@ -92,7 +99,7 @@ def restore_params(path: str | os.PathLike, abstract_params: Params | None = Non
         )
     target = jax.tree_util.tree_unflatten(treedef, target_leaves)
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with _checkpointer() as ckptr:
             restored = ckptr.restore(path, target)
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"could not restore orbax checkpoint {str(path)!r}: {_first_line(e)}") from e
@@ -112,7 +119,7 @@ def _read_metadata(path: Path) -> Any:
             "an unfinished save, or an HF safetensors directory?"
         )
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with _checkpointer() as ckptr:
             meta = ckptr.metadata(path)
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"could not read orbax checkpoint metadata at {str(path)!r}: {e}") from e

@@ -165,6 +165,26 @@ def _q6_k(b):
     return (d[..., None, None, None] * scale * q).reshape(*b.shape[:-1], 256)
 
 
+# Byte offsets of each block format's f16 scale fields. Every other field is an integer (the
+# quants, Q4_K's 6-bit scales, Q6_K's int8 scales), so a block decodes to finite values exactly
+# when these are finite.
+F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+
+
+def blocks_finite(data, fmt: str, k: int) -> bool:
+    """Whether [N, bytes] blocks (numpy, on the host) decode to finite values: their f16 scale
+    fields' exponents are not all ones (no NaN/Inf). Reads 2-4 bytes per block."""
+    import numpy as np
+
+    f = FORMATS[fmt]
+    blocks = np.asarray(data).reshape(-1, f.block_bytes)
+    for at in F16_FIELDS[fmt]:
+        bits = blocks[:, at].astype(np.uint16) | (blocks[:, at + 1].astype(np.uint16) << 8)
+        if ((bits & 0x7C00) == 0x7C00).any():
+            return False
+    return True
+
+
 _DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q4_k": _q4_k, "q6_k": _q6_k}
 
 

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from hotswap.checkpoint import hf
 from hotswap.kernels import cpu_convert
-from hotswap.kernels.qtensor import QTensor, decode_blocks, is_qtensor
+from hotswap.kernels.qtensor import QTensor, blocks_finite, is_qtensor
 from hotswap.model.config import ModelConfig
 from hotswap.model.params import Params
 from hotswap.model.spec import EMBED, ParamSpec, param_specs
@@ -130,13 +130,10 @@ def _blocks(q: QTensor, sharding) -> tuple[QTensor, jax.Array]:
         where = NamedSharding(sharding.mesh, PartitionSpec())
     # A copy of the file's bytes, never a view: XLA:CPU may alias the host array it is given,
     # and a view would keep the whole memory-mapped file (every tensor's pages) resident.
-    data = _put(np.array(q.data, copy=True), where if isinstance(where, (NamedSharding, SingleDeviceSharding)) else None)
-    return dataclasses.replace(q, data=data), _blocks_finite(data, q.fmt, q.k)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _blocks_finite(data: jax.Array, fmt: str, k: int) -> jax.Array:
-    return jnp.isfinite(decode_blocks(data, fmt, k)).all()
+    host = np.array(q.data, copy=True)
+    flag = np.bool_(blocks_finite(host, q.fmt, q.k))  # the scales, on the host: no decoded copy
+    data = _put(host, where if isinstance(where, (NamedSharding, SingleDeviceSharding)) else None)
+    return dataclasses.replace(q, data=data), flag
 
 
 def _chip_bytes(x: jax.Array) -> int:
