@@ -9,14 +9,15 @@
 // Exact (the default): x stays f32 and every weight is decoded to the f32 value
 // gguf.quants.dequantize gives it (block_formats.h), so y is x @ dequantize(W).T up to the order
 // of f32 sums. Two schedules:
-//   - up to kDirectRows rows (decode): each output row's groups are decoded once, straight into
+//   - up to 4 rows (decode): each output row's groups are decoded once, straight into
 //     registers, and FMA'd into every x row; the output rows are split over XLA's intra-op
 //     threads in contiguous runs, so each thread streams its own part of the blocks.
 //   - more rows (prefill, large batches): a work item decodes a panel of kPanel output rows x up
 //     to kChunk of K into a per-thread f32 buffer (kPanel * kChunk * 4 = 128 KB, in L2) and runs
-//     register tiles over all x rows: decoding is paid once per weight, not once per x row. The
-//     tiles are 4 x 4 dot products, or on AVX-512 from 64 rows small_matmul's broadcast form
-//     over a [k][16 outputs] panel.
+//     register tiles over all x rows: decoding is paid once per weight, not once per x row. On
+//     AVX-512 the panel is [k][16 outputs] (each group decoded row-major, then transposed in
+//     registers) under small_matmul's broadcast tiles; on AVX2 it is row-major under dot tiles of
+//     2 x rows x 4 outputs.
 // Not exact (llama.cpp's way): x is quantized per 32 values to int8 with one f32 scale (q8_0),
 // and each group's weight codes are multiplied with them in int8 x int8 -> int32 dots
 // (vpdpbusd on AVX512_VNNI, vpmaddubsw + vpmaddwd on AVX2), scaled per group in f32.
@@ -68,6 +69,18 @@ struct Input {
 
 constexpr int64_t kPanel = 16;    // output rows a prefill work item decodes at once
 constexpr int64_t kChunk = 2048;  // of K per panel fill: 16 x 2048 f32 = 128 KB, in L2
+// Decode (up to 4 rows) touches each block byte once, in order: the lines kPrefetch bytes ahead
+// of the output rows being decoded are requested early, so both cores' reads stay in flight
+// (q4_1 SmolLM2 chain at 1 row on the shared Zen 4: 16.3-16.6 vs 17.8-18.6 process CPU ms
+// without; ~16 rows of K = 576 ahead).
+constexpr int64_t kPrefetch = 6144;
+
+// Requests the lines of [p, p + n) into the caches (a hint: never faults, past a buffer's end too).
+inline void Prefetch(const uint8_t* p, int64_t n) {
+#if defined(__x86_64__)
+  for (int64_t b = 0; b < n; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
+#endif
+}
 
 float* PanelBuffer() {
   thread_local std::vector<float> buf(kPanel * kChunk);
@@ -200,6 +213,7 @@ HOTSWAP_TARGET_AVX512 void DirectZ(const Input& in, const Product& p, int64_t n0
   for (; n + 2 <= n1; n += 2) {
     const uint8_t* r0 = p.w + n * p.row_bytes;
     const uint8_t* r1 = r0 + p.row_bytes;
+    Prefetch(r0 + kPrefetch, 2 * p.row_bytes);
     __m512 acc[2][MR][2];
     for (int a = 0; a < 2; ++a)
       for (int r = 0; r < MR; ++r) acc[a][r][0] = acc[a][r][1] = _mm512_setzero_ps();
@@ -234,68 +248,6 @@ HOTSWAP_TARGET_AVX512 void DirectZ(const Input& in, const Product& p, int64_t n0
   }
 }
 
-// s[MR][4] = x[MR rows, 0:kn] . buf[4 rows, 0:kn] (row strides ldx, ldb): 4 x MR zmm accumulators.
-template <int MR>
-HOTSWAP_TARGET_AVX512 void TileZ(const float* x, int64_t ldx, const float* buf, int64_t ldb, int64_t kn,
-                                 float s[][4]) {
-  __m512 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kn; k += 16) {
-    __m512 w[4];
-    for (int c = 0; c < 4; ++c) w[c] = _mm512_loadu_ps(buf + c * ldb + k);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, w[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) s[r][c] = _mm512_reduce_add_ps(acc[r][c]);
-}
-
-// Panel of output rows [n0, n1) (at most kPanel) for all x rows: decode kChunk of K at a time
-// into buf[kPanel][kn], then 4 x 4 tiles over it.
-template <int F>
-HOTSWAP_TARGET_AVX512 void PanelZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
-  float* buf = PanelBuffer();
-  const int64_t K = in.K, rows = n1 - n0;
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t kn = std::min(kChunk, K - k0), g0 = k0 / kGroup;
-    for (int64_t i = 0; i < kPanel; ++i) {
-      float* b = buf + i * kn;
-      if (i >= rows) {
-        std::fill(b, b + kn, 0.0f);
-        continue;
-      }
-      const uint8_t* row = p.w + (n0 + i) * p.row_bytes;
-      for (int64_t g = 0; g < kn / kGroup; ++g) {
-        const Z2 w = DecodeZ<F>(row, g0 + g);
-        _mm512_storeu_ps(b + g * kGroup, w.v[0]);
-        _mm512_storeu_ps(b + g * kGroup + 16, w.v[1]);
-      }
-    }
-    for (int64_t r0 = 0; r0 < in.M; r0 += 4) {
-      const int64_t mr = std::min<int64_t>(4, in.M - r0);
-      for (int64_t c0 = 0; c0 < rows; c0 += 4) {
-        float s[4][4];
-        const float* xr = in.x + r0 * K + k0;
-        const float* br = buf + c0 * kn;
-        switch (mr) {
-          case 4: TileZ<4>(xr, K, br, kn, kn, s); break;
-          case 3: TileZ<3>(xr, K, br, kn, kn, s); break;
-          case 2: TileZ<2>(xr, K, br, kn, kn, s); break;
-          default: TileZ<1>(xr, K, br, kn, kn, s); break;
-        }
-        for (int64_t r = 0; r < mr; ++r)
-          for (int64_t c = 0; c < std::min<int64_t>(4, rows - c0); ++c) {
-            float& y = p.y[(r0 + r) * p.N + n0 + c0 + c];
-            y = k0 == 0 ? s[r][c] : y + s[r][c];
-          }
-      }
-    }
-  }
-}
-
 template <int F, int MR>
 HOTSWAP_TARGET_AVX2 void DirectY(const Input& in, const Product& p, int64_t n0, int64_t n1);
 
@@ -313,29 +265,69 @@ HOTSWAP_TARGET_AVX512 void BroadcastTileZ(const float* x, int64_t ldx, const flo
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, cols, acc[r]);
 }
 
+// r[i] <- column i of the 16 x 16 matrix whose row j is r[j]: 64 in-lane and 128-bit-lane
+// shuffles (unpack, shuffle_ps, two shuffle_f32x4), a quarter of a cycle a float on Zen 4,
+// where scattering each decoded weight to its column cost about one.
+HOTSWAP_TARGET_AVX512 inline void Transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int b = 0; b < 16; b += 4) {
+    r[b] = _mm512_shuffle_ps(t[b], t[b + 2], 0x44);
+    r[b + 1] = _mm512_shuffle_ps(t[b], t[b + 2], 0xEE);
+    r[b + 2] = _mm512_shuffle_ps(t[b + 1], t[b + 3], 0x44);
+    r[b + 3] = _mm512_shuffle_ps(t[b + 1], t[b + 3], 0xEE);
+  }
+  for (int b = 0; b < 16; b += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[b + j] = _mm512_shuffle_f32x4(r[b + j], r[b + 4 + j], 0x88);
+      t[b + 4 + j] = _mm512_shuffle_f32x4(r[b + j], r[b + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
+// buf[kn][16] <- the panel's output rows [n0, n1) (at most 16; lanes past them 0) over the
+// groups [g0, g0 + kn / 32): each group of the 16 rows is decoded into a 2 KB row-major
+// scratch (L1), then its two 16 x 16 halves are transposed in registers.
+template <int F>
+HOTSWAP_TARGET_AVX512 void FillPanelT(const Product& p, int64_t n0, int64_t rows, int64_t g0, int64_t kn,
+                                      float* buf) {
+  alignas(64) float scratch[kPanel][kGroup];
+  if (rows < kPanel) std::memset(scratch, 0, sizeof(scratch));
+  const uint8_t* first = p.w + n0 * p.row_bytes;
+  for (int64_t g = 0; g < kn / kGroup; ++g) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const Z2 w = DecodeZ<F>(first + i * p.row_bytes, g0 + g);
+      _mm512_store_ps(scratch[i], w.v[0]);
+      _mm512_store_ps(scratch[i] + 16, w.v[1]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(scratch[i] + 16 * h);
+      Transpose16(r);
+      float* out = buf + (g * kGroup + 16 * h) * kPanel;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + 16 * i, r[i]);
+    }
+  }
+}
+
 // Panel of output rows [n0, n1) (at most kPanel = 16) for all x rows: kChunk of K at a time is
-// decoded into buf[kn][16] (output row i of the panel in lane i, scattered as decoded), then
-// tiles of up to 8 x rows run over it.
+// decoded into buf[kn][16] (output row i of the panel in lane i), then tiles of up to 8 x rows
+// run over it.
 template <int F>
 HOTSWAP_TARGET_AVX512 void PanelBroadcastZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
   static_assert(kPanel == 16, "one zmm of outputs per panel");
   float* buf = PanelBuffer();
   const int64_t K = in.K, rows = n1 - n0;
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(16));
   const __mmask16 cols = static_cast<__mmask16>((1u << rows) - 1);
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t kn = std::min(kChunk, K - k0), g0 = k0 / kGroup;
-    if (rows < kPanel) std::fill(buf, buf + kn * kPanel, 0.0f);
-    for (int64_t i = 0; i < rows; ++i) {
-      const uint8_t* row = p.w + (n0 + i) * p.row_bytes;
-      for (int64_t g = 0; g < kn / kGroup; ++g) {
-        const Z2 w = DecodeZ<F>(row, g0 + g);
-        float* at = buf + g * kGroup * kPanel + i;
-        _mm512_i32scatter_ps(at, lanes, w.v[0], 4);
-        _mm512_i32scatter_ps(at + 16 * kPanel, lanes, w.v[1], 4);
-      }
-    }
+    const int64_t kn = std::min(kChunk, K - k0);
+    FillPanelT<F>(p, n0, rows, k0 / kGroup, kn, buf);
     for (int64_t r0 = 0; r0 < in.M; r0 += 8) {
       const float* xr = in.x + r0 * K + k0;
       float* y = p.y + r0 * p.N + n0;
@@ -366,10 +358,10 @@ HOTSWAP_TARGET_AVX512 void ItemZ(const Input& in, const Product& p, int64_t n0, 
     case 2: return DirectZ<F, 2>(in, p, n0, n1);
     case 3: return DirectZ<F, 3>(in, p, n0, n1);
     case 4: return DirectZ<F, 4>(in, p, n0, n1);
-    // The broadcast tiles scatter each decoded weight into the panel (about a cycle a weight):
-    // from 64 rows that is paid back (q4_1 [49,152, 576] on Zen 4: even at 64 rows, 1.6x the
-    // dot tiles at 256), below it the dot tiles' horizontal sums cost less.
-    default: return in.M >= 64 ? PanelBroadcastZ<F>(in, p, n0, n1) : PanelZ<F>(in, p, n0, n1);
+    // From 5 rows the panel is decoded once and transposed to [k][16 outputs] for broadcast
+    // tiles (no horizontal sums); 4 x 4 dot tiles over a row-major panel were 1.1-1.6x its
+    // process CPU time at 5-32 rows (q4_1, q6_k SmolLM2 chains, Zen 4).
+    default: return PanelBroadcastZ<F>(in, p, n0, n1);
   }
 }
 
@@ -456,6 +448,7 @@ HOTSWAP_TARGET_AVX2 void DirectY(const Input& in, const Product& p, int64_t n0, 
   const int64_t groups = in.K / kGroup, K = in.K;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.w + n * p.row_bytes;
+    Prefetch(row + kPrefetch, p.row_bytes);
     __m256 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
