@@ -89,8 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     (q,) = (a for a in p._actions if a.dest == "quantization")
     q.nargs, q.const = "?", MISMATCH
     q.help += (
-        "; with no value: run only the RL mismatch benchmark (an 8 x n=8 T=1 SmolLM2 rollout sampled "
-        "in int8 and in Q4 blocks, scored under the bf16 policy; benchmarks/quant_mismatch.py)"
+        "; with no value: run only the RL mismatch benchmark (an 8 x n=8 T=1 SmolLM2 rollout sampled by "
+        "bf16, int8 (per column; groups of 64) and Q4-block engines, scored under the bf16 policy; "
+        "benchmarks/quant_mismatch.py)"
     )
 
 

@@ -9,6 +9,8 @@ scheme by its engine:
   quantization);
 - `int8`: `LLM(path, quantization="int8", dtype="bfloat16")`, the file's weights dequantized and
   re-quantized to int8 with one scale per output column;
+- `int8_g64`: the same with one scale per 64 inputs (`quantization_group_size=64`); from 16 rows a
+  step the int8 kernel quantizes x too, per row and group (VNNI), so the groups bound x's error;
 - `q4`: `LLM(path, quantization="gguf", dtype="bfloat16")`, the file's Q4_1 blocks as they are;
 
 and the same prompt + sampled tokens scored under the policy, the file dequantized to bf16
@@ -63,7 +65,12 @@ N, NEW_TOKENS, SEED = 8, 96, 0
 CAPS = (2.0, 5.0)  # truncated importance sampling caps on p / r
 # The rollout engines, each `LLM(path, **SCHEMES[name], **ENGINE)`; the policy: `**ENGINE`.
 # "none": the policy's own engine samples, the baseline of the sampler-side figures.
-SCHEMES = {"none": {}, "int8": {"quantization": "int8"}, "q4": {"quantization": "gguf"}}
+SCHEMES = {
+    "none": {},
+    "int8": {"quantization": "int8"},
+    "int8_g64": {"quantization": "int8", "quantization_group_size": 64},
+    "q4": {"quantization": "gguf"},
+}
 ENGINE = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 64, "warmup": False}  # not timed
 KL_BATCH = 8  # sequences per full-vocabulary forward: [8, L, V] f32 logits per engine
 
