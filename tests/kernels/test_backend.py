@@ -61,9 +61,13 @@ def test_the_backend_runs_the_row_chosen_once_and_is_a_static_value():
     assert cpu == Backend("cpu", "cpu") and hash(cpu) == hash(Backend("cpu", "cpu"))  # reason aside
     fixed = Backend("cpu", "cpu", deterministic=True)
     assert fixed.kernels is b.FIXED["cpu"] and fixed != cpu
-    assert (fixed.matmuls, fixed.mean_square) == (b.cpu_matmul.fixed_matmuls, b.cpu_sampling.row_mean_square)
+    # `Backend.matmuls` is the row's dense routine behind the quantized-weight dispatch (quant_matmul)
+    assert (fixed.kernels.matmuls, fixed.mean_square) == (
+        b.cpu_matmul.fixed_matmuls,
+        b.cpu_sampling.row_mean_square,
+    )
     ref = Backend("reference", "cpu")
-    assert (ref.read_then_write, ref.flat_pages, ref.ragged_steps, ref.matmuls) == (
+    assert (ref.read_then_write, ref.flat_pages, ref.ragged_steps, ref.kernels.matmuls) == (
         True,
         True,
         False,
