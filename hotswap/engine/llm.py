@@ -58,8 +58,7 @@ class LLM:
         dtype = eargs.dtype or default_dtype(jax.default_backend())
         if eargs.quantization == "gguf" and dtype is None:
             dtype = "bfloat16"  # what is not served as blocks: never widened to f32 unless asked
-        gguf = gguf_io.is_gguf(self.model_dir)
-        if gguf:  # a llama.cpp file: config and tokenizer from its metadata
+        if gguf_io.is_gguf(self.model_dir):  # a llama.cpp file: config and tokenizer from its metadata
             f = gguf_io.GGUFFile(self.model_dir)
             mcfg = gguf_io.model_config(f, dtype=dtype)
             tokenizer = gguf_io.tokenizer_from_metadata(f.metadata, where=str(f.path))
@@ -67,14 +66,6 @@ class LLM:
             mcfg = ModelConfig.from_hf(hf.read_hf_config(self.model_dir), dtype=dtype)
             has_tok = (self.model_dir / "tokenizer.json").exists()
             tokenizer = Tokenizer.from_dir(self.model_dir) if has_tok else None
-        mcfg = quantize.configured(
-            mcfg,
-            eargs.quantization,
-            eargs.quantization_group_size,
-            gguf=gguf,
-            device=jax.devices()[0],
-            deterministic=eargs.deterministic,
-        )
         # The weights are read, checked and placed by the engine, as an update is (`weights/`).
         self.engine = _start_engine(mcfg, self.model_dir, tokenizer, eargs, mesh)
         self.tool_parser = formats.choose(
@@ -114,14 +105,6 @@ class LLM:
             eos_token_ids=(tokenizer.eos_token_id,)
             if tokenizer and tokenizer.eos_token_id is not None
             else (),
-        )
-        mcfg = quantize.configured(
-            mcfg,
-            eargs.quantization,
-            eargs.quantization_group_size,
-            gguf=False,
-            device=jax.devices()[0],
-            deterministic=eargs.deterministic,
         )
         self = cls.__new__(cls)
         self.model_dir, self.model_id = None, type(model).__name__
@@ -393,6 +376,14 @@ class LLM:
 def _start_engine(mcfg, params, tokenizer, args: EngineArgs, mesh: jax.sharding.Mesh | None) -> Engine:
     """The Engine `LLM` wraps: sizes the page pool (`kv_sizing.py`) and places params on the mesh,
     with the Backend chosen once, here (`catalog.Target.on`), for both the sizing and the Engine."""
+    mcfg = quantize.configured(  # how the weights are served: checked before anything loads
+        mcfg,
+        args.quantization,
+        args.quantization_group_size,
+        gguf=isinstance(params, (str, Path)) and gguf_io.is_gguf(params),
+        device=jax.devices()[0],
+        deterministic=args.deterministic,
+    )
     max_model_len = args.max_model_len or min(mcfg.max_position_embeddings, 2048)
     tp = args.tensor_parallel_size or 1
     shardings, kv = sharding.engine_shardings(mcfg, tp, mesh)  # (None, None): 1 device
