@@ -86,6 +86,20 @@ def test_panel_over_several_chunks(path):
             check(x, b, fmt, y, 1e-6)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_runs_longer_than_a_panel(path):
+    """300 outputs split over the threads in runs of more than 16 rows at 3 and 4 x rows: each
+    path takes those row counts without a panel or splits them into panels (AVX2 once read
+    past its 16-row panel there)."""
+    rng = np.random.default_rng(3)
+    blocks = random_blocks(rng, "q4_1", 300, 512)
+    for m in (3, 4):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        check(
+            x, blocks, "q4_1", cpu_blocks.matmul(jnp.asarray(x), jnp.asarray(blocks), "q4_1", isa=path), 1e-6
+        )
+
+
 def _tensors(path) -> dict[str, tuple[np.ndarray, str]]:
     """The block tensors of a GGUF file: (uint8 [N, row bytes], still memory-mapped, format),
     read through hotswap's header cache (gguf's reader parses a 262k-token vocabulary first)."""

@@ -556,6 +556,13 @@ struct Y {
 };
 #endif
 
+// The most x rows a path's exact item takes without a panel (ItemZ, ItemY; scalar: any).
+int64_t DirectRows(Isa path) {
+  if (path == Isa::kAvx512Vnni || path == Isa::kAvx512) return 4;
+  if (path == Isa::kAvx2Fma) return 2;
+  return INT64_MAX;
+}
+
 ItemFn Exact(Isa path, Fmt f) {
 #if defined(__x86_64__)
   if (path == Isa::kAvx512Vnni || path == Isa::kAvx512) return ByFormat<Z>(f);
@@ -767,12 +774,13 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
   }
   if (in.M == 0) return ffi::Error::Success();
   if (!exact) QuantizeInput(in);
-  // Work items: runs of output rows. Up to 4 rows, ~8 runs a thread over all the products
-  // (contiguous blocks per run, balanced to within a run); more rows, kPanel-row panels.
+  // Work items: runs of output rows. Up to the path's direct rows, ~8 runs a thread over all
+  // the products (contiguous blocks per run, balanced to within a run); more rows, kPanel-row
+  // panels (a panel item handles at most kPanel output rows).
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t total_rows = 0;
   for (const Product& p : ps) total_rows += p.N;
-  const bool panels = exact && in.M > 4;
+  const bool panels = exact && in.M > DirectRows(path);
   const int64_t run = panels ? kPanel : std::max<int64_t>(2, (total_rows + 8 * threads - 1) / (8 * threads) / 2 * 2);
   std::vector<int64_t> first{0};  // items before each product
   for (const Product& p : ps) first.push_back(first.back() + (p.N + run - 1) / run);
