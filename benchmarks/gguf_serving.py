@@ -163,10 +163,26 @@ def _child_gemma(spec: dict) -> dict:
 CHILDREN = {"bare": _child_bare, "hotswap": _child_hotswap, "greedy": _child_greedy, "gemma": _child_gemma}
 
 
+def code_version() -> str:
+    """A hash of hotswap's sources as this process found them (Python, C++ kernels): the tree is
+    shared with people changing the kernels, so the two hotswap legs of A-B-A may run different code."""
+    import hashlib
+
+    import hotswap
+
+    h = hashlib.sha256()
+    root = Path(hotswap.__file__).parent
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cc", ".h") and f.is_file():
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def child_main(role: str) -> None:
     spec = json.load(sys.stdin)
+    code = code_version()  # before the engine starts: what its kernels are built from
     out = CHILDREN[role](spec)
-    print(RESULT + json.dumps({**out, "peak_rss": _peak_rss()}), flush=True)
+    print(RESULT + json.dumps({**out, "code": code, "peak_rss": _peak_rss()}), flush=True)
 
 
 # --------------------------------------------------------------------------- parent
@@ -341,6 +357,8 @@ def run(
                 "batch": b,
                 "kv_pages": _engine(dtype, b)["num_pages"],
                 "hotswap_tok_s_runs": [r["tok_s"] for r in runs],
+                # hotswap's sources changed between its two legs: the ratio mixes two versions
+                "code_changed_between_legs": runs[0]["code"] != runs[1]["code"],
                 "hotswap_tok_s": ours,
                 "llama_cpp_tok_s": theirs["tok_s"],
                 "llama_cpp_threads": theirs["threads"],
