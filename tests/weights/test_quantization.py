@@ -70,7 +70,12 @@ def test_int8_group_scales_follow_the_group_size(tiny_dir):
     dense = LLM(str(tiny_dir), **ENGINE).params["layers"][0]["w_down"]
     err = np.abs(np.asarray(qtensor.dequantize(w)) - np.asarray(dense))
     assert err.max() <= np.abs(np.asarray(dense)).max() / 127  # half a step of the coarsest scale, twice
-    assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].quantization == {1: "int8-g32"}
+    before = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert before[0].outputs[0].quantization == {1: "int8-g32"}
+    llm.sleep(level=1)  # the QTensors go to host memory and come back as they were
+    llm.wakeup()
+    assert _leaves_equal(llm.params["layers"][0]["w_down"], w)
+    assert _tokens(llm) == [o.outputs[0].token_ids for o in before]
 
 
 @pytest.mark.parametrize(
