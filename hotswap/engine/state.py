@@ -168,8 +168,8 @@ class StateRef:
 
     @state.setter
     def state(self, state: EngineState) -> None:
-        if state.params is not None:
-            self._quantization.setdefault(state.weights_version, quantize.label(state.params))
+        if state.params is not None and state.weights_version not in self._quantization:  # once a version
+            self._quantization[state.weights_version] = quantize.label(state.params)
         self._state = state
 
     def quantization(self, version: int) -> str | None:
