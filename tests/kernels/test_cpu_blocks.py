@@ -73,13 +73,14 @@ def test_blocks_gguf_quantized(fmt):
 @pytest.mark.parametrize("path", PATHS)
 def test_panel_over_several_chunks(path):
     """K = 2,560 is more than one 2,048-weight panel fill: the second (partial) fill adds to the
-    first's sums; 21 outputs leave the last 16-output panel part empty; 5 and 19 rows take the
-    panel tiles (8-row tiles and their remainders)."""
+    first's sums; 21 outputs leave the last 16-output panel part empty; 5, 13 and 19 rows take
+    the panel tiles (8-row tiles and their remainders) or, on AVX-512, the direct items in blocks
+    of 8 x rows (q4_1 up to 16 rows, q6_k up to 8)."""
     rng = np.random.default_rng(2)
     k = 2560
     weights = [(random_blocks(rng, fmt, 21, k), fmt) for fmt in ("q4_1", "q6_k")]
     dev = [(jnp.asarray(b), fmt) for b, fmt in weights]
-    for m in (5, 19):
+    for m in (5, 13, 19):
         x = rng.standard_normal((m, k)).astype(np.float32)
         ys = cpu_blocks.matmuls(jnp.asarray(x), dev, isa=path)
         for (b, fmt), y in zip(weights, ys, strict=True):

@@ -9,9 +9,10 @@
 // Exact (the default): x stays f32 and every weight is decoded to the f32 value
 // gguf.quants.dequantize gives it (block_formats.h), so y is x @ dequantize(W).T up to the order
 // of f32 sums. Two schedules:
-//   - up to 4 rows (decode): each output row's groups are decoded once, straight into
-//     registers, and FMA'd into every x row; the output rows are split over XLA's intra-op
-//     threads in contiguous runs, so each thread streams its own part of the blocks.
+//   - up to DirectRows rows (decode; AVX-512: 16, 8 for the K-quants): each output row's groups
+//     are decoded straight into registers and FMA'd into up to 8 x rows (AVX-512 decodes again,
+//     from cache, for each further 8); the output rows are split over XLA's intra-op threads in
+//     contiguous runs, so each thread streams its own part of the blocks.
 //   - more rows (prefill, large batches): a work item decodes a panel of kPanel output rows x up
 //     to kChunk of K into a per-thread f32 buffer (kPanel * kChunk * 4 = 128 KB, in L2) and runs
 //     register tiles over all x rows: decoding is paid once per weight, not once per x row. On
@@ -80,6 +81,18 @@ inline void Prefetch(const uint8_t* p, int64_t n) {
 #if defined(__x86_64__)
   for (int64_t b = 0; b < n; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), _MM_HINT_T0);
 #endif
+}
+
+// The most x rows a path's exact item takes without a panel (ItemZ, ItemY; scalar: any). The
+// AVX-512 direct items decode the weights again for each 8 x rows (from L1 or L2) but pay no
+// transpose and no panel buffer: in process CPU ms of the SmolLM2 chains on the shared Zen 4,
+// q4_1 8 rows 35 vs 49-70 for the panel, 16 rows 68 vs 74, 32 rows 131 vs 111; q8_0 16 rows 67
+// vs 75; the K-quants decode dearer (q4_k 8 rows 71 vs 70, 16 rows 148 vs 141; q6_k 8 rows 59
+// vs 89).
+int64_t DirectRows(Isa path, Fmt f) {
+  if (path == Isa::kAvx512Vnni || path == Isa::kAvx512) return f == kQ4K || f == kQ6K ? 8 : 16;
+  if (path == Isa::kAvx2Fma) return 2;
+  return INT64_MAX;
 }
 
 float* PanelBuffer() {
@@ -204,13 +217,16 @@ HOTSWAP_TARGET_AVX512 inline Z2 DecodeZ(const uint8_t* row, int64_t g) {
   }
 }
 
-// Up to 4 x rows: two output rows at a time, two accumulators per (output row, x row) so the
-// FMA chains overlap.
+// x rows [x0, x0 + MR) (MR <= 8) against output rows [n0, n1): up to 4 x rows two output rows
+// at a time, two accumulators per (output row, x row) so the FMA chains overlap; more x rows one
+// output row at a time (2 * MR accumulators).
 template <int F, int MR>
-HOTSWAP_TARGET_AVX512 void DirectZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
+HOTSWAP_TARGET_AVX512 void DirectZ(const Input& in, const Product& p, int64_t n0, int64_t n1, int64_t x0 = 0) {
   const int64_t groups = in.K / kGroup, K = in.K;
+  const float* x = in.x + x0 * K;
+  float* y = p.y + x0 * p.N;
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) {
+  for (; MR <= 4 && n + 2 <= n1; n += 2) {
     const uint8_t* r0 = p.w + n * p.row_bytes;
     const uint8_t* r1 = r0 + p.row_bytes;
     Prefetch(r0 + kPrefetch, 2 * p.row_bytes);
@@ -220,31 +236,54 @@ HOTSWAP_TARGET_AVX512 void DirectZ(const Input& in, const Product& p, int64_t n0
     for (int64_t g = 0; g < groups; ++g) {
       const Z2 w0 = DecodeZ<F>(r0, g), w1 = DecodeZ<F>(r1, g);
       for (int r = 0; r < MR; ++r) {
-        const float* xr = in.x + r * K + g * kGroup;
-        const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
-        acc[0][r][0] = _mm512_fmadd_ps(w0.v[0], x0, acc[0][r][0]);
-        acc[0][r][1] = _mm512_fmadd_ps(w0.v[1], x1, acc[0][r][1]);
-        acc[1][r][0] = _mm512_fmadd_ps(w1.v[0], x0, acc[1][r][0]);
-        acc[1][r][1] = _mm512_fmadd_ps(w1.v[1], x1, acc[1][r][1]);
+        const float* xr = x + r * K + g * kGroup;
+        const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
+        acc[0][r][0] = _mm512_fmadd_ps(w0.v[0], xa, acc[0][r][0]);
+        acc[0][r][1] = _mm512_fmadd_ps(w0.v[1], xb, acc[0][r][1]);
+        acc[1][r][0] = _mm512_fmadd_ps(w1.v[0], xa, acc[1][r][0]);
+        acc[1][r][1] = _mm512_fmadd_ps(w1.v[1], xb, acc[1][r][1]);
       }
     }
     for (int a = 0; a < 2; ++a)
       for (int r = 0; r < MR; ++r)
-        p.y[r * p.N + n + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][r][0], acc[a][r][1]));
+        y[r * p.N + n + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][r][0], acc[a][r][1]));
   }
   for (; n < n1; ++n) {
     const uint8_t* row = p.w + n * p.row_bytes;
+    Prefetch(row + kPrefetch, p.row_bytes);
     __m512 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const Z2 w = DecodeZ<F>(row, g);
       for (int r = 0; r < MR; ++r) {
-        const float* xr = in.x + r * K + g * kGroup;
+        const float* xr = x + r * K + g * kGroup;
         acc[r][0] = _mm512_fmadd_ps(w.v[0], _mm512_loadu_ps(xr), acc[r][0]);
         acc[r][1] = _mm512_fmadd_ps(w.v[1], _mm512_loadu_ps(xr + 16), acc[r][1]);
       }
     }
-    for (int r = 0; r < MR; ++r) p.y[r * p.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < MR; ++r) y[r * p.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+// All x rows in blocks of 8 against output rows [n0, n1), 32 output rows at a time: each
+// block decodes the 32 rows' weights again, from L1 or L2 (they came from DRAM once).
+template <int F>
+HOTSWAP_TARGET_AVX512 void DirectBlocksZ(const Input& in, const Product& p, int64_t n0, int64_t n1) {
+  constexpr int64_t kRun = 32;
+  for (int64_t a = n0; a < n1; a += kRun) {
+    const int64_t b = std::min(a + kRun, n1);
+    for (int64_t x0 = 0; x0 < in.M; x0 += 8) {
+      switch (std::min<int64_t>(8, in.M - x0)) {
+        case 8: DirectZ<F, 8>(in, p, a, b, x0); break;
+        case 7: DirectZ<F, 7>(in, p, a, b, x0); break;
+        case 6: DirectZ<F, 6>(in, p, a, b, x0); break;
+        case 5: DirectZ<F, 5>(in, p, a, b, x0); break;
+        case 4: DirectZ<F, 4>(in, p, a, b, x0); break;
+        case 3: DirectZ<F, 3>(in, p, a, b, x0); break;
+        case 2: DirectZ<F, 2>(in, p, a, b, x0); break;
+        default: DirectZ<F, 1>(in, p, a, b, x0); break;
+      }
+    }
   }
 }
 
@@ -353,16 +392,11 @@ HOTSWAP_TARGET_AVX512 void ItemZ(const Input& in, const Product& p, int64_t n0, 
     if (in.M == 1) return DirectY<F, 1>(in, p, n0, n1);
     if (in.M == 2) return DirectY<F, 2>(in, p, n0, n1);
   }
-  switch (in.M) {
-    case 1: return DirectZ<F, 1>(in, p, n0, n1);
-    case 2: return DirectZ<F, 2>(in, p, n0, n1);
-    case 3: return DirectZ<F, 3>(in, p, n0, n1);
-    case 4: return DirectZ<F, 4>(in, p, n0, n1);
-    // From 5 rows the panel is decoded once and transposed to [k][16 outputs] for broadcast
-    // tiles (no horizontal sums); 4 x 4 dot tiles over a row-major panel were 1.1-1.6x its
-    // process CPU time at 5-32 rows (q4_1, q6_k SmolLM2 chains, Zen 4).
-    default: return PanelBroadcastZ<F>(in, p, n0, n1);
-  }
+  if (in.M <= DirectRows(Isa::kAvx512, static_cast<Fmt>(F))) return DirectBlocksZ<F>(in, p, n0, n1);
+  // More rows: the panel is decoded once and transposed to [k][16 outputs] for broadcast tiles
+  // (no horizontal sums); 4 x 4 dot tiles over a row-major panel were 1.1-1.6x its process CPU
+  // time at 5-32 rows (q4_1, q6_k SmolLM2 chains, Zen 4).
+  return PanelBroadcastZ<F>(in, p, n0, n1);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -555,13 +589,6 @@ struct Y {
   static constexpr ItemFn fn = ItemY<F>;
 };
 #endif
-
-// The most x rows a path's exact item takes without a panel (ItemZ, ItemY; scalar: any).
-int64_t DirectRows(Isa path) {
-  if (path == Isa::kAvx512Vnni || path == Isa::kAvx512) return 4;
-  if (path == Isa::kAvx2Fma) return 2;
-  return INT64_MAX;
-}
 
 ItemFn Exact(Isa path, Fmt f) {
 #if defined(__x86_64__)
@@ -780,15 +807,17 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t total_rows = 0;
   for (const Product& p : ps) total_rows += p.N;
-  const bool panels = exact && in.M > DirectRows(path);
-  const int64_t run = panels ? kPanel : std::max<int64_t>(2, (total_rows + 8 * threads - 1) / (8 * threads) / 2 * 2);
-  std::vector<int64_t> first{0};  // items before each product
-  for (const Product& p : ps) first.push_back(first.back() + (p.N + run - 1) / run);
+  const int64_t direct = std::max<int64_t>(2, (total_rows + 8 * threads - 1) / (8 * threads) / 2 * 2);
+  std::vector<int64_t> runs, first{0};  // each product's run, and the items before it
+  for (const Product& p : ps) {
+    runs.push_back(exact && in.M > DirectRows(path, p.fmt) ? kPanel : direct);
+    first.push_back(first.back() + (p.N + runs.back() - 1) / runs.back());
+  }
   hotswap::ParallelFor(pool, first.back(), [&](int64_t item) {
     size_t j = 0;
     while (item >= first[j + 1]) ++j;
-    const int64_t n0 = (item - first[j]) * run;
-    fns[j](in, ps[j], n0, std::min(n0 + run, ps[j].N));
+    const int64_t n0 = (item - first[j]) * runs[j];
+    fns[j](in, ps[j], n0, std::min(n0 + runs[j], ps[j].N));
   });
   return ffi::Error::Success();
 }
