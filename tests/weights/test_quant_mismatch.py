@@ -5,6 +5,7 @@ the full-vocabulary KL against one computed from `LLM.score` token by token, and
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import numpy as np
@@ -81,3 +82,16 @@ def test_bench_quantization_with_no_value_runs_the_mismatch_and_with_one_is_the_
     assert not hasattr(parser.parse_args([]), "quantization")  # engine flags: absent unless given
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
+
+
+def test_bench_quantization_runs_every_row_with_the_other_engine_flags(monkeypatch, tmp_path):
+    """The dispatch, with the 30-minute SmolLM2 run replaced by a recorder: every scheme, the
+    engine flags given beside it (not the flag itself), the result in bench.json."""
+    calls = []
+    monkeypatch.setattr(quant_mismatch, "run", lambda schemes, engine: calls.append((schemes, engine)) or {})
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quantization", "--attention", "reference", "--out", str(tmp_path)])
+    assert bench.run(args) == 0
+    assert calls == [(list(quant_mismatch.SCHEMES), {"attention": "reference"})]
+    assert json.loads((tmp_path / "bench.json").read_text())["quantization_mismatch"] == {}
