@@ -2,7 +2,7 @@
 int8 (llama.cpp's arithmetic), against the f32 matmul the engine runs today (`cpu_matmul.matmuls`)
 on the same weights dequantized, over SmolLM2-135M's matmuls of one step.
 
-    python benchmarks/block_matmul.py [--rows 1,16,64,512] [--formats q4_1,...] [--reps 5] [--out F.json]
+    python -m benchmarks.block_matmul [--rows 1,16,64,512] [--formats q4_1,...] [--reps 5] [--out F.json]
 
 The chain is SmolLM2-135M's 30 layers (hidden 576, intermediate 1,536, kv 192): q/k/v (one call),
 o, gate/up (one call), down, each layer its own weights, each call's input the previous one's
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import limits
 from hotswap import cli
 from hotswap.checkpoint import gguf_io
 from hotswap.kernels import cpu_blocks, cpu_isa, cpu_matmul
@@ -147,21 +147,8 @@ def dense_variant(layers, head):
 
 
 def copy_bandwidth(mb: int = 256, reps: int = 5) -> float:
-    """GB/s of read + written bytes copying a `mb` MB array, best of 1 and 2 threads (halves)."""
-    src = np.ones(mb << 18, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for threads in (1, 2):
-        spans = [(s[0], s[-1] + 1) for s in np.array_split(np.arange(src.size), threads)]
-        for _ in range(reps):
-            workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in spans]
-            t = time.perf_counter()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best / 1e9
+    """GB/s of read + written bytes copying a `mb` MB array, best of 1 and 2 threads."""
+    return max(limits.copy_bandwidth(mb, reps).values())
 
 
 def time_variants(vs: dict, x, reps: int) -> dict[str, tuple[float, float]]:

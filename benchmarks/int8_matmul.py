@@ -2,7 +2,7 @@
 against the f32 and bf16 matmuls the engine runs today (`cpu_matmul.matmuls`: the C++ kernel up
 to 32 rows, XLA's dot above) and XLA's f32 dot, over a chain of bench-100m's layer matmuls.
 
-    python benchmarks/int8_matmul.py [--rows 1,16,64,512] [--reps 9] [--out FILE.json]
+    python -m benchmarks.int8_matmul [--rows 1,16,64,512] [--reps 9] [--out FILE.json]
 
 The chain is bench-100m's 12 layers (hotswap/configs/bench-100m.json) of q/k/v [768, 768|256|256]
 (one call), o [768, 768], gate/up [768, 2048] (one call) and down [2048, 768], each layer its own
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import limits
 from hotswap.kernels import cpu_int8, cpu_matmul
 from hotswap.kernels.cpu_target import host
 
@@ -95,24 +95,10 @@ def variants(layers8, paths):
 
 
 def copy_bandwidth(mb: int = 256, reps: int = 5) -> dict[str, float]:
-    """GB/s of read + written bytes copying a `mb` MB array, on 1 and on 2 threads (halves), and
-    of bytes read by numpy's dot of the array with itself."""
+    """`limits.copy_bandwidth` (1 and 2 threads), and the bytes read by numpy's dot of the array
+    with itself."""
+    out = limits.copy_bandwidth(mb, reps)
     src = np.ones(mb << 18, np.float32)
-    dst = np.empty_like(src)
-    out = {}
-    for threads in (1, 2):
-        parts = np.array_split(np.arange(src.size), threads)
-        spans = [(p[0], p[-1] + 1) for p in parts]
-        best = float("inf")
-        for _ in range(reps):
-            workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in spans]
-            t = time.perf_counter()
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            best = min(best, time.perf_counter() - t)
-        out[f"copy_{threads}t_GBps"] = 2 * src.nbytes / best / 1e9
     # Read only, as a matmul reads its weights: BLAS's dot of the array with itself.
     best = float("inf")
     for _ in range(reps):

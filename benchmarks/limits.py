@@ -82,3 +82,28 @@ def probe_matmul_flops() -> float:
     b = jnp.ones((2048, 2048), jnp.float32)
     mm = jax.jit(lambda a, b: a @ b)
     return 2 * 512 * 2048 * 2048 / timeit(lambda: mm(a, b).block_until_ready(), 5)
+
+
+def copy_bandwidth(mb: int = 256, reps: int = 5) -> dict[str, float]:
+    """GB/s of read + written bytes copying a `mb` MB array (far past the L3) on 1 and on 2
+    threads (halves of it), best of `reps` each: what the DRAM gives a streaming kernel here."""
+    import threading
+
+    import numpy as np
+
+    src = np.ones(mb << 18, np.float32)
+    dst = np.empty_like(src)
+    out = {}
+    for threads in (1, 2):
+        spans = [(p[0], p[-1] + 1) for p in np.array_split(np.arange(src.size), threads)]
+        best = float("inf")
+        for _ in range(reps):
+            workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in spans]
+            t = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - t)
+        out[f"copy_{threads}t_GBps"] = 2 * src.nbytes / best / 1e9
+    return out
