@@ -17,8 +17,9 @@ llama.cpp's weight-only schemes do; experts stay dense (the grouped matmul kerne
 weights). Scales are max |w| / 127 (int8) or / 448 (fp8) per column or group, values rounded
 to nearest: symmetric round-to-nearest, what vLLM's and qwix's weight-only int8 do. An update
 is checked at full precision first (shapes, dtypes, NaN/Inf: `plan.py`, `finiteness.py`), so a
-bad update is refused before anything is quantized; the quantized copy is then built beside the
-serving one (the `copy` row of `place.py`) and the engine swaps it in.
+bad update is refused before anything is quantized. Each quantized row is quantized as soon as
+it is converted (`hf_device`, `serve_leaf`), in a staged copy as in an in-place update, so an
+update holds the dense form of only the tensors in flight.
 """
 
 from __future__ import annotations
@@ -162,11 +163,14 @@ def serve_leaf(cfg: ModelConfig, spec: ParamSpec, leaf):
     return quantize_leaf(cfg, spec, leaf)
 
 
-def quantize_leaf(cfg: ModelConfig, spec: ParamSpec, leaf: jax.Array) -> QTensor:
-    """One dense weight in the scheme's format, on the leaf's devices and sharding."""
+def quantize_leaf(cfg: ModelConfig, spec: ParamSpec, leaf: jax.Array) -> QTensor | jax.Array:
+    """One dense weight in the scheme's format, on the leaf's devices and sharding (under "gguf",
+    a row whose inputs are not whole 32-wide Q8_0 blocks stays dense, as llama.cpp keeps it)."""
     k = spec.n_in
     sh = getattr(leaf, "sharding", None)
     if cfg.quantization == "gguf":
+        if math.prod(spec.shape[:k]) % 32:  # not whole Q8_0 blocks: served in the model's dtype
+            return leaf
         data = _q8_0_jit(leaf, k)
         return QTensor(data, None, "q8_0", tuple(spec.shape), k)
     fn, static = _program(cfg, spec, sh)
