@@ -7,7 +7,7 @@ Issue 44's bars, measured in one run on SmolLM2-135M-Instruct Q4_1 (the llm-smol
   null page) minus a bare JAX process's (import jax, one tiny op), over llama.cpp's peak RSS for
   the same file (n_ctx 1,024, one sequence, its default f16 KV cache, the file mmapped as it
   does by default). Every engine runs in a process of its own, so each peak is its own: the
-  child's ru_maxrss (os.wait4) and its own VmHWM. The persistent compilation cache is warmed by
+  child's VmHWM (`spawn` says why not wait4's ru_maxrss). The persistent compilation cache is warmed by
   one run of each engine shape first, so the measured starts load their programs, not compile them.
 - decode tok/s at batch 1 and 16 on the same prompt tokens (chat-templated, tokenized once by
   hotswap's tokenizer; batch 16 is 16 different chats), greedy, `new_tokens` each, best of
@@ -194,8 +194,11 @@ def child_main(role: str) -> None:
 
 
 def spawn(argv: list[str], spec: dict, prefix: str = RESULT, env: dict | None = None) -> dict:
-    """Run one child, `spec` as JSON on its stdin; its result plus its ru_maxrss as the kernel
-    saw it (os.wait4: this child's own peak, not the maximum over all children)."""
+    """Run one child, `spec` as JSON on its stdin: its result plus `peak_rss_bytes`, the child's
+    own peak. That is the VmHWM it reports (its address space's high-water mark, which starts
+    afresh at exec), not wait4's ru_maxrss: Linux keeps the largest RSS across exec, and between
+    fork and exec the child's RSS is its parent's, so a large parent (a test process holding
+    models) would be every child's peak. A child that reports none falls back to wait4's."""
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gguf_serving_{os.getpid()}.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(
@@ -209,7 +212,9 @@ def spawn(argv: list[str], spec: dict, prefix: str = RESULT, env: dict | None = 
     lines = [line for line in stdout.splitlines() if line.startswith(prefix)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{argv[-1]} exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-    return {**json.loads(lines[-1][len(prefix) :]), "wait4_maxrss": usage.ru_maxrss * 1024}
+    result = json.loads(lines[-1][len(prefix) :])
+    hwm = (result.get("peak_rss") or {}).get("vmhwm")
+    return {**result, "peak_rss_bytes": hwm if hwm else usage.ru_maxrss * 1024}
 
 
 def _ours(role: str, spec: dict) -> dict:
@@ -247,7 +252,7 @@ def _llama(
         "seconds": row["seconds"],
         "tokens": row["tokens"],
         "peak_rss": got["peak_rss"],
-        "wait4_maxrss": got["wait4_maxrss"],
+        "peak_rss_bytes": got["peak_rss_bytes"],
     }
 
 
@@ -292,7 +297,7 @@ def run(
     load = [os.getloadavg()[0]]
     out: dict = {"cpu": cpu(), "file": path.name, "file_bytes": path.stat().st_size, "new_tokens": new_tokens}
     out["bare_jax"] = _ours("bare", {})
-    _say("bare jax", f"ru_maxrss={out['bare_jax']['wait4_maxrss'] / 2**20:.0f} MiB")
+    _say("bare jax", f"peak RSS={out['bare_jax']['peak_rss_bytes'] / 2**20:.0f} MiB")
 
     # Warm the persistent compilation cache: every engine shape starts once before it is measured.
     prompts = None
@@ -319,7 +324,7 @@ def run(
                     f"tok_s={got['tok_s']:.1f}",
                     f"start_s={got['start_s']:.1f}",
                     f"warmup={got['warmup']}",
-                    f"ru_maxrss={got['wait4_maxrss'] / 2**20:.0f} MiB",
+                    f"peak RSS={got['peak_rss_bytes'] / 2**20:.0f} MiB",
                 )
                 load.append(os.getloadavg()[0])
         return res
@@ -337,7 +342,7 @@ def run(
                 f"batch={b}",
                 f"threads={t}",
                 f"tok_s={got['tok_s']:.1f}",
-                f"ru_maxrss={got['wait4_maxrss'] / 2**20:.0f} MiB",
+                f"peak RSS={got['peak_rss_bytes'] / 2**20:.0f} MiB",
             )
             load.append(os.getloadavg()[0])
         best = max(by_threads, key=lambda t: by_threads[t]["tok_s"])
@@ -348,7 +353,7 @@ def run(
         }
     second = ours_round()
     out["llama_cpp"] = {"kv_cache": LLAMA_KV, "mmap": True, **llama}
-    bare = out["bare_jax"]["wait4_maxrss"]
+    bare = out["bare_jax"]["peak_rss_bytes"]
     table = []
     for dtype in DTYPES:
         for b in BATCHES:
@@ -356,7 +361,7 @@ def run(
             runs = [first[key], second[key]]
             ours = statistics.mean(r["tok_s"] for r in runs)
             theirs = llama[f"b{b}"]
-            rss = max(r["wait4_maxrss"] for r in runs)
+            rss = max(r["peak_rss_bytes"] for r in runs)
             row = {
                 "dtype": dtype,
                 "batch": b,
@@ -371,15 +376,15 @@ def run(
                 "hotswap_peak_rss": rss,
                 "hotswap_vmhwm": max(r["peak_rss"]["vmhwm"] for r in runs),
                 "hotswap_minus_bare_rss": rss - bare,
-                "llama_cpp_peak_rss": theirs["wait4_maxrss"],
-                "rss_ratio": (rss - bare) / theirs["wait4_maxrss"],
+                "llama_cpp_peak_rss": theirs["peak_rss_bytes"],
+                "rss_ratio": (rss - bare) / theirs["peak_rss_bytes"],
             }
             table.append(row)
             _say(
                 dtype,
                 f"batch={b}",
                 f"hotswap {ours:.1f} tok/s vs llama.cpp {theirs['tok_s']:.1f}: {row['tok_s_ratio']:.2f}x",
-                f"RSS-bare {(rss - bare) / 2**20:.0f} MiB vs llama.cpp {theirs['wait4_maxrss'] / 2**20:.0f} MiB: {row['rss_ratio']:.2f}x",
+                f"RSS-bare {(rss - bare) / 2**20:.0f} MiB vs llama.cpp {theirs['peak_rss_bytes'] / 2**20:.0f} MiB: {row['rss_ratio']:.2f}x",
             )
     out["table"] = table
     out["bars"] = _bars(table)
