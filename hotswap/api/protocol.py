@@ -250,17 +250,20 @@ class DetokenizeRequest(_Strict):
 
 
 def version_fields(comp: CompletionOutput) -> dict[str, Any]:
-    """Per-choice provenance: spans only when the tokens came from more than one version (each
-    with the quantization its version was served in), `quantization` (the last token's
+    """Per-choice provenance: spans only when the tokens came from more than one version (from a
+    quantized engine, each with the quantization its version was served in), `quantization` (the last token's
     version's, `weights/quantize.label`) only from a quantized engine, and `mixed_weights_kv`
     only when some token's context mixed versions (update policy "keep")."""
     spans = comp.weights_version_spans
     fields: dict[str, Any] = {}
+    quantized = any(q is not None for q in comp.quantization.values())  # else the wire is unchanged
     if len(spans) > 1:
-        fields["weights_version_spans"] = [
-            {**s, "quantization": comp.quantization.get(s["version"])} for s in spans
-        ]
-    if any(q is not None for q in comp.quantization.values()):  # how the weights were served
+        fields["weights_version_spans"] = (
+            [{**s, "quantization": comp.quantization.get(s["version"])} for s in spans]
+            if quantized
+            else spans
+        )
+    if quantized:  # how the weights were served
         fields["quantization"] = comp.quantization[spans[-1]["version"]]
     if comp.mixed_weights_kv:
         fields["mixed_weights_kv"] = True
