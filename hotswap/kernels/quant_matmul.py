@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hotswap.kernels import cpu_blocks, cpu_int8
 from hotswap.kernels.qtensor import QTensor, decode_blocks, is_qtensor
 
 
@@ -67,8 +68,6 @@ def _kind(w: QTensor) -> str:
 def _products(kind: str, x2: jax.Array, ws: list[QTensor], platform: str, cpu_kernels: bool) -> list:
     """x2 [M, K] times each weight -> f32 [M, N] each."""
     if cpu_kernels and kind == "int8":
-        from hotswap.kernels import cpu_int8
-
         xf = x2.astype(jnp.float32)
         pairs = [(w.data.reshape(w.k, w.n), w.scales.reshape(-1, w.n)) for w in ws]
         # Where the FMAs, not the weight bytes, bound the product (16 rows and more: the kernel's
@@ -77,8 +76,6 @@ def _products(kind: str, x2: jax.Array, ws: list[QTensor], platform: str, cpu_ke
         # CPU without VNNI, take the exact path.
         return cpu_int8.matmuls(xf, pairs, exact=False)
     if cpu_kernels and kind == "blocks":
-        from hotswap.kernels import cpu_blocks
-
         return cpu_blocks.matmuls(x2.astype(jnp.float32), [(w.data, w.fmt) for w in ws])
     if kind == "blocks":
         return [
