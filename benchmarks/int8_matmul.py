@@ -84,7 +84,7 @@ def variants(layers8, paths):
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))  # noqa: E731
     out = {}
     for path in paths:
-        exact = path != "avx512_vnni"
+        exact = path not in cpu_int8.QUANTIZING
         mm = lambda x, ws, path=path, exact=exact: cpu_int8.matmuls(x, ws, isa=path, exact=exact)  # noqa: E731
         out[f"int8_{path}"] = (jax.jit(lambda x, w, mm=mm: chain(mm, w, x)), q8, nbytes(q8))
     out["f32_engine"] = (jax.jit(lambda x, w: chain(cpu_matmul.matmuls, w, x)), dense32, nbytes(dense32))

@@ -3,12 +3,15 @@ float64 product of the dequantized weight (data * scales) with x."""
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hotswap.kernels import cpu_int8
+from hotswap.kernels import cpu_build, cpu_int8, cpu_isa
+from hotswap.kernels.cpu_target import host
 
 ROWS = (1, 2, 5, 16, 33, 300)  # GEMV (K split), 1-2 tiles, several row passes, prefill-sized
 GROUPS = (None, 32, 128)  # per-channel, and groups of 32 and 128 rows
@@ -54,9 +57,9 @@ def _check(x, weights, ys, quantized_x):
 @pytest.mark.parametrize("path", cpu_int8.runnable())
 def test_every_path_matches_the_float64_product(path):
     """Every row count and scale layout on `path`, three weights sharing x in one call. The VNNI
-    path is asked with exact=False (it quantizes x) and checked against its rounding's bound."""
+    paths are asked with exact=False (they quantize x) and checked against its rounding's bound."""
     rng = np.random.default_rng(0)
-    vnni = path == "avx512_vnni"
+    vnni = path in cpu_int8.QUANTIZING
     for group in GROUPS:
         weights = [_weight(rng, n, group) for n in WIDTHS]
         for m in ROWS:
@@ -74,7 +77,7 @@ def test_k_off_the_4_row_steps(path):
         weights = [_weight(rng, n, group, k=250) for n in (40, 96)]
         for m in (1, 2, 5, 33):
             x = rng.standard_normal((m, 250)).astype(np.float32)
-            if path == "avx512_vnni":
+            if path in cpu_int8.QUANTIZING:
                 with pytest.raises(jax.errors.JaxRuntimeError, match="multiple of 4"):
                     cpu_int8.matmuls(jnp.asarray(x), weights, isa=path, exact=False)
                 continue
@@ -95,21 +98,104 @@ def test_jit_leading_dims_and_one_custom_call():
 
 def test_auto_is_exact_unless_allowed_to_quantize_x():
     """ "auto" with exact=True gives the f32 path's bits; with exact=False and 16+ rows, a CPU
-    with VNNI quantizes x (a different, bounded result) and below 16 rows it stays exact."""
+    with VNNI quantizes x (a different, bounded result) and below 16 rows it stays exact. Each
+    time the bits are those of the path the kernel's table (`path_for`) names for this CPU."""
     rng = np.random.default_rng(2)
     weights = [_weight(rng, 128, None)]
     paths = cpu_int8.runnable()
-    best_exact = next(p for p in paths if p != "avx512_vnni")
+    best_exact = next(p for p in paths if p not in cpu_int8.QUANTIZING)
     for m in (5, 33):
         x = jnp.asarray(rng.standard_normal((m, K)).astype(np.float32))
         exact = np.asarray(cpu_int8.matmuls(x, weights)[0])
+        assert cpu_int8.path_for(m) == best_exact
         np.testing.assert_array_equal(exact, np.asarray(cpu_int8.matmuls(x, weights, isa=best_exact)[0]))
         loose = np.asarray(cpu_int8.matmuls(x, weights, exact=False)[0])
-        if "avx512_vnni" in paths and m >= 16:
+        chosen = cpu_int8.path_for(m, exact=False)
+        quantized = chosen in cpu_int8.QUANTIZING
+        assert quantized == (m >= 16 and any(p in cpu_int8.QUANTIZING for p in paths))
+        np.testing.assert_array_equal(
+            loose, np.asarray(cpu_int8.matmuls(x, weights, chosen, exact=not quantized)[0])
+        )
+        if quantized:
             assert not np.array_equal(loose, exact)
             _check(np.asarray(x), weights, [loose], quantized_x=True)
         else:
             np.testing.assert_array_equal(loose, exact)
+
+
+# cpuinfo flags of CPUs this one is not: the table must pick each one's path.
+_AVX512 = ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"]
+CPUS = {
+    "haswell": ["avx2", "fma", "f16c"],
+    "alder_lake": ["avx2", "fma", "f16c", "avx_vnni"],  # also Sierra Forest: AVX-VNNI, no AVX-512
+    "skylake_x": _AVX512,
+    "zen4": [*_AVX512, "avx512_vnni", "avx512_bf16"],  # AVX512_VNNI, no AVX-VNNI
+    "sapphire_rapids": [*_AVX512, "avx512_vnni", "avx512_bf16", "avx_vnni"],  # also Zen 5
+    "none": ["sse4_2"],
+}
+# cpu -> (auto exact, auto with exact=False from 16 rows)
+AUTO = {
+    "haswell": ("avx2", "avx2"),
+    "alder_lake": ("avx2", "avx_vnni"),
+    "skylake_x": ("avx512", "avx512"),
+    "zen4": ("avx512", "avx512_vnni"),
+    "sapphire_rapids": ("avx512", "avx512_vnni"),
+    "none": ("scalar", "scalar"),
+}
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_the_table_picks_each_cpu_s_path(cpu):
+    """The kernel's own dispatch (`Choose`, a pure function of the CPU's features) for CPUs this
+    one is not: "auto" quantizes x only with exact=False, 16+ rows and packable weights, on the
+    best VNNI the CPU has (AVX-VNNI on an AVX2 CPU with it and no AVX-512); a path asked by name
+    runs only where the CPU has every flag it needs, and a quantizing one only with exact=False."""
+    flags = CPUS[cpu]
+    exact, loose = AUTO[cpu]
+    assert cpu_int8.path_for(64, exact=True, flags=flags) == exact
+    assert cpu_int8.path_for(64, exact=False, flags=flags) == loose
+    assert cpu_int8.path_for(15, exact=False, flags=flags) == exact
+    assert cpu_int8.path_for(64, exact=False, flags=flags, packable=False) == exact
+    for path in cpu_int8.PATHS:
+        runs = set(cpu_isa.NEEDS[path]) <= set(flags)
+        assert cpu_int8.path_for(64, exact=False, isa=path, flags=flags) == (path if runs else None)
+        quantizes = path in cpu_int8.QUANTIZING
+        assert cpu_int8.path_for(64, exact=True, isa=path, flags=flags) == (
+            path if runs and not quantizes else None
+        )
+    assert cpu_int8.path_for(64, exact=False, isa="avx512_bf16", flags=CPUS["sapphire_rapids"]) is None
+
+
+def test_python_s_table_is_isa_h_s():
+    """cpu_isa's names and flags are isa.h's: each path needs exactly NEEDS' flags, and this
+    CPU's features as the C++ runtime reads CPUID are those its cpuinfo flags name."""
+    lib = cpu_build.library("int8_matmul")
+    lib.HotswapIsaNeeds.restype = lib.HotswapCpuFeatures.restype = ctypes.c_uint32
+    lib.HotswapIsaNeeds.argtypes = [ctypes.c_int32]
+    for path, needs in cpu_isa.NEEDS.items():
+        assert lib.HotswapIsaNeeds(cpu_isa.PATHS[path]) == cpu_isa.features(needs), path
+    assert len(set(cpu_isa.PATHS.values())) == len(cpu_isa.PATHS)
+    assert lib.HotswapCpuFeatures() == cpu_isa.features(host().isa)
+
+
+def test_a_path_this_cpu_lacks_is_refused_naming_what_it_lacks():
+    """Every path of the kernel is built on every box (each has its own target attribute): one this
+    CPU cannot run (on an AVX-512 CPU without AVX-VNNI, such as Zen 4: avx_vnni) reaches the
+    kernel, which refuses it naming the flags the CPU lacks; "auto" never picks it."""
+    rng = np.random.default_rng(6)
+    data, scales = _weight(rng, 64, 32)
+    x = jnp.asarray(rng.standard_normal((32, K)).astype(np.float32))
+    have = set(host().isa)
+    lacking = [p for p in cpu_int8.PATHS if p not in cpu_int8.runnable()]
+    if "avx_vnni" not in have:
+        assert "avx_vnni" in lacking
+    for path in lacking:
+        missing = " ".join(f for f in cpu_isa.FEATURES if f in cpu_isa.NEEDS[path] and f not in have)
+        with pytest.raises(
+            jax.errors.JaxRuntimeError, match=f"path {path} needs .*; this CPU lacks {missing}(\n|$)"
+        ):
+            jax.block_until_ready(cpu_int8.matmuls(x, [(data, scales)], isa=path, exact=False))
+        assert cpu_int8.path_for(32, exact=False) != path
 
 
 def test_refuses_what_it_cannot_run():
@@ -128,6 +214,6 @@ def test_refuses_what_it_cannot_run():
         cpu_int8.matmuls(x, [(data.astype(np.float32), scales)])
     with pytest.raises(jax.errors.JaxRuntimeError, match="avx512_bf16 is not one this kernel has"):
         cpu_int8.matmuls(x, [(data, scales)], isa="avx512_bf16")
-    if "avx512_vnni" in cpu_int8.runnable():
-        with pytest.raises(jax.errors.JaxRuntimeError, match="exact = 1 forbids"):
-            cpu_int8.matmuls(x, [(data, scales)], isa="avx512_vnni", exact=True)
+    for path in (p for p in cpu_int8.QUANTIZING if p in cpu_int8.runnable()):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=f"{path} quantizes x, which exact = 1 forbids"):
+            cpu_int8.matmuls(x, [(data, scales)], isa=path, exact=True)

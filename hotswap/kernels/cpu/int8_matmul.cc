@@ -20,6 +20,9 @@
 //     128 * colsum). vpdpbusd does 64 multiply-adds an instruction against 16 for the f32 FMA, so
 //     it pays from ~16 rows (prefill); it changes results (x is rounded to 8 bits), so it runs
 //     only where the caller passes exact = 0.
+//   - avx_vnni: the same on AVX2 CPUs with AVX-VNNI (vpdpbusd on ymm): the avx2 path's tiles, 8
+//     lanes, the same quantized x, packing and column sums; 32 multiply-adds an instruction
+//     against 8 for avx2's f32 FMA.
 //   - scalar: plain loops, for a CPU with neither and as the tests' reference path.
 // 1-2 rows split K over the threads (each streams whole weight rows: the GEMV of small_matmul);
 // more rows split the columns. Weights sharing x (q/k/v, gate/up) share one parallel region.
@@ -304,13 +307,60 @@ struct Vnni {
   }
 };
 
-// w[0:kn, 0:width] (row stride ldw; kn a multiple of 4, width of 16) -> out[kn / 4][width / 16]
-// [64 bytes]: 16 columns, each lane the column's 4 consecutive k (vpdpbusd's operand order).
-// cs[segment][width]: each segment's column sums (segments as `SegmentEnd` cuts the block).
-HOTSWAP_TARGET_AVX512_VNNI void PackVnni(const int8_t* w, int64_t ldw, int64_t kn, int64_t width, int64_t k0,
-                                         int64_t gl, int8_t* out, int32_t* cs) {
-  const int64_t groups16 = width / 16;
-  const __m512i ones = _mm512_set1_epi8(1);
+// AVX-VNNI: the Vnni tile on 8 lanes with Avx2's tile shapes (16 ymm: 3 x 2 f32 results and int32
+// partial sums, 2 w and a broadcast; one row 4 wide) and GEMV. A 32-byte vector of the packed
+// block is 8 columns x 4 k.
+struct AvxVnni {
+  static constexpr int kLanes = 8, kMR = Avx2::kMR, kV = Avx2::kV, kMRWide = Avx2::kMRWide, kVWide = Avx2::kVWide;
+  static constexpr int kStep = 4;
+  static constexpr GemvFn kGemv[3] = {nullptr, GemvAvx2<1>, GemvAvx2<2>};  // 1-2 rows: exact
+  template <int MR, int V>
+  HOTSWAP_TARGET_AVX_VNNI static void Tile(const TileArgs& a, Prefetch& pf) {
+    __m256 acc[MR][V];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < V; ++j) acc[r][j] = a.first ? _mm256_setzero_ps() : _mm256_loadu_ps(a.c + r * a.ldc + 8 * j);
+    Prefetch p = pf;
+    const int8_t* w = a.w;
+    for (int64_t k = 0, seg = 0; k < a.kn; ++seg) {
+      const int64_t g = (a.k0 + k) / a.gl, end = SegmentEnd(a, k);
+      __m256i part[MR][V];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < V; ++j) part[r][j] = _mm256_setzero_si256();
+      for (; k < end; k += 4, w += a.ldw) {
+        p.Step();
+        __m256i wv[V];
+        for (int j = 0; j < V; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+        for (int r = 0; r < MR; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, a.xq + r * a.ldx + k, 4);
+          const __m256i b = _mm256_set1_epi32(quad);
+          for (int j = 0; j < V; ++j) part[r][j] = _mm256_dpbusd_avx_epi32(part[r][j], b, wv[j]);
+        }
+      }
+      for (int j = 0; j < V; ++j) {
+        const __m256 sv = _mm256_loadu_ps(a.s + g * a.lds + 8 * j);
+        const __m256i bias =
+            _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.cs + seg * a.ldcs + 8 * j)), 7);
+        for (int r = 0; r < MR; ++r) {
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(part[r][j], bias));
+          const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(a.sx[r * a.ldsx + g]), sv);
+          acc[r][j] = _mm256_fmadd_ps(sum, scale, acc[r][j]);
+        }
+      }
+    }
+    pf = p;
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(a.c + r * a.ldc + 8 * j, acc[r][j]);
+  }
+};
+
+// w[0:kn, 0:width] (row stride ldw; kn a multiple of 4, width of 8) -> out[kn / 4][width][4 bytes]:
+// each column's 4 consecutive k in one 32-bit lane (vpdpbusd's operand order), so a vector of
+// either VNNI path is its lanes' columns. cs[segment][width]: each segment's column sums
+// (segments as `SegmentEnd` cuts the block). SSE only: both VNNI paths call it.
+void PackVnni(const int8_t* w, int64_t ldw, int64_t kn, int64_t width, int64_t k0, int64_t gl, int8_t* out,
+              int32_t* cs) {
+  const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1);
   int32_t* seg = cs;
   std::fill(seg, seg + width, 0);
   for (int64_t k = 0, end = std::min(kn, (k0 / gl + 1) * gl - k0); k < kn; k += 4) {
@@ -320,27 +370,27 @@ HOTSWAP_TARGET_AVX512_VNNI void PackVnni(const int8_t* w, int64_t ldw, int64_t k
       end = std::min(kn, end + gl);
     }
     const int8_t* row = w + k * ldw;
-    for (int64_t c = 0; c < groups16; ++c) {
-      const __m128i* r = reinterpret_cast<const __m128i*>(row + 16 * c);  // no lambda: it would lose the target
-      const __m128i r0 = _mm_loadu_si128(r), r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + ldw + 16 * c));
-      const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * ldw + 16 * c));
-      const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * ldw + 16 * c));
-      const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), hi01 = _mm_unpackhi_epi8(r0, r1);
-      const __m128i lo23 = _mm_unpacklo_epi8(r2, r3), hi23 = _mm_unpackhi_epi8(r2, r3);
-      __m512i v = _mm512_castsi128_si512(_mm_unpacklo_epi16(lo01, lo23));  // columns 0-3
-      v = _mm512_inserti32x4(v, _mm_unpackhi_epi16(lo01, lo23), 1);       // 4-7
-      v = _mm512_inserti32x4(v, _mm_unpacklo_epi16(hi01, hi23), 2);       // 8-11
-      v = _mm512_inserti32x4(v, _mm_unpackhi_epi16(hi01, hi23), 3);       // 12-15
-      _mm512_storeu_si512(out + ((k / 4) * groups16 + c) * 64, v);
-      int32_t* sums = seg + 16 * c;
-      _mm512_storeu_si512(sums, _mm512_dpbusd_epi32(_mm512_loadu_si512(sums), ones, v));
+    int8_t* dst = out + (k / 4) * width * 4;
+    for (int64_t c = 0; c < width; c += 8) {
+      __m128i r[4];  // 8 columns of rows k..k+3
+      for (int i = 0; i < 4; ++i) r[i] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i * ldw + c));
+      const __m128i r01 = _mm_unpacklo_epi8(r[0], r[1]), r23 = _mm_unpacklo_epi8(r[2], r[3]);
+      const __m128i cols[2] = {_mm_unpacklo_epi16(r01, r23), _mm_unpackhi_epi16(r01, r23)};  // 0-3, 4-7
+      for (int h = 0; h < 2; ++h) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 4 * (c + 4 * h)), cols[h]);
+        // 4 signed bytes per lane summed: pairs by vpmaddubsw (1 x s8, no saturation), then vpmaddwd.
+        const __m128i sums = _mm_madd_epi16(_mm_maddubs_epi16(ones8, cols[h]), ones16);
+        __m128i* at = reinterpret_cast<__m128i*>(seg + c + 4 * h);
+        _mm_storeu_si128(at, _mm_add_epi32(_mm_loadu_si128(at), sums));
+      }
     }
   }
 }
 
 // x rows [r0, r1) -> xq (round(x / sx) + 128) and sx = max |x| / 127 per (row, group of gl).
-HOTSWAP_TARGET_AVX512_VNNI void QuantizeRows(const float* x, int64_t K, int64_t gl, int64_t r0, int64_t r1,
-                                             uint8_t* xq, float* sx) {
+// Plain C++ (both VNNI paths call it).
+void QuantizeRows(const float* x, int64_t K, int64_t gl, int64_t r0, int64_t r1,
+                  uint8_t* xq, float* sx) {
   const int64_t groups = K / gl;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -534,12 +584,49 @@ const char* Name(Isa isa) {
       return "avx2";
     case Isa::kScalar:
       return "scalar";
+    case Isa::kAvxVnni:
+      return "avx_vnni";
     default:
       return "unknown";
   }
 }
 
-constexpr Isa kOffered[] = {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2Fma};
+// The kernel's paths, best first (scalar is always offered); and those that never quantize x.
+constexpr Isa kOffered[] = {Isa::kAvx512Vnni, Isa::kAvxVnni, Isa::kAvx512, Isa::kAvx2Fma};
+constexpr Isa kExact[] = {Isa::kAvx512, Isa::kAvx2Fma};
+bool Quantizes(Isa path) { return path == Isa::kAvx512Vnni || path == Isa::kAvxVnni; }
+
+// The path a call runs, or why it cannot.
+struct Choice {
+  Isa path;
+  std::string error;  // empty: run `path`
+};
+
+// The path of a call of M rows asking for `asked` (cpu/isa.h's Isa; -1: the best) on a CPU with
+// `features`: a pure function, so a test can ask what another CPU would run. "auto" quantizes x
+// only where exact = 0, from kVnniRows rows and where every weight packs (one group length, a
+// multiple of 4); below that reading w is the bound and the f32 tile is as fast and exact.
+Choice Choose(int32_t asked, uint32_t features, int64_t M, bool exact, bool packable) {
+  const Isa want = static_cast<Isa>(asked);
+  if (want == Isa::kAuto) {
+    const bool quantize = !exact && M >= kVnniRows && packable;
+    return {quantize ? hotswap::Best(kOffered, features) : hotswap::Best(kExact, features), ""};
+  }
+  const std::string name = Name(want);
+  if (hotswap::Pick(asked, kOffered, features) == Isa::kAuto) {
+    bool offered = want == Isa::kScalar;
+    for (Isa isa : kOffered) offered = offered || isa == want;
+    if (!offered) return {Isa::kAuto, "path " + name + " is not one this kernel has"};
+    const uint32_t needs = hotswap::Needs(want);
+    return {Isa::kAuto, "path " + name + " needs " + hotswap::FeatureNames(needs) + "; this CPU lacks " +
+                            hotswap::FeatureNames(needs & ~features)};
+  }
+  if (Quantizes(want) && exact) return {Isa::kAuto, name + " quantizes x, which exact = 1 forbids"};
+  if (Quantizes(want) && !packable) {
+    return {Isa::kAuto, name + " needs one group length for all weights, a multiple of 4"};
+  }
+  return {want, ""};
+}
 
 ffi::Error Int8Matmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                        ffi::RemainingRets ys, int32_t isa, int32_t exact) {
@@ -568,28 +655,16 @@ ffi::Error Int8Matmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
     ps.push_back(Product{reinterpret_cast<const int8_t*>(w->untyped_data()), s->typed_data(), (*y)->typed_data(),
                          wd[1], gl});
   }
-  Isa path = hotswap::Pick(isa, kOffered);
-  if (path == Isa::kAuto) {
-    return ffi::Error::InvalidArgument(std::string("hotswap int8 matmul: path ") + Name(static_cast<Isa>(isa)) +
-                                       " is not one this kernel has or this CPU cannot run it");
-  }
-  if (path == Isa::kAvx512Vnni && static_cast<Isa>(isa) == Isa::kAuto && (exact || M < kVnniRows || !packable)) {
-    path = Isa::kAvx512;  // a CPU with VNNI has AVX-512
-  }
-  if (path == Isa::kAvx512Vnni && exact) {
-    return ffi::Error::InvalidArgument("hotswap int8 matmul: avx512_vnni quantizes x, which exact = 1 forbids");
-  }
-  if (path == Isa::kAvx512Vnni && !packable) {
-    return ffi::Error::InvalidArgument(
-        "hotswap int8 matmul: avx512_vnni needs one group length for all weights, a multiple of 4");
-  }
+  const Choice choice = Choose(isa, hotswap::HostFeatures(), M, exact != 0, packable);
+  if (choice.path == Isa::kAuto) return ffi::Error::InvalidArgument("hotswap int8 matmul: " + choice.error);
   Call call{x.typed_data(), nullptr, nullptr, M, K, 1};
   if (M == 0 || K == 0) {  // no item would write y
     for (Product& p : ps) std::fill(p.y, p.y + M * p.N, 0.0f);
     return ffi::Error::Success();
   }
-  switch (path) {
-    case Isa::kAvx512Vnni: {
+  switch (choice.path) {
+    case Isa::kAvx512Vnni:
+    case Isa::kAvxVnni: {
       const int64_t gl = ps[0].gl;
       std::unique_ptr<uint8_t[]> xq(new uint8_t[M * K]);
       std::unique_ptr<float[]> sx(new float[M * (K / gl)]);
@@ -598,7 +673,11 @@ ffi::Error Int8Matmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
         QuantizeRows(call.x, K, gl, M * b / blocks, M * (b + 1) / blocks, xq.get(), sx.get());
       });
       call.xq = xq.get(), call.sx = sx.get(), call.gl_x = gl;
-      Products<Vnni>(pool, call, ps, false);
+      if (choice.path == Isa::kAvx512Vnni) {
+        Products<Vnni>(pool, call, ps, false);
+      } else {
+        Products<AvxVnni>(pool, call, ps, false);
+      }
       break;
     }
     case Isa::kAvx512:
@@ -615,6 +694,15 @@ ffi::Error Int8Matmuls(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
 }
 
 }  // namespace
+
+// The dispatch table, for tests (ctypes, `kernels/cpu_int8.py`): the path `Choose` picks for a CPU
+// with `features` (isa.h's Feature bits; -1 where the call would fail), this CPU's features, and
+// the features a path needs. Exported here, beside the one kernel that offers every int8 path.
+extern "C" int32_t HotswapInt8Path(int32_t asked, uint32_t features, int64_t rows, int32_t exact, int32_t packable) {
+  return static_cast<int32_t>(Choose(asked, features, rows, exact != 0, packable != 0).path);
+}
+extern "C" uint32_t HotswapCpuFeatures() { return hotswap::HostFeatures(); }
+extern "C" uint32_t HotswapIsaNeeds(int32_t isa) { return hotswap::Needs(static_cast<Isa>(isa)); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapInt8Matmuls, Int8Matmuls,
                               ffi::Ffi::Bind()
