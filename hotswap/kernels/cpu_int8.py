@@ -7,11 +7,12 @@ quarter of an f32 weight's bytes and half of a bf16 one's. Weights that share x 
 q/k/v, or gate/up) go in one call and one parallel region.
 
 `exact=False` lets the kernel quantize x to int8 per row and group and multiply on AVX512_VNNI
-(vpdpbusd zmm), or on AVX-VNNI (vpdpbusd ymm: AVX2 CPUs such as Alder Lake, Sierra Forest and
-Zen 5 without AVX-512), where it has it and x has at least 16 rows: ~3x the multiply rate of the f32 path
+(vpdpbusd zmm) where it has it and x has at least 16 rows: ~3x the multiply rate of the f32 path
 (one Zen 4 core, a [768, 1024] weight in cache: 290-300 GFLOP/s against 92 at 64 rows), at x's
-8-bit rounding (0.8% on bench-100m's gate/up: benchmarks/int8_matmul.py). The default never
-changes x.
+8-bit rounding (0.8% on bench-100m's gate/up: benchmarks/int8_matmul.py). AVX2 CPUs with AVX-VNNI
+and no AVX-512 (Alder Lake, Sierra Forest) take the same on 8 lanes (vpdpbusd ymm): a bench-100m
+layer's tiles ran ~2.1x avx2's f32 path with the EVEX instruction standing in on Zen 4 (136-138
+against 65-67 GFLOP/s, 64 and 512 rows). The default never changes x.
 
 `cpu_build.available()` does not register this kernel's target: `matmuls` registers it when first
 traced, which a program loaded without tracing (programs/step_cache.py) would not do.
@@ -20,6 +21,7 @@ traced, which a program loaded without tracing (programs/step_cache.py) would no
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import jax
@@ -40,25 +42,23 @@ def runnable() -> list[str]:
     return [path for path in cpu_isa.runnable() if path in PATHS]
 
 
+@functools.cache
+def _choose():
+    """cpu/int8_matmul.cc's exported `Choose` (ctypes)."""
+    fn = cpu_build.library("int8_matmul").HotswapInt8Path
+    fn.restype = ctypes.c_int32
+    fn.argtypes = [ctypes.c_int32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    return fn
+
+
 def path_for(
     rows: int, exact: bool = True, isa: str = "auto", flags=None, packable: bool = True
 ) -> str | None:
     """The path a call of `rows` rows runs on a CPU with the cpuinfo `flags` (default: this one's),
     from the kernel's own table (`Choose` in cpu/int8_matmul.cc); None where the call would fail.
     `packable`: every weight has one group length, a multiple of 4 rows."""
-    lib = cpu_build.library("int8_matmul")
-    lib.HotswapInt8Path.restype = ctypes.c_int32
-    lib.HotswapInt8Path.argtypes = [
-        ctypes.c_int32,
-        ctypes.c_uint32,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.c_int32,
-    ]
     bits = cpu_isa.features(host().isa if flags is None else flags)
-    chosen = lib.HotswapInt8Path(
-        int(cpu_isa.attribute(isa)), bits, rows, int(bool(exact)), int(bool(packable))
-    )
+    chosen = _choose()(int(cpu_isa.attribute(isa)), bits, rows, int(bool(exact)), int(bool(packable)))
     return next((name for name, value in cpu_isa.PATHS.items() if value == chosen and name != "auto"), None)
 
 
