@@ -10,6 +10,11 @@ write call per step (one pass over the step's new K/V instead of two programs).
 
 The kernel is built on first use (`cpu_build.py`); the engine's `attention="auto"` uses
 it on the CPU backend when it builds, else the jnp reference.
+
+Paths (`cpu_isa`, picked per call; the engine asks for "auto", the best this CPU runs):
+"avx512_bf16" reads bf16 pages as they are and dots them with AVX512_BF16's vdpbf16ps (q is
+rounded to bf16 once per query for it; f32 pages take the "avx512" fold); "avx512" and "avx2"
+widen bf16 pages to f32 and fold with f32 FMAs; "scalar" is plain loops (any CPU).
 """
 
 from __future__ import annotations
@@ -20,7 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hotswap.kernels import cpu_build, reference
+from hotswap.kernels import cpu_build, cpu_isa, reference
+
+# The kernel's paths, best first (`kOffered` in cpu/paged_attention.cc).
+PATHS = ("avx512_bf16", "avx512", "avx2", "scalar")
+
+
+def runnable() -> list[str]:
+    """The kernel's paths this CPU runs, best first: the ones tests check against the reference."""
+    return [p for p in cpu_isa.runnable() if p in PATHS]
 
 
 def paged_attention(
@@ -38,6 +51,7 @@ def paged_attention(
     fixed: bool = False,
     window: int | None = None,
     softcap: float | None = None,
+    isa: str = "auto",
 ):
     """Attention of a [B, C] step over the cache before the step plus the step's own K/V.
 
@@ -60,6 +74,9 @@ def paged_attention(
     `window`, `softcap`: the layer's static sliding window and logit softcap (`reference`
     module doc). A query reads no page wholly before its window: a decode at 2,048 tokens with
     window 512 reads 512 to 512 + page_size keys.
+
+    `isa`: the CPU path (module doc; "auto": the best this CPU runs). A path the CPU lacks is an
+    error when the call runs.
     """
     reference.check_window(window, softcap)
     attrs = dict(
@@ -67,6 +84,7 @@ def paged_attention(
         fixed=bool(fixed),
         window=np.int64(window or 0),  # 0: none
         softcap=np.float32(softcap or 0.0),
+        isa=cpu_isa.attribute(isa),
     )
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     args = [q, pages, k_new.astype(q.dtype), v_new.astype(q.dtype)]

@@ -1,10 +1,13 @@
 // The online-softmax step of paged attention (`paged_attention.cc`): fold a block of keys
 // into the running max m, sum l and output acc of the q heads of one kv head.
 //
-// Three paths, chosen at compile time (the kernels build with -march=native): AVX-512
-// (16-key blocks, a head's scores in one register), AVX2 + FMA (8 keys' dots at once, 16-key
-// blocks in two registers) and plain loops the compiler vectorizes as it can. All three fold
-// the same keys in the same blocks; they differ only in rounding.
+// Three f32 paths, picked per call (`isa.h`; the caller passes the path): AVX-512 (16-key blocks,
+// a head's scores in one register), AVX2 + FMA (8 keys' dots at once, 16-key blocks in two
+// registers) and plain loops the compiler vectorizes as it can. All three fold the same keys in
+// the same blocks; they differ only in rounding. A path's code is compiled where the build's
+// -march=native has its instructions (the library is rebuilt for each CPU: `cpu_build.py`), so
+// the AVX-512 and AVX2 paths exist on every CPU that can run them. bf16 pages read in place
+// with AVX512_BF16 are `attention_bf16.h`.
 
 #pragma once
 
@@ -13,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "isa.h"
 #include "vec_exp.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -234,14 +238,27 @@ inline void FoldHeads8(int64_t g_n, const float* qg, const float* kb, const floa
 }
 #endif  // __AVX2__ && __FMA__
 
-// Online-softmax step over n keys (f32 rows kstride apart) for the g_n q heads of one kv
-// head (q and acc rows hd apart; m, l one per head): the AVX-512 path for head_dim 64 / 128,
-// the AVX2 one for head_dim 64 / 128 / 256, plain loops otherwise. Scores are softcapped when
-// cap > 0. `sc` is scratch of at least n floats.
-inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, const float* vb, int64_t kstride,
-                 int64_t n, float cap, float* m, float* l, float* acc, float* sc) {
+// The f32 paths this build has, best first (kScalar: always). kAvx512Bf16 folds f32 keys with
+// the AVX-512 path; `attention_bf16.h` has its bf16 fold.
+constexpr hotswap::Isa kFoldPaths[] = {
 #if defined(__AVX512F__)
-  if (hd == 64 || hd == 128) {
+    hotswap::Isa::kAvx512Bf16, hotswap::Isa::kAvx512,
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    hotswap::Isa::kAvx2Fma,
+#endif
+    hotswap::Isa::kScalar,
+};
+
+// Online-softmax step over n keys (f32 rows kstride apart) for the g_n q heads of one kv
+// head (q and acc rows hd apart; m, l one per head) on path `isa` (one of kFoldPaths): AVX-512
+// for head_dim 64 / 128, AVX2 for head_dim 64 / 128 / 256, plain loops otherwise and on kScalar.
+// Scores are softcapped when cap > 0. `sc` is scratch of at least n floats.
+inline void Fold(hotswap::Isa isa, int64_t hd, int64_t g_n, const float* qg, const float* kb, const float* vb,
+                 int64_t kstride, int64_t n, float cap, float* m, float* l, float* acc, float* sc) {
+  using hotswap::Isa;
+#if defined(__AVX512F__)
+  if ((isa == Isa::kAvx512Bf16 || isa == Isa::kAvx512) && (hd == 64 || hd == 128)) {
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int nj = static_cast<int>(std::min<int64_t>(16, n - j0));
       if (hd == 64) {
@@ -252,16 +269,20 @@ inline void Fold(int64_t hd, int64_t g_n, const float* qg, const float* kb, cons
     }
     return;
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  switch (hd) {
-    case 64:
-      return FoldHeads8<64>(g_n, qg, kb, vb, kstride, n, cap, m, l, acc);
-    case 128:
-      return FoldHeads8<128>(g_n, qg, kb, vb, kstride, n, cap, m, l, acc);
-    case 256:
-      return FoldHeads8<256>(g_n, qg, kb, vb, kstride, n, cap, m, l, acc);
-    default:
-      break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  // The AVX-512 build kept head_dim 256 on the plain loops: so does its AVX-512 path here.
+  if (isa == Isa::kAvx2Fma) {
+    switch (hd) {
+      case 64:
+        return FoldHeads8<64>(g_n, qg, kb, vb, kstride, n, cap, m, l, acc);
+      case 128:
+        return FoldHeads8<128>(g_n, qg, kb, vb, kstride, n, cap, m, l, acc);
+      case 256:
+        return FoldHeads8<256>(g_n, qg, kb, vb, kstride, n, cap, m, l, acc);
+      default:
+        break;
+    }
   }
 #endif
   for (int64_t g = 0; g < g_n; ++g) {

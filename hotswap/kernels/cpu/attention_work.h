@@ -11,6 +11,8 @@
 #include <numeric>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
 
 struct Shape {
@@ -18,6 +20,7 @@ struct Shape {
   float scale;
   int64_t window;  // sliding window in keys (the query's own included); 0: none
   float softcap;   // 0: none
+  hotswap::Isa isa = hotswap::Isa::kScalar;  // the call's path (`attention_fold.h`: kFoldPaths)
 };
 
 // The first key a query at `pos` sees: 0, or the start of its window.

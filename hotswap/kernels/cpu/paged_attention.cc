@@ -28,6 +28,10 @@
 // table entries are only compared, to find shared prefixes). Scores s (q.k * scale) become
 // softcap * tanh(s / softcap).
 //
+// Paths (`isa.h`, the FFI attribute `isa`; "auto" the best): kAvx512Bf16 folds bf16 pages and
+// bf16 step K/V as they are with vdpbf16ps (`attention_bf16.h`); kAvx512, kAvx2Fma and kScalar
+// (and kAvx512Bf16 for f32 data) fold f32, bf16 widened once per block into scratch first.
+//
 // Shapes: q [B, C, Hq, hd]; pages [NP, ps, 2*Hkv, hd] (K of head h at 2h, V at 2h+1);
 // k_new, v_new [B, C, Hkv, hd]; block_tables int32 [B, P]; positions int32 [B, C];
 // chunk_starts, kv_lens int32 [B]; out [B, C, Hq, hd]. f32 or bf16 activations and pages.
@@ -40,10 +44,12 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "attention_fold.h"
 #include "attention_work.h"
 #include "parallel.h"
@@ -124,6 +130,15 @@ void StoreRun(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const s
   }
 }
 
+// Whether this call folds bf16 K/V in place (`attention_bf16.h`): its path and head_dim have a fold.
+inline bool FoldsBf16(const Shape& s) {
+#if defined(__AVX512F__)
+  return s.isa == hotswap::Isa::kAvx512Bf16 && (s.hd == 64 || s.hd == 128);
+#else
+  return false;
+#endif
+}
+
 // n rows of K and V (hd values, `stride` apart) into f32 rows hd apart: bf16 widened exactly.
 template <typename T>
 void WidenRows(float* kt, float* vt, const T* kb, const T* vb, int64_t stride, int64_t n, int64_t hd) {
@@ -134,8 +149,9 @@ void WidenRows(float* kt, float* vt, const T* kb, const T* vb, int64_t stride, i
 }
 
 // Calls fold(kvh, j0, n, kf, vf, stride) for the keys [j0, j0 + n) of each page of `table` that
-// holds keys [from, to) (from page-aligned), for kv heads [h0, h1): K and V of head kvh as f32
-// rows `stride` apart, in place or (bf16 pages) widened once into kt / vt. Within a page every
+// holds keys [from, to) (from page-aligned), for kv heads [h0, h1): K and V of head kvh as rows
+// `stride` apart, in place (f32 pages; bf16 pages on a path that folds bf16) or widened once into
+// f32 kt / vt. Within a page every
 // kv head in turn: a slot's K/V for all heads is one contiguous record, so the pages stream
 // through once instead of once per kv head. False when the table names a page outside the cache.
 template <typename K, typename F>
@@ -158,7 +174,7 @@ bool ForPages(const Shape& s, const int32_t* table, int64_t from, int64_t to, in
           for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(nb + j * slot * sizeof(K) + off);
         }
       }
-      if constexpr (std::is_same_v<K, float>) {
+      if (std::is_same_v<K, float> || FoldsBf16(s)) {
         fold(kvh, j0, n, base, base + hd, slot);
       } else {
         WidenRows(kt, vt, base, base + hd, slot, n, hd);
@@ -170,7 +186,8 @@ bool ForPages(const Shape& s, const int32_t* table, int64_t from, int64_t to, in
 }
 
 // The online-softmax state of one run's queries for kv heads [h0, h1) and their G q heads
-// each: scaled queries, outputs, running max and sum, [query][head] (x hd).
+// each: scaled queries (and, on a path that folds bf16, them rounded to bf16), outputs, running
+// max and sum, [query][head] (x hd).
 template <typename A>
 struct RunState {
   const Shape& s;
@@ -178,24 +195,42 @@ struct RunState {
   const int32_t* positions;
   int64_t h0, h1, g_n, nh, start, lo;  // lo: keys before it are in no window of the run's queries
   std::vector<float> qv, acc, m, l, sc;
+  std::vector<uint16_t> qb;
 
   RunState(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, const A* q, const int32_t* positions,
            const int32_t* chunk_starts)
       : s(s), r(r), positions(positions), h0(h0), h1(h1), g_n(s.hq / s.hkv), nh((h1 - h0) * g_n),
         start(chunk_starts[r.i0 / s.c]), lo(WindowStart(s, positions[r.i0])),  // the first query's is the lowest
         qv(ScaledQueries(s, r, h0, h1, q)), acc(r.n * nh * s.hd, 0.0f),
-        m(r.n * nh, -std::numeric_limits<float>::infinity()), l(r.n * nh, 0.0f), sc(s.ps) {}
+        m(r.n * nh, -std::numeric_limits<float>::infinity()), l(r.n * nh, 0.0f), sc(s.ps) {
+    if (FoldsBf16(s)) {  // each q row as bf16 hi then lo (q - hi): hi + lo is q to 16 bits
+      qb.resize(2 * qv.size());
+      for (size_t i = 0; i < qv.size(); ++i) {
+        const size_t row = i / s.hd, d = i % s.hd;
+        const uint16_t hi = f32_to_bf16(qv[i]);
+        qb[2 * row * s.hd + d] = hi;
+        qb[(2 * row + 1) * s.hd + d] = f32_to_bf16(qv[i] - bf16_to_f32(hi));
+      }
+    }
+  }
 
-  // Fold n keys of kv head kvh (f32 rows stride apart; the first at position p0) into the run's
-  // queries: query j takes them from its window's start up to n_of(j).
-  template <typename NOf>
-  void FoldKeys(int64_t kvh, int64_t n, const float* kf, const float* vf, int64_t stride, int64_t p0, NOf n_of) {
+  // Fold n keys of kv head kvh (rows stride apart, f32 or bf16 when FoldsBf16; the first at
+  // position p0) into the run's queries: query j takes them from its window's start up to n_of(j).
+  template <typename T, typename NOf>
+  void FoldKeys(int64_t kvh, int64_t n, const T* kf, const T* vf, int64_t stride, int64_t p0, NOf n_of) {
     for (int64_t j = 0; j < r.n; ++j) {
       const int64_t f = std::max<int64_t>(0, WindowStart(s, positions[r.i0 + j]) - p0), nj = n_of(j) - f;
       if (nj <= 0) continue;
       const int64_t i = j * nh + (kvh - h0) * g_n;  // the kv head's first q head of query j
-      Fold(s.hd, g_n, qv.data() + i * s.hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
-             l.data() + i, acc.data() + i * s.hd, sc.data());
+      if constexpr (std::is_same_v<T, float>) {
+        Fold(s.isa, s.hd, g_n, qv.data() + i * s.hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap,
+             m.data() + i, l.data() + i, acc.data() + i * s.hd, sc.data());
+      } else {
+#if defined(__AVX512F__)
+        FoldBf16(s.hd, g_n, qb.data() + 2 * i * s.hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap,
+                 m.data() + i, l.data() + i, acc.data() + i * s.hd);
+#endif
+      }
     }
   }
 
@@ -203,7 +238,7 @@ struct RunState {
   template <typename K>
   bool FoldPages(const int32_t* table, int64_t from, const K* pages, float* kt, float* vt) {
     return ForPages(s, table, from, start, h0, h1, pages, kt, vt,
-                    [&](int64_t kvh, int64_t j0, int64_t n, const float* kf, const float* vf, int64_t stride) {
+                    [&](int64_t kvh, int64_t j0, int64_t n, auto kf, auto vf, int64_t stride) {
                       FoldKeys(kvh, n, kf, vf, stride, j0, [n](int64_t) { return n; });
                     });
   }
@@ -217,7 +252,7 @@ struct RunState {
       for (int64_t kvh = h0; kvh < h1; ++kvh) {
         const A *kb = k_new + (j0 * s.hkv + kvh) * hd, *vb = v_new + (j0 * s.hkv + kvh) * hd;
         auto n_of = [&](int64_t j) { return std::min(n, r.i0 + j - j0 + 1); };
-        if constexpr (std::is_same_v<A, float>) {
+        if (std::is_same_v<A, float> || FoldsBf16(s)) {
           FoldKeys(kvh, n, kb, vb, s.hkv * hd, p0, n_of);
         } else {  // widen the block once for all queries and heads
           WidenRows(kt, vt, kb, vb, s.hkv * hd, n, hd);
@@ -273,7 +308,7 @@ bool GroupHeads(const Shape& s, const std::vector<QueryRun>& runs, const Group& 
   }
   const int32_t* table = block_tables + runs[g.runs[0]].i0 / s.c * s.p;  // the shared pages: alike in every row
   const bool ok = ForPages(s, table, lo, end, h0, h1, pages, kt.data(), vt.data(),
-                           [&](int64_t kvh, int64_t j0, int64_t n, const float* kf, const float* vf, int64_t stride) {
+                           [&](int64_t kvh, int64_t j0, int64_t n, auto kf, auto vf, int64_t stride) {
                              for (RunState<A>& st : rows) {
                                const int64_t nr = std::min(n, st.start - j0);
                                if (nr > 0) st.FoldKeys(kvh, nr, kf, vf, stride, j0, [nr](int64_t) { return nr; });
@@ -366,7 +401,7 @@ bool RunHeadsFixed(const Shape& s, const QueryRun& r, int64_t h0, int64_t h1, co
         const int64_t nj = std::min(n, positions[r.i0 + j] - a + 1) - f;
         if (nj <= 0) continue;
         const int64_t i = j * nh + (kvh - h0) * g_n;
-        Fold(hd, g_n, qv.data() + i * hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
+        Fold(s.isa, hd, g_n, qv.data() + i * hd, kf + f * stride, vf + f * stride, stride, nj, s.softcap, m.data() + i,
              l.data() + i, acc.data() + i * hd, sc.data());
       }
     }
@@ -432,12 +467,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Result<ffi::AnyBuffer> out, float scale,
-                          bool fixed, int64_t window, float softcap) {
+                          bool fixed, int64_t window, float softcap, int32_t isa) {
+  const hotswap::Isa path = hotswap::Pick(isa, kFoldPaths);
+  if (path == hotswap::Isa::kAuto) {
+    return ffi::Error::InvalidArgument("hotswap paged attention: isa " + std::to_string(isa) +
+                                       " is not a path of this kernel that this CPU runs");
+  }
   auto qd = q.dimensions(), pd = pages.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 4 || pd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("hotswap paged attention: q and pages must be 4-D, tables 2-D");
   }
-  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], td[1], scale, window, softcap};
+  Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], td[1], scale, window, softcap, path};
   if (window < 0 || !(softcap >= 0)) {
     return ffi::Error::InvalidArgument("hotswap paged attention: window and softcap must be >= 0 (0: none)");
   }
@@ -492,7 +532,7 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
                                ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> chunk_starts,
                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> slots,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pages_out, float scale,
-                               bool fixed, int64_t window, float softcap) {
+                               bool fixed, int64_t window, float softcap, int32_t isa) {
   if (pages_out->untyped_data() != pages.untyped_data()) {
     return ffi::Error::InvalidArgument("hotswap paged attention: the page output must alias the page input");
   }
@@ -501,7 +541,7 @@ ffi::Error PagedAttentionWrite(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
     return ffi::Error::InvalidArgument("hotswap paged attention: slots must hold one entry per query token");
   }
   ffi::Error err = PagedAttention(pool, q, pages, k_new, v_new, block_tables, positions, chunk_starts, kv_lens, out,
-                                  scale, fixed, window, softcap);
+                                  scale, fixed, window, softcap, isa);
   if (err.failure()) return err;  // shapes and dtypes are checked there
   auto pd = pages.dimensions();
   Shape s{qd[0], qd[1], qd[2], pd[2] / 2, qd[3], pd[0], pd[1], block_tables.dimensions()[1], scale, 0, 0.0f};
@@ -552,7 +592,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttention, PagedAttention,
                                   .Attr<float>("scale")
                                   .Attr<bool>("fixed")       // deterministic mode: RunHeadsFixed
                                   .Attr<int64_t>("window")   // sliding window; 0: none
-                                  .Attr<float>("softcap"));  // logit softcap; 0: none
+                                  .Attr<float>("softcap")    // logit softcap; 0: none
+                                  .Attr<int32_t>("isa"));    // cpu_isa.attribute(...)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
                               ffi::Ffi::Bind()
@@ -571,4 +612,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HotswapPagedAttentionWrite, PagedAttentionWrite,
                                   .Attr<float>("scale")
                                   .Attr<bool>("fixed")       // deterministic mode: RunHeadsFixed
                                   .Attr<int64_t>("window")   // sliding window; 0: none
-                                  .Attr<float>("softcap"));  // logit softcap; 0: none
+                                  .Attr<float>("softcap")    // logit softcap; 0: none
+                                  .Attr<int32_t>("isa"));    // cpu_isa.attribute(...)
