@@ -257,39 +257,37 @@ HOTSWAP_TARGET_AVX512 inline Z2 DecodeAtZ(const uint8_t* row, int64_t g0, int j)
   }
 }
 
-// x rows [x0, x0 + MR) (MR <= 8) against output rows [n0, n1): one x row four output rows at a
-// time, up to 4 x rows two, two accumulators per (output row, x row) so the FMA chains overlap;
-// more x rows one output row at a time (2 * MR accumulators). (Four rows for one x row: 1.85 vs
-// 1.88 ns a q4_1 group, gate/up from L2 on one Zen 4 core.)
+// x rows [x0, x0 + MR) (MR <= 8) against output rows [n0, n1): up to 4 x rows two output rows
+// at a time, two accumulators per (output row, x row) so the FMA chains overlap; more x rows one
+// output row at a time (2 * MR accumulators).
 template <int F, int MR>
 HOTSWAP_TARGET_AVX512 void DirectZ(const Input& in, const Product& p, int64_t n0, int64_t n1, int64_t x0 = 0) {
   const int64_t groups = in.K / kGroup, K = in.K;
   const float* x = in.x + x0 * K;
   float* y = p.y + x0 * p.N;
   int64_t n = n0;
-  constexpr int R = MR == 1 ? 4 : 2;
-  for (; MR <= 4 && n + R <= n1; n += R) {
+  for (; MR <= 4 && n + 2 <= n1; n += 2) {
     const uint8_t* r0 = p.w + n * p.row_bytes;
-    Prefetch(r0 + kPrefetch, R * p.row_bytes);
-    __m512 acc[R][MR][2];
-    for (int a = 0; a < R; ++a)
+    const uint8_t* r1 = r0 + p.row_bytes;
+    Prefetch(r0 + kPrefetch, 2 * p.row_bytes);
+    __m512 acc[2][MR][2];
+    for (int a = 0; a < 2; ++a)
       for (int r = 0; r < MR; ++r) acc[a][r][0] = acc[a][r][1] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < groups; g0 += kStepZ<F>) {
 #pragma GCC unroll 8
       for (int j = 0; j < kStepZ<F>; ++j) {
-        Z2 w[R];
-        for (int a = 0; a < R; ++a) w[a] = DecodeAtZ<F>(r0 + a * p.row_bytes, g0, j);
+        const Z2 w0 = DecodeAtZ<F>(r0, g0, j), w1 = DecodeAtZ<F>(r1, g0, j);
         for (int r = 0; r < MR; ++r) {
           const float* xr = x + r * K + (g0 + j) * kGroup;
           const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
-          for (int a = 0; a < R; ++a) {
-            acc[a][r][0] = _mm512_fmadd_ps(w[a].v[0], xa, acc[a][r][0]);
-            acc[a][r][1] = _mm512_fmadd_ps(w[a].v[1], xb, acc[a][r][1]);
-          }
+          acc[0][r][0] = _mm512_fmadd_ps(w0.v[0], xa, acc[0][r][0]);
+          acc[0][r][1] = _mm512_fmadd_ps(w0.v[1], xb, acc[0][r][1]);
+          acc[1][r][0] = _mm512_fmadd_ps(w1.v[0], xa, acc[1][r][0]);
+          acc[1][r][1] = _mm512_fmadd_ps(w1.v[1], xb, acc[1][r][1]);
         }
       }
     }
-    for (int a = 0; a < R; ++a)
+    for (int a = 0; a < 2; ++a)
       for (int r = 0; r < MR; ++r)
         y[r * p.N + n + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][r][0], acc[a][r][1]));
   }
@@ -855,13 +853,12 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
   if (in.M == 0) return ffi::Error::Success();
   if (!exact) QuantizeInput(in);
   // Work items: runs of output rows. Up to the path's direct rows, ~8 runs a thread over all
-  // the products (contiguous blocks per run, balanced to within a run; a multiple of the 4
-  // rows DirectZ decodes together for one x row); more rows, kPanel-row panels (a panel item
-  // handles at most kPanel output rows).
+  // the products (contiguous blocks per run, balanced to within a run); more rows, kPanel-row
+  // panels (a panel item handles at most kPanel output rows).
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   int64_t total_rows = 0;
   for (const Product& p : ps) total_rows += p.N;
-  const int64_t direct = std::max<int64_t>(4, (total_rows + 8 * threads - 1) / (8 * threads) / 4 * 4);
+  const int64_t direct = std::max<int64_t>(2, (total_rows + 8 * threads - 1) / (8 * threads) / 2 * 2);
   std::vector<int64_t> runs, first{0};  // each product's run, and the items before it
   for (const Product& p : ps) {
     runs.push_back(exact && in.M > DirectRows(path, p.fmt) ? kPanel : direct);
