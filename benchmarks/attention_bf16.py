@@ -1,6 +1,7 @@
 """The C++ paged attention on bf16 pages at a GRPO rollout's decode shapes, per CPU path.
 
     python -m benchmarks.attention_bf16 [--paths auto,avx512_bf16,avx512] [--contexts 192,448,704]
+    python -m benchmarks.attention_bf16 --engine [--paths avx512_bf16,avx512] [--new-tokens 256]
 
 benchmarks/rollout.py's bf16 rollout (bench-100m, 8 prompts x n = 8, 192-token prompts, 512 new
 tokens) decodes 64 rows a step: 8 groups of 8 rows sharing their prompt's pages, each row with its
@@ -9,6 +10,12 @@ heads, 12 q heads, head_dim 64, pages of 16; the step's K/V written into the pag
 does) at each context, per path of `cpu_isa.runnable()` the kernel offers, taking turns within
 each round (the machine's speed drifts); each figure is its fastest call (this machine is shared and drifts). `step_ms` is
 12 layers' worth. Prints one JSON line.
+
+`--engine`: the whole decode step instead. One bench-100m bf16 engine per path (`attention` through
+`cpu_attention.paged_attention` with that path; the step cache off, so each engine traces its own
+steps) runs the rollout's 64 rows (8 prompts x n = 8, temperature 1) for `--new-tokens`, the engines
+taking turns each round; `step_ms` is the best round's decode seconds per step
+(`workloads.decode_seconds`: from every row's first token on, prefill excluded).
 """
 
 from __future__ import annotations
@@ -58,15 +65,51 @@ def timed(fn, args: list, iters: int) -> float:
     return float(np.min(times))
 
 
+def engine_steps(paths: list[str], new_tokens: int, rounds: int) -> dict:
+    """ms per decode step of the rollout's 64 rows, per attention path (`--engine`)."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.workloads import decode_seconds, random_prompts
+    from hotswap import LLM
+    from hotswap.checkpoint.create import create_checkpoint
+    from hotswap.programs import step_cache
+
+    step_cache.eligible = lambda *a, **k: False  # each engine traces its own path's steps
+    kernel, current = cpu_attention.paged_attention, {"path": "auto"}
+    cpu_attention.paged_attention = lambda *a, **k: kernel(*a, **k, isa=current["path"])
+    model = create_checkpoint(Path(tempfile.gettempdir()) / "hotswap-ab-100m", preset="bench-100m")
+    llms, prompts = {}, None
+    for path in paths:
+        current["path"] = path
+        jax.clear_caches()  # else the next engine's steps are the last one's traces, from memory
+        llms[path] = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=GROUPS * ROWS)
+        prompts = prompts or random_prompts(GROUPS, PROMPT, llms[path].config.vocab_size)
+        decode_seconds(llms[path], prompts, 4, {"temperature": 1.0, "seed": 0}, n=ROWS)  # warm
+    best = {path: float("inf") for path in paths}
+    for _ in range(rounds):
+        for path, llm in llms.items():
+            current["path"] = path  # a step traced late (a new shape) takes its engine's path
+            sec = decode_seconds(llm, prompts, new_tokens, {"temperature": 1.0, "seed": 0}, n=ROWS)
+            best[path] = min(best[path], sec / (new_tokens - 1))
+    return {path: {"step_ms": round(b * 1e3, 2)} for path, b in best.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention_bf16", description=__doc__)
     p.add_argument("--paths", default=",".join(["auto", *cpu_attention.runnable()]))
     p.add_argument("--contexts", default="192,320,448,576,704")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--engine", action="store_true", help="time the whole decode step per path")
+    p.add_argument("--new-tokens", type=int, default=256, help="--engine: tokens each row decodes")
     a = p.parse_args(argv)
     paths = a.paths.split(",")
     result: dict = {"device": jax.devices()[0].device_kind, "paths": {}}
+    if a.engine:
+        result["paths"] = engine_steps(paths, a.new_tokens, a.rounds)
+        print(json.dumps(result))
+        return result
     for ctx in (int(c) for c in a.contexts.split(",")):
         inputs, slots = step_inputs(ctx)
         args = list(inputs)

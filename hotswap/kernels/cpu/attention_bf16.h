@@ -13,7 +13,8 @@
 // head's (p_j, p_j+1) is rounded to bf16 and broadcast; the softmax sum l adds the rounded p, so
 // each output is still a weighted mean whose weights sum to one. Widening V with a shift and
 // folding p.V with f32 FMAs instead (p exact) was slower at the rollout's shapes
-// (benchmarks/attention_bf16.py: 0.79-0.88x the widened path's time against 0.56-0.81x here).
+// (benchmarks/attention_bf16.py on a busy 2-core Zen 4: 0.79-0.88x the widened "avx512" path's
+// time, against 0.56-0.81x for the pairs).
 // Against tests/kernels/test_cpu_attention_isa.py's float64 oracle the outputs are as close as
 // the f32 paths' (both dominated by the bf16 output's own rounding).
 
@@ -53,6 +54,25 @@ HOTSWAP_TARGET_AVX512_BF16 inline void Permute(const float* in, __m512& lo, __m5
   hi = _mm512_permutex2var_ps(r0, ih, r1);
 }
 
+// Two keys' dot lanes a0, a1 folded into one vector: in each 128-bit lane L, its 64-bit halves
+// hold (a0, a1) partial sums of lane L's four values (the first step of Scores16's tree).
+HOTSWAP_TARGET_AVX512_BF16 inline __m512 SumPairs(__m512 a0, __m512 a1) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+}
+
+// Lane j: the full sum of key j's dot lanes, from SumPairs of keys (0, 1), (2, 3), ... (14, 15).
+HOTSWAP_TARGET_AVX512_BF16 inline __m512 Scores16(const __m512* x) {
+  __m512 y[4];  // y[i], 128-bit lane L: keys 4i..4i+3's partial sums of their lane L
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Lanes 0, 2 plus lanes 1, 3 of two vectors: twice, and each 128-bit lane is one y's total.
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
 // The online-softmax step of GH q heads that share a kv head over n <= 16 keys: bf16 K and V rows
 // kstride apart, HD = 64 or 128; qg: the heads' scaled queries as bf16, HD apart; acc rows HD
 // apart; m, l one per head. Each K and V vector is loaded once for all GH heads, as in Fold16.
@@ -67,18 +87,33 @@ HOTSWAP_TARGET_AVX512_BF16 inline void Fold16Bf16(const uint16_t* qg, const uint
       qv[h][c] = (__m512bh)_mm512_loadu_si512(qg + 2 * h * HD + 32 * c);
       ql[h][c] = (__m512bh)_mm512_loadu_si512(qg + (2 * h + 1) * HD + 32 * c);
     }
-  for (int j = 0; j < n; ++j) {
-    const uint16_t* kj = kb + j * kstride;
-    __m512bh kv[V];
-    for (int c = 0; c < V; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kj + 32 * c);
+  // A score is a sum of 16 lanes: rather than one horizontal sum per key and head, the keys'
+  // lane vectors are summed in a transposing tree (SumPairs, then Scores16): 16 keys' scores
+  // land in one vector in about a third of the shuffles and adds.
+  __m512 x[GH][8];
+  for (int j = 0; j < 16; j += 2) {
+    if (j >= n) {
+      for (int h = 0; h < GH; ++h) x[h][j / 2] = _mm512_setzero_ps();
+      continue;
+    }
+    __m512bh k0[V], k1[V];
+    for (int c = 0; c < V; ++c) {
+      k0[c] = (__m512bh)_mm512_loadu_si512(kb + j * kstride + 32 * c);
+      // An odd last key pairs with zeros, never with the next slot (no query may read it: NaN).
+      k1[c] = (__m512bh)(j + 1 < n ? _mm512_loadu_si512(kb + (j + 1) * kstride + 32 * c) : _mm512_setzero_si512());
+    }
     for (int h = 0; h < GH; ++h) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], kv[0]);
-      __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), ql[h][0], kv[0]);
-      for (int c = 1; c < V; ++c) a = _mm512_dpbf16_ps(a, qv[h][c], kv[c]), b = _mm512_dpbf16_ps(b, ql[h][c], kv[c]);
-      a = _mm512_add_ps(a, b);
-      s[h][j] = _mm512_reduce_add_ps(a);
+      __m512 a0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], k0[0]);
+      __m512 a1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], k1[0]);
+      a0 = _mm512_dpbf16_ps(a0, ql[h][0], k0[0]), a1 = _mm512_dpbf16_ps(a1, ql[h][0], k1[0]);
+      for (int c = 1; c < V; ++c) {
+        a0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a0, qv[h][c], k0[c]), ql[h][c], k0[c]);
+        a1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a1, qv[h][c], k1[c]), ql[h][c], k1[c]);
+      }
+      x[h][j / 2] = SumPairs(a0, a1);
     }
   }
+  for (int h = 0; h < GH; ++h) _mm512_store_ps(s[h], Scores16(x[h]));
   if (cap > 0) {
     for (int h = 0; h < GH; ++h)
       for (int j = 0; j < n; ++j) s[h][j] = cap * std::tanh(s[h][j] / cap);
