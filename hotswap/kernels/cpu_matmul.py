@@ -45,10 +45,11 @@ def max_rows() -> int:
 
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # of x and of the weights (one per call)
-# The rows of a bf16 x bf16 call that go to `cpu/bf16_matmul.cc`: one row stays on the widening
-# GEMV (bound by reading the weights, which it streams faster), more than BF16_MAX_ROWS on XLA's
-# bf16 dot (as fast as the kernel there).
-BF16_MIN_ROWS, BF16_MAX_ROWS = 2, 64
+# The rows of a bf16 x bf16 call that go to `cpu/bf16_matmul.cc`: from one row (its 1-row path
+# streams bf16 weights at the f32 GEMV's bytes per second, where the widening GEMV was bound by
+# its instructions: bench-100m's 12-layer 1-row chain 5.5 against 7.1 ms), up to BF16_MAX_ROWS;
+# more go to XLA's bf16 dot (as fast as the kernel there).
+BF16_MIN_ROWS, BF16_MAX_ROWS = 1, 64
 
 
 @functools.cache

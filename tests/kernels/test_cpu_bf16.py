@@ -30,8 +30,9 @@ def _check(ys, x, ws, k):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 9, 32, 64, 300])
 def test_every_path_matches_float64(path, rows):
-    """Rows in one tile, several (9 = 5 + 4, 300 = 50 x 6), split over K (1 row); K odd (the last
-    k pairs with a zero) and K long enough for several k-blocks."""
+    """Rows in one tile, several (9 = 5 + 4, 300 = 50 x 6), one row (whole-row sweeps of K
+    ranges: 301 splits into ranges of 74-77 rows, sweeps of 16 rows and a shorter, odd last one);
+    K odd (the last k pairs with a zero) and K long enough for several k-blocks."""
     rng = np.random.default_rng(rows)
     for k in (301, 1000):
         x = _bf16(rng, (rows, k))
@@ -42,7 +43,7 @@ def test_every_path_matches_float64(path, rows):
 @pytest.mark.parametrize("path", PATHS)
 def test_short_and_empty_k(path):
     rng = np.random.default_rng(5)
-    for rows, k in ((2, 1), (7, 3), (1, 0), (4, 0)):
+    for rows, k in ((2, 1), (7, 3), (1, 0), (4, 0), (1, 1), (1, 3), (1, 17), (1, 34)):
         x = _bf16(rng, (rows, k))
         ws = [_bf16(rng, (k, n)) for n in (64, 33)]
         _check(jax.jit(lambda x, *ws: cpu_matmul.bf16_matmuls(x, ws, path=path))(x, *ws), x, ws, max(k, 1))

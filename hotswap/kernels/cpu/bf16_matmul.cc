@@ -16,15 +16,20 @@
 // one 32-bit broadcast. The weights are read in place (the engine's weights are the trainer's
 // arrays, zero copy); the next k-block is prefetched into L2 while this one is computed.
 //
+// One row (a batch-1 decode step) is bound by reading the weights, not by multiplying: `RowItem`
+// sweeps whole weight rows with the same pairing, at fewer instructions per byte than widening.
+//
 // Paths (`isa.h`): kAvx512Bf16, and kScalar (widened f32 loops: any CPU, the tests' second
 // path). The engine sends calls here only on a CPU with AVX512_BF16; elsewhere bf16 weights
 // take `small_matmul.cc`'s widening tiles.
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -162,6 +167,63 @@ HOTSWAP_TARGET_AVX512_BF16 void Item(const bf16* x, int64_t M, int64_t K, const 
   }
 }
 
+// ---- kAvx512Bf16, one row (a batch-1 decode step's GEMV) ----
+//
+// One row is bound by streaming w, so the tiles' short row segments (a few k rows of 64
+// columns, rows a page apart) would waste the prefetchers: an item instead sweeps whole weight
+// rows of its K range, kRowPairs k pairs at a time, each sweep reading 2 * kRowPairs contiguous
+// streams and adding into y, kept in the unpacks' interleaved column order until the item's end.
+// A pair's 64 weights (32 columns of rows k and k+1) cost two loads, two interleaves and two
+// `vdpbf16ps`; the widening GEMV spends two loads, two widenings, two shifts and two FMAs on 32
+// weights, so it ran out of instructions before DRAM ran out of bytes (11-20 GB/s where the f32
+// GEMV streams 27-33). Over a chain of bench-100m's 12 layers' 1-row matmuls, in one process
+// with interleaved reps (best of 80): 1, 2, 4, 8 pairs a sweep took 11.96, 7.74, 7.39, 5.51 ms
+// (8: 27 GB/s, the f32 GEMV's rate; 8 is the most registers hold for x's pairs). Neither a
+// software prefetch 256-1024 bytes ahead in each row (6.36-6.66 ms against 6.08 without), nor
+// two accumulators per column block, nor 1-4 K ranges per thread changed it: DRAM is the bound.
+constexpr int kRowPairs = 8;
+
+// y[0:cols] (+)= x[0:2P] @ w[0:2P, 0:cols] (row stride ldw), y interleaved (see `Tile`);
+// `Odd`: the last pair has one row (K's last k), its second half zero.
+template <int P, bool Odd>
+HOTSWAP_TARGET_AVX512_BF16 void Sweep(const bf16* __restrict x, const bf16* __restrict w, int64_t ldw, int64_t cols,
+                                      float* __restrict y, bool first) {
+  __m512bh xb[P];
+  for (int p = 0; p < P; ++p) xb[p] = PairOfX(x + 2 * p, Odd && p == P - 1);
+  for (int64_t n = 0; n < cols; n += kCols) {
+    __m512 lo = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + n);
+    __m512 hi = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + n + 16);
+    for (int p = 0; p < P; ++p) {
+      const bf16* row = w + 2 * p * ldw + n;
+      const __m512i a = _mm512_loadu_si512(row);
+      const __m512i b = Odd && p == P - 1 ? _mm512_setzero_si512() : _mm512_loadu_si512(row + ldw);
+      lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), xb[p]);
+      hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), xb[p]);
+    }
+    _mm512_storeu_ps(y + n, lo);
+    _mm512_storeu_ps(y + n + 16, hi);
+  }
+}
+using SweepFn = void (*)(const bf16*, const bf16*, int64_t, int64_t, float*, bool);
+template <bool Odd, int... P>
+constexpr std::array<SweepFn, sizeof...(P) + 1> Sweeps(std::integer_sequence<int, P...>) {
+  return {nullptr, Sweep<P + 1, Odd>...};
+}
+// [odd][pairs]: sweeps of 1..kRowPairs pairs.
+constexpr std::array<SweepFn, kRowPairs + 1> kSweeps[2] = {
+    Sweeps<false>(std::make_integer_sequence<int, kRowPairs>()),
+    Sweeps<true>(std::make_integer_sequence<int, kRowPairs>())};
+
+// y[0, 0:cols] = x[0, k0:k1] @ w[k0:k1, 0:cols] (cols a multiple of kCols), in column order.
+HOTSWAP_TARGET_AVX512_BF16 void RowItem(const bf16* x, const bf16* w, int64_t N, int64_t k0, int64_t k1,
+                                        int64_t cols, float* y) {
+  for (int64_t k = k0; k < k1; k += 2 * kRowPairs) {
+    const int64_t rows = std::min<int64_t>(2 * kRowPairs, k1 - k);
+    kSweeps[rows % 2][(rows + 1) / 2](x + k, w + k * N, N, cols, y, k == k0);
+  }
+  for (int64_t n = 0; n < cols; n += kCols) StoreOrdered(y + n, _mm512_loadu_ps(y + n), _mm512_loadu_ps(y + n + 16));
+}
+
 // ---- kScalar, and the columns past the last multiple of kCols on every path ----
 
 void Columns(const bf16* x, int64_t M, int64_t K, const Product& p, int64_t n0, int64_t n1) {
@@ -180,7 +242,8 @@ void Columns(const bf16* x, int64_t M, int64_t K, const Product& p, int64_t n0, 
 void Plan(Product& p, int64_t M, int64_t K, int64_t threads, int64_t share, bool alone) {
   const int64_t whole = p.N / kCols * kCols, groups = whole / kCols;
   const int64_t most = std::max<int64_t>(kCols, std::min<int64_t>(M <= 8 ? 2048 : 1024, share));
-  const int64_t chunks = std::min(groups, (whole + most - 1) / most);
+  // One row: every item sweeps whole weight rows (`RowItem`), so only K is split.
+  const int64_t chunks = M == 1 ? std::min<int64_t>(groups, 1) : std::min(groups, (whole + most - 1) / most);
   p.cols = whole;
   p.width = chunks > 0 ? (groups + chunks - 1) / chunks * kCols : 1;
   p.chunks = chunks > 0 ? (whole + p.width - 1) / p.width : 0;
@@ -221,7 +284,11 @@ ffi::Error Run(ffi::ThreadPool& pool, Isa isa, const bf16* x, int64_t M, int64_t
       for (int64_t r = 0; r < M; ++r) std::fill(y + r * p.N, y + r * p.N + (n1 - n0), 0.0f);
       return;
     }
-    Item(x, M, K, p.w, p.N, k0, k1, n0, n1, y, p.N);
+    if (M == 1) {
+      RowItem(x, p.w + n0, p.N, k0, k1, n1 - n0, y);
+    } else {
+      Item(x, M, K, p.w, p.N, k0, k1, n0, n1, y, p.N);
+    }
   });
   for (Product& p : ps)
     for (int64_t part = 1; part < p.ksplit; ++part) {
