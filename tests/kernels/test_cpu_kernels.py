@@ -226,6 +226,30 @@ def test_bf16_weights_at_every_row_count(rows):
     np.testing.assert_allclose(np.asarray(logits), want[0], rtol=1e-4, atol=1e-4 * np.sqrt(300))
 
 
+@pytest.mark.parametrize(
+    "lead,k,n",
+    [
+        ((1,), 768, 2304),  # 1 row: 16-row sweeps of four K ranges
+        ((2,), 301, 77),  # 2 rows, ranges ending in single-row sweeps, 13 tail columns
+        ((1, 1), 5, 3),  # K too short to split, no 32-column block
+        ((1,), 17, 35),
+    ],
+)
+def test_bf16_weights_on_the_gemv_with_an_f32_x(lead, k, n):
+    """The GEMV's bf16 weights (widened in registers; with AVX-512 by interleaving with zeros,
+    its partial sums kept in that order until the slice's end) against float64: an f32 x with
+    bf16 weights stays on this path on every CPU."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    ws = [jnp.asarray(rng.standard_normal((k, m)), jnp.bfloat16) for m in (n, 2 * n + 1)]
+    text = jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws)).lower(x, *ws).as_text()
+    assert text.count("custom_call @hotswap_HotswapSmallMatmul") == 1
+    for y, w in zip(jax.jit(lambda x, *ws: cpu_matmul.matmuls(x, ws))(x, *ws), ws, strict=True):
+        assert y.dtype == jnp.float32 and y.shape == (*lead, w.shape[1])
+        want = x.astype(np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 def test_bf16_weights_above_the_kernels_rows_take_a_widened_f32_dot(out_dtype):
     """Above max_rows() a bf16 weight and its x are widened to f32 before XLA's dot (its bf16 dot
