@@ -13,7 +13,8 @@ it on the CPU backend when it builds, else the jnp reference.
 
 Paths (`cpu_isa`, picked per call; the engine asks for "auto", the best this CPU runs):
 "avx512_bf16" reads bf16 pages as they are and dots them with AVX512_BF16's vdpbf16ps (q is
-rounded to bf16 once per query for it; f32 pages take the "avx512" fold); "avx512" and "avx2"
+split once per query into a bf16 high part and a bf16 remainder, and each head's pair of softmax
+weights is rounded to bf16 for p.V: `cpu/attention_bf16.h`; f32 pages take the "avx512" fold); "avx512" and "avx2"
 widen bf16 pages to f32 and fold with f32 FMAs; "scalar" is plain loops (any CPU).
 """
 
