@@ -14,7 +14,7 @@ far past the 32 MB L3: read from DRAM as in a decode step.
 
 Bound at small M is reading the blocks: GB/s = block bytes of the chain / time, set against this
 run's DRAM bandwidth (best of 1- and 2-thread copies of a 256 MB array, read + written bytes / time).
-Variants are timed interleaved (one rep each in turn), medians printed; only ratios within one
+Variants are timed interleaved (one rep each, in a shuffled turn), medians printed; only ratios within one
 run mean anything. Context: llama.cpp decodes the Q4_1 file at ~116 tok/s batch 1 on the Zen 4
 (8.6 ms a token, all of its step).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -153,13 +154,18 @@ def copy_bandwidth(mb: int = 256, reps: int = 5) -> float:
 
 def time_variants(vs: dict, x, reps: int) -> dict[str, tuple[float, float]]:
     """Median wall ms and median process CPU ms (every thread) of each variant, timed interleaved
-    after one warm-up call each. On a shared box the CPU time is the steadier figure: half of it
-    is the wall time of a 2-core call that had both cores to itself (the waiting caller spins)."""
+    in a shuffled order after one warm-up call each. On a shared box the CPU time is the steadier
+    figure: half of it is the wall time of a 2-core call that had both cores to itself (the
+    waiting caller spins)."""
     for fn, w, _ in vs.values():
         jax.block_until_ready(fn(x, w))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in vs}
+    order = random.Random(0)
     for _ in range(reps):
-        for name, (fn, w, _) in vs.items():
+        # A fresh order each rep: in a fixed one, the same code (q8_0's 1-row item, which both
+        # AVX paths run) timed 7% apart by its place in the turn.
+        for name in order.sample(list(vs), len(vs)):
+            fn, w, _ = vs[name]
             t, c = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(x, w))
             times[name].append((time.perf_counter() - t, time.process_time() - c))

@@ -270,3 +270,38 @@ def test_decode_rows_and_prefill_chunks_run_in_one_call(tiny_dir, prompts, hf_re
     assert any(tokens in buckets and tokens > 32 for _, tokens, chunks, _ in calls if chunks)
     assert llm.engine.stats["steps"] == len(calls)  # one call per step
     llm.engine.check_invariants()
+
+
+def test_a_lone_prompt_pads_its_last_chunk_rather_than_take_a_step_of_its_own(tiny_dir, monkeypatch):
+    """Trimming a 37-token prompt to the 32 bucket would leave its last 5 tokens a step (and a
+    program for that bucket) of their own: alone, it runs as one padded step. Beside another
+    row the next step runs anyway, so the chunk is still trimmed to the bucket below."""
+    from hotswap.engine.runner import Runner
+
+    llm = LLM(tiny_dir, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=16,
+              warmup=False)  # fmt: skip
+    assert {32, 48} <= set(llm.engine.runner.buckets.batch)
+    calls = []
+    real = Runner._call
+
+    def spy(self, params, pages, rows, tables, kind, *rest):
+        calls.append([n for _, n in rows])
+        return real(self, params, pages, rows, tables, kind, *rest)
+
+    monkeypatch.setattr(Runner, "_call", spy)
+    prompt = (_prompts(1, seed=3)[0] * 8)[:37]
+    two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    alone = llm.generate([prompt], two, use_tqdm=False)[0].outputs[0].token_ids
+    assert calls == [[37], [1]]
+    calls.clear()
+    llm.engine.reset_prefix_cache()  # "second" computes its whole prompt again
+    llm.engine.add_request("first", _prompts(1, seed=4)[0][:20], two)
+    llm.engine.step()  # "first"'s prompt; it decodes beside the next prompt
+    llm.engine.add_request("second", prompt, two)
+    got = {}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            got[out.request_id] = out
+    assert calls[1] == [1, 31]  # 32 tokens: the chunk's last 6 wait for the step "first" takes anyway
+    assert got["second"].outputs[0].token_ids == alone
+    llm.engine.check_invariants()
