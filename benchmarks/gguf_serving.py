@@ -9,7 +9,8 @@ Issue 44's bars, measured in one run on SmolLM2-135M-Instruct Q4_1 (the llm-smol
   does by default). Every engine runs in a process of its own, so each peak is its own: the
   child's VmHWM (`spawn` says why not wait4's ru_maxrss). The persistent compilation cache is warmed by
   one run of each engine shape first, so the measured starts load their programs, not compile them.
-  Batch 1 is measured once more with warm-up off (`first_use`): only the programs used are held.
+  Batch 1 is measured once more with warm-up off (`first_use`): only the programs used are held;
+  there the f32 engine runs with 16-bit KV pages too (`kv_cache_dtype`, llama.cpp's KV bytes).
 - decode tok/s at batch 1 and 16 on the same prompt tokens (chat-templated, tokenized once by
   hotswap's tokenizer; batch 16 is 16 different chats), greedy, `new_tokens` each, best of
   `repeats` rounds after a warm-up, timed from every sequence having its first token to the
@@ -412,31 +413,29 @@ def _first_use(path: Path, prompts: list, new_tokens: int, bare: int, llama_rss:
     programs its requests used (here the prompt's bucket and the one-row decode), not all 16
     buckets. Each loaded program holds its own XLA:CPU executable state (its HLO module, a proto
     copy of it and its buffer assignment: ~40 MiB for this 30-layer step, whatever the bucket),
-    so this is the figure of an engine that has served few shapes; llama.cpp keeps no programs."""
+    so this is the figure of an engine that has served few shapes; llama.cpp keeps no programs.
+    `float32_kv_bfloat16`: the f32 engine with 16-bit KV pages (`kv_cache_dtype`), llama.cpp's
+    KV bytes (its f16 cache) under f32 arithmetic, as llama.cpp runs by default."""
     out = {}
-    for dtype in DTYPES:
-        engine = {**_engine(dtype, 1), "warmup": False}
-        got = _ours(
-            "hotswap",
-            {
-                "path": str(path),
-                "engine": engine,
-                "new_tokens": new_tokens,
-                "repeats": 1,
-                "prompts": prompts[:1],
-            },
-        )
+    shapes = {d: {} for d in DTYPES} | {
+        "float32_kv_bfloat16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
+    }
+    for name, given in shapes.items():
+        engine = {**_engine(given.get("dtype", name), 1), **given, "warmup": False}
+        spec = {"path": str(path), "engine": engine, "new_tokens": new_tokens, "prompts": prompts[:1]}
+        _ours("hotswap", {**spec, "repeats": 0})  # its programs into the persistent cache, as for the others
+        got = _ours("hotswap", {**spec, "repeats": 1})
         ratio = (got["peak_rss_bytes"] - bare) / llama_rss
-        out[dtype] = {
+        out[name] = {
             "peak_rss_bytes": got["peak_rss_bytes"],
             "minus_bare": got["peak_rss_bytes"] - bare,
             "rss_ratio": ratio,
         }
         _say(
             "hotswap first use",
-            dtype,
+            name,
             "batch=1",
-            f"RSS-bare {(got['peak_rss_bytes'] - bare) / 2**20:.0f} MiB vs llama.cpp {llama_rss / 2**20:.0f} MiB: {ratio:.2f}x",
+            f"RSS-bare {(got['peak_rss_bytes'] - bare) / 2**20:.0f} MiB vs llama.cpp {llama_rss / 2**20:.0f} MiB: {ratio:.3f}x",
         )
     return out
 

@@ -204,6 +204,21 @@ class EngineArgs:
         doc_default='`"bfloat16"` on TPU, else the checkpoint\'s',
         doc_default_zh='TPU 上为 `"bfloat16"`，其他平台为检查点自身的',
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        '`"auto"` (the KV pages in `dtype`), `"float32"`, `"bfloat16"` or `"float16"`: the KV pages\' '
+        "dtype on its own (vLLM's name; llama.cpp keeps 16-bit KV under f32 weights by default). 16-bit "
+        "pages under an f32 model halve the KV cache's bytes; attention still accumulates in f32. The "
+        "Pallas kernel reads pages only in `dtype`; the C++ CPU kernels read float32 or bfloat16 pages "
+        '(`attention="auto"` takes the jnp reference for float16 ones)',
+        '`"auto"`（KV 页与 `dtype` 相同）、`"float32"`、`"bfloat16"` 或 `"float16"`：单独指定 KV 页的 dtype'
+        "（沿用 vLLM 的名字；llama.cpp 默认在 f32 权重下用 16 位 KV）。f32 模型配 16 位页时 KV 缓存的字节数减半；"
+        "注意力仍以 f32 累加。Pallas 内核只读取 `dtype` 的页；C++ CPU 内核读取 float32 或 bfloat16 的页"
+        '（float16 的页由 `attention="auto"` 改用 jnp 参考实现）',
+        type=str,
+        engine=False,
+        choices=("auto", *DTYPES),
+    )
     quantization: str | None = option(
         None,
         '`"int8"` (weight-only, f32 scales per output column or per `quantization_group_size` inputs), '

@@ -383,7 +383,7 @@ def _start_engine(mcfg, params, tokenizer, args: EngineArgs, mesh: jax.sharding.
         gguf=isinstance(params, (str, Path)) and gguf_io.is_gguf(params),
         device=jax.devices()[0],
         deterministic=args.deterministic,
-    )
+    ).with_kv_cache_dtype(args.kv_cache_dtype)
     max_model_len = args.max_model_len or min(mcfg.max_position_embeddings, 2048)
     tp = args.tensor_parallel_size or 1
     shardings, kv = sharding.engine_shardings(mcfg, tp, mesh)  # (None, None): 1 device

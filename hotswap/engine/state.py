@@ -116,7 +116,7 @@ def new_kv_cache(
     """Empty pages in `backend`'s layout (None: `[.., 2*kv_heads, head_dim]`, the CPU paths'):
     `num_pages` per layer, `kv_sizing.window_pages` for a sliding-window layer when it bounds them."""
     window = kv_sizing.window_pages(mcfg, ecfg)
-    dt = jnp.dtype(dtype or mcfg.dtype)
+    dt = jnp.dtype(dtype or mcfg.kv_dtype)
     # Always committed to a sharding: uncommitted buffers would key a separate jit
     # cache entry from the step's own (committed) outputs and recompile once.
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -373,17 +373,19 @@ class Backend:
         *,
         head_dim: int,
         dtype: str = "float32",
+        kv_dtype: str | None = None,
         devices: Sequence[Any] | None = None,
         mesh: Mesh | None = None,
         head_axis: str | None = None,
         deterministic: bool = False,
         kv_replicas: int = 1,
     ) -> Backend:
-        """`attention` ("auto" or one of ATTENTIONS) for a model of `head_dim` and `dtype` on
-        `devices` (default: the first of `jax.devices()`) or on `mesh` (its devices; kv heads
-        split over `head_axis`; each kv head held by `kv_replicas` of them).
-        An explicit choice that cannot run here raises ConfigError saying why, as does
-        `deterministic` anywhere but on the C++ kernels in f32."""
+        """`attention` ("auto" or one of ATTENTIONS) for a model of `head_dim` and `dtype`, its KV
+        pages in `kv_dtype` (None: `dtype`), on `devices` (default: the first of `jax.devices()`)
+        or on `mesh` (its devices; kv heads split over `head_axis`; each kv head held by
+        `kv_replicas` of them). An explicit choice that cannot run here raises ConfigError saying
+        why, as does `deterministic` anywhere but on the C++ kernels in f32, and pages in a dtype
+        the chosen kernel does not read (`_check_kv_dtype`)."""
         if mesh is not None:
             devices = list(mesh.devices.flat)
         devices = list(devices) if devices is not None else jax.devices()[:1]
@@ -393,12 +395,14 @@ class Backend:
                 f"the mesh has axes {mesh.axis_names}, none of them the kv-head axis {head_axis!r}"
             )
         where = f"{n} {platform} device{'s' if n > 1 else ''}"
+        kv_dtype = kv_dtype or dtype
         if attention == "auto":
-            attention, why = _auto(platform, n, head_dim, dtype)
+            attention, why = _auto(platform, n, head_dim, dtype, kv_dtype)
         elif attention in KERNELS:
             why = KERNELS[attention].runs_here(platform, n, head_dim, dtype, where)
         else:
             raise ConfigError(f"attention={attention!r}; use 'auto' or one of {', '.join(ATTENTIONS)}")
+        _check_kv_dtype(attention, dtype, kv_dtype)
         if deterministic:
             _check_deterministic(attention, dtype, why)
             why += "; deterministic: the fixed-order kernels"
@@ -544,15 +548,16 @@ class Backend:
         return self.kernels.attend(self, q, k, v, pages, batch, scale, window, softcap)
 
 
-def _auto(platform: str, n: int, head_dim: int, dtype: str) -> tuple[str, str]:
+def _auto(platform: str, n: int, head_dim: int, dtype: str, kv_dtype: str) -> tuple[str, str]:
     """What "auto" means here, and why."""
     if platform == "tpu":
         problem = _pallas_on_tpu_problem(head_dim)
         if problem is None:
             return "pallas", "TPU: the Pallas kernel"
         return "reference", f"TPU, but {problem}: the jnp reference"
-    if platform == "cpu" and n == 1 and dtype not in CPU_DTYPES:
-        return "reference", f"one CPU device, but the C++ kernels do not take {dtype}: the jnp reference"
+    if platform == "cpu" and n == 1 and (dtype not in CPU_DTYPES or kv_dtype not in CPU_DTYPES):
+        taken = dtype if dtype not in CPU_DTYPES else f"{kv_dtype} pages"
+        return "reference", f"one CPU device, but the C++ kernels do not take {taken}: the jnp reference"
     if platform == "cpu" and n == 1:
         if cpu_build.available():
             return "cpu", "one CPU device: the C++ kernels"
@@ -561,6 +566,24 @@ def _auto(platform: str, n: int, head_dim: int, dtype: str) -> tuple[str, str]:
         # An opaque custom call would make GSPMD gather a head-sharded cache around it.
         return "reference", f"the cache spans {n} CPU devices (the C++ kernels run on one): the jnp reference"
     return "reference", f"{platform}: the jnp reference (the Pallas kernel is TPU-only)"
+
+
+def _check_kv_dtype(attention: str, dtype: str, kv_dtype: str) -> None:
+    """KV pages in a dtype of their own (`kv_cache_dtype`): the C++ kernels and the jnp reference
+    read f32 or bf16 pages under either activation dtype (the reference any float); the Pallas
+    kernel reads pages in the queries' dtype."""
+    if kv_dtype == dtype:
+        return
+    if attention == "pallas":
+        raise ConfigError(
+            f"kv_cache_dtype={kv_dtype!r} under dtype {dtype!r}: the Pallas kernel reads its pages in the "
+            "queries' dtype; use kv_cache_dtype='auto', or attention='reference'"
+        )
+    if attention == "cpu" and kv_dtype not in CPU_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype={kv_dtype!r}: the C++ CPU kernels read {' or '.join(CPU_DTYPES)} pages; use one "
+            "of those, or attention='reference'"
+        )
 
 
 def _check_deterministic(attention: str, dtype: str, why: str) -> None:

@@ -86,6 +86,8 @@ class ModelConfig:
     # group of `quantization_group_size` inputs.
     quantization: str | None = None
     quantization_group_size: int | None = None
+    # The KV pages' dtype when it is not `dtype` (`kv_cache_dtype`; `kv_dtype` reads it).
+    kv_cache_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Sliding windows: `layer_types[i]` is SLIDING or FULL; a SLIDING layer attends to the
@@ -128,6 +130,10 @@ class ModelConfig:
             )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"torch_dtype {self.dtype!r} unsupported; use one of {sorted(_DTYPES)}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in _DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} unsupported; use one of {sorted(_DTYPES)}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"quantization={self.quantization!r}; use one of {', '.join(QUANTIZATIONS)} (or none)"
@@ -171,6 +177,15 @@ class ModelConfig:
     def is_gemma(self) -> bool:
         """Gemma's layer: (1 + w) norms, a norm after attention and after the MLP, scaled embeddings."""
         return self.arch in GEMMA
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pages' dtype: `kv_cache_dtype` when given, else `dtype`."""
+        return self.kv_cache_dtype or self.dtype
+
+    def with_kv_cache_dtype(self, choice: str) -> ModelConfig:
+        """This model with the `kv_cache_dtype` option applied ("auto": the pages in `dtype`)."""
+        return dataclasses.replace(self, kv_cache_dtype=None if choice in ("auto", self.dtype) else choice)
 
     def first_layers(self, n: int) -> ModelConfig:
         """This model cut to its first n layers (their windows and experts as they are): a

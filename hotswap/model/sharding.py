@@ -186,6 +186,7 @@ def engine_backend(
         attention,
         head_dim=cfg.head_dim,
         dtype=cfg.dtype,
+        kv_dtype=cfg.kv_dtype,
         devices=devices,
         mesh=mesh,
         head_axis=RULES["kv_heads"],

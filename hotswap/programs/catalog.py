@@ -177,11 +177,11 @@ def served_params(mcfg: ModelConfig, target: Target, *, dense: bool = False) -> 
 
 def abstract_inputs(mcfg: ModelConfig, ecfg: EngineConfig, target: Target):
     """(params, KV pages) as ShapeDtypeStructs on the target's shardings: the served params
-    (`served_params`), the pages in the model's dtype and the backend's page layout."""
+    (`served_params`), the pages in the model's KV dtype (`kv_dtype`) and the backend's page layout."""
     params = served_params(mcfg, target)
     if ecfg.enable_lora:  # the adapters' buffers ride in the step's params (EngineState.step_params)
         params = {**params, "lora": lora_buffers(mcfg, ecfg.max_loras, ecfg.max_lora_rank, target)}
-    dtype = jnp.dtype(mcfg.dtype)
+    dtype = jnp.dtype(mcfg.kv_dtype)
     pages = tuple(
         jax.ShapeDtypeStruct(shape, dtype, sharding=target.kv)
         for shape in _page_shapes(mcfg, ecfg, target.backend)
@@ -340,7 +340,9 @@ def kv_init_programs(
     one per distinct shape (a full layer's, a sliding-window layer's)."""
     programs = []
     for shape in dict.fromkeys(_page_shapes(mcfg, ecfg, target.backend)):
-        zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.dtype(mcfg.dtype)), out_shardings=target.kv)
+        zeros = jax.jit(
+            lambda shape=shape: jnp.zeros(shape, jnp.dtype(mcfg.kv_dtype)), out_shardings=target.kv
+        )
         programs.append((f"kv init {shape[0]} pages", zeros.lower))
     return programs
 

@@ -63,7 +63,7 @@ def page_bytes(mcfg: ModelConfig, page_size: int, tp: int = 1, layers: int | Non
     tp / num_kv_heads chips)."""
     heads = 2 * max(mcfg.num_kv_heads // tp, 1)
     layers = mcfg.num_layers if layers is None else layers
-    return layers * page_size * heads * mcfg.head_dim * jnp.dtype(mcfg.dtype).itemsize
+    return layers * page_size * heads * mcfg.head_dim * jnp.dtype(mcfg.kv_dtype).itemsize
 
 
 def window_layers(mcfg: ModelConfig) -> int:

@@ -147,7 +147,7 @@ def compile_for(model: str, acfg: AotConfig, progress: Callable[[str], None] | N
     # (fp8 needs a chip with fp8 matmuls) and the model (a group size must divide each row)
     mcfg = quantize.configured(
         mcfg, acfg.quantization, acfg.quantization_group_size, gguf=False, device=devices[0]
-    )
+    ).with_kv_cache_dtype(acfg.kv_cache_dtype)
     target = catalog.Target.first_chips(mcfg, acfg.attention, devices, tp)
     max_len = acfg.max_model_len or min(mcfg.max_position_embeddings, 2048)
     params_bytes = catalog.params_bytes_per_chip(mcfg, target)
