@@ -423,7 +423,8 @@ def _first_use(path: Path, prompts: list, new_tokens: int, bare: int, llama_rss:
     for name, given in shapes.items():
         engine = {**_engine(given.get("dtype", name), 1), **given, "warmup": False}
         spec = {"path": str(path), "engine": engine, "new_tokens": new_tokens, "prompts": prompts[:1]}
-        _ours("hotswap", {**spec, "repeats": 0})  # its programs into the persistent cache, as for the others
+        if given:  # a shape the warm-up above did not run: its programs into the persistent cache first
+            _ours("hotswap", {**spec, "repeats": 0})
         got = _ours("hotswap", {**spec, "repeats": 1})
         ratio = (got["peak_rss_bytes"] - bare) / llama_rss
         out[name] = {
